@@ -1,0 +1,27 @@
+# `make train` and `make test` work on a fresh machine: each installs what it needs first.
+# GPU users: make install TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TRAIN_ARGS ?=
+
+.PHONY: install train test clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m gridtrain train --config configs/small.yaml $(TRAIN_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

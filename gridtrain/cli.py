@@ -1,0 +1,133 @@
+"""The ``gridtrain`` command: train, generate, prepare.
+
+The flags are a stable contract (see the README): each maps onto one field of the
+config dataclasses, and overrides the preset and the YAML file. Every configuration
+error is reported as one line on stderr, exit status 2, before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from gridtrain.config import DTYPES, PRESETS, RECOMPUTE, SCHEDULES, Config, ConfigError, load_config, validate
+
+# flag -> (section, field, type, help)
+TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [
+    ("--nproc", "parallel", "nproc", int, "spawn N local worker processes (not under torchrun)"),
+    ("--dp", "parallel", "dp", int, "data-parallel size (default: world / (tp * pp))"),
+    ("--tp", "parallel", "tp", int, "tensor-parallel size"),
+    ("--pp", "parallel", "pp", int, "pipeline-parallel size"),
+    ("--vpp", "parallel", "vpp", int, "model chunks per pipeline rank (interleaved schedule)"),
+    ("--schedule", "parallel", "schedule", str, " | ".join(SCHEDULES)),
+    ("--n-layer", "model", "n_layer", int, "transformer blocks"),
+    ("--n-head", "model", "n_head", int, "attention heads"),
+    ("--d-model", "model", "d_model", int, "hidden size"),
+    ("--seq-len", "model", "seq_len", int, "sequence length"),
+    ("--vocab-size", "model", "vocab_size", int, "vocabulary size (before padding)"),
+    ("--dropout", "model", "dropout", float, "dropout probability"),
+    ("--micro-batch-size", "training", "micro_batch_size", int, "sequences per micro-batch"),
+    ("--global-batch-size", "training", "global_batch_size", int, "sequences per optimizer step"),
+    ("--recompute", "training", "recompute", str, " | ".join(RECOMPUTE)),
+    ("--dtype", "training", "dtype", str, " | ".join(DTYPES)),
+    ("--steps", "training", "steps", int, "optimizer steps"),
+    ("--lr", "training", "lr", float, "peak learning rate"),
+    ("--warmup-steps", "training", "warmup_steps", int, "linear warm-up steps (default 5%% of steps)"),
+    ("--weight-decay", "training", "weight_decay", float, "AdamW weight decay"),
+    ("--grad-clip", "training", "grad_clip", float, "global gradient-norm clip (0: off)"),
+    ("--seed", "training", "seed", int, "seed for init, data order and dropout"),
+    ("--device", "training", "device", str, "cpu | cuda (default: cuda when available)"),
+    ("--eval-interval", "training", "eval_interval", int, "steps between validation passes"),
+    ("--eval-iters", "training", "eval_iters", int, "global batches per validation pass"),
+    ("--metrics-file", "training", "metrics_file", str, "JSON lines, one per optimizer step"),
+    ("--save", "training", "save", str, "checkpoint directory"),
+    ("--save-interval", "training", "save_interval", int, "steps between checkpoints (0: at end)"),
+    ("--load", "training", "load", str, "resume from this checkpoint directory"),
+    ("--sample-tokens", "training", "sample_tokens", int, "print a sample this long after training"),
+    ("--prompt", "training", "prompt", str, "prompt for the closing sample"),
+    ("--peak-tflops", "training", "peak_tflops", float, "device peak for MFU"),
+    ("--timeout", "training", "dist_timeout_s", float, "collective timeout in seconds"),
+    ("--data", "data", "path", str, "text file, folder of text, or token file (default: built-in corpus)"),
+    ("--tokenizer", "data", "tokenizer", str, "Hugging Face tokenizer.json (default: bytes)"),
+]
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model", argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="YAML file with sections model, parallel, training, data")
+    p.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
+    for flag, _, _, typ, help_text in TRAIN_FLAGS:
+        p.add_argument(flag, type=typ, help=help_text)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="sample text from a saved model")
+    p.add_argument("--load", required=True, help="checkpoint directory written by --save")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu | cuda")
+
+
+def _prepare_parser(sub) -> None:
+    p = sub.add_parser("prepare", help="tokenize text into a memory-mapped token file")
+    p.add_argument("--data", default=None, help="text file or folder (default: built-in corpus)")
+    p.add_argument("--out", required=True, help="output path; writes OUT.bin and OUT.json")
+    p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer.json (default: bytes)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gridtrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    _generate_parser(sub)
+    _prepare_parser(sub)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides: dict[str, dict[str, Any]] = {}
+    for flag, section, name, _, _ in TRAIN_FLAGS:
+        dest = flag[2:].replace("-", "_")
+        if hasattr(args, dest):
+            overrides.setdefault(section, {})[name] = getattr(args, dest)
+    if getattr(args, "no_progress", False):
+        overrides.setdefault("training", {})["progress"] = False
+    return load_config(getattr(args, "config", None), overrides, getattr(args, "model", None))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from gridtrain.checkpoint import CheckpointError
+    from gridtrain.data import DataError
+    from gridtrain.launch import WorkerError, WorkerTimeout
+
+    try:
+        if args.command == "train":
+            from gridtrain.run import train_command
+
+            cfg = validate(config_from_args(args))
+            return train_command(cfg)
+        if args.command == "generate":
+            from gridtrain.run import generate_command
+
+            return generate_command(args)
+        from gridtrain.data import prepare
+
+        out = prepare(args.data, args.out, args.tokenizer)
+        print(f"wrote {out}")
+        return 0
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"gridtrain: error: {e}", file=sys.stderr)
+        return 2
+    except (WorkerError, WorkerTimeout) as e:
+        print(f"gridtrain: a worker failed: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

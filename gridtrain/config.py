@@ -1,0 +1,276 @@
+"""Configuration: dataclasses, presets, YAML files and command-line overrides.
+
+Everything a run needs is decided here and checked by :func:`validate` before any
+process is spawned or any collective starts, so a bad configuration costs one clear
+line on stderr and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DTYPES = ("fp32", "bf16", "fp64")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+RECOMPUTE = ("none", "selective", "full")
+DEVICES = ("cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming problem and fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a GPT-2 style decoder (pre-LayerNorm, GELU MLP, learned positions)."""
+
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 64
+    seq_len: int = 64
+    vocab_size: int = 257
+    ffn_hidden: int | None = None  # defaults to 4 * d_model
+    dropout: float = 0.0
+    vocab_pad_multiple: int = 64  # padded vocab is a multiple of this times tp
+    layernorm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden or 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Vocabulary rounded up so every TP rank owns an equal, aligned slice.
+
+        The padding rows are never looked up and are masked out of the softmax, so
+        the padded size may depend on the layout without changing the model.
+        """
+        multiple = self.vocab_pad_multiple * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of the device grid and how the work is scheduled on it."""
+
+    nproc: int | None = None  # local workers to spawn; None = one, or torchrun's world
+    dp: int | None = None  # inferred from the world size when None
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    schedule: str = "1f1b"
+
+
+@dataclass
+class TrainingConfig:
+    """The optimisation recipe and the run's bookkeeping."""
+
+    steps: int = 100
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int | None = None  # default: 5% of steps, at least 1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 1234
+    dtype: str = "fp32"
+    recompute: str = "none"
+    device: str | None = None  # cuda when available, else cpu
+    eval_interval: int = 50
+    eval_iters: int = 4
+    metrics_file: str | None = None
+    save: str | None = None
+    save_interval: int = 0  # 0: save only at the end (when --save is given)
+    load: str | None = None
+    sample_tokens: int = 0  # print this many sampled tokens after training
+    prompt: str = ""
+    temperature: float = 0.8
+    top_k: int | None = 40
+    peak_tflops: float | None = None  # per device, for MFU; known GPUs are looked up
+    dist_timeout_s: float = 300.0
+    progress: bool = True
+
+    @property
+    def warmup(self) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return max(1, self.steps // 20)
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from: None means the built-in corpus (Python's stdlib sources)."""
+
+    path: str | None = None
+    tokenizer: str | None = None  # a Hugging Face tokenizer.json; default: bytes
+    valid_every: int = 100  # every Nth window of the corpus is held out
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    preset: str = "tiny"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Config":
+        cfg = cls(preset=raw.get("preset", "tiny"))
+        for section in ("model", "parallel", "training", "data"):
+            _update_section(cfg, section, raw.get(section) or {})
+        unknown = set(raw) - {"model", "parallel", "training", "data", "preset"}
+        if unknown:
+            raise ConfigError(f"unknown config section(s) {sorted(unknown)}; "
+                              "use model, parallel, training, data")
+        return cfg
+
+
+# Model shapes. `tiny` is for tests, `small` is what `make train` trains in a few minutes
+# on two CPU cores, the gpt2* entries are the Hugging Face GPT-2 shapes.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(n_layer=2, n_head=4, d_model=64, seq_len=64, vocab_size=257),
+    "small": dict(n_layer=4, n_head=4, d_model=128, seq_len=128, vocab_size=257),
+    "gpt2": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=50257),
+    "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024, vocab_size=50257),
+    "gpt2-large": dict(n_layer=36, n_head=20, d_model=1280, seq_len=1024, vocab_size=50257),
+    "gpt2-xl": dict(n_layer=48, n_head=25, d_model=1600, seq_len=1024, vocab_size=50257),
+}
+
+
+def preset_config(name: str) -> Config:
+    """A fresh Config whose model section is the named preset."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return Config(model=ModelConfig(**PRESETS[name]), preset=name)
+
+
+def _update_section(cfg: Config, section: str, values: dict[str, Any]) -> None:
+    target = getattr(cfg, section)
+    names = {f.name for f in dataclasses.fields(target)}
+    for key, value in values.items():
+        key = key.replace("-", "_")
+        if key not in names:
+            raise ConfigError(f"unknown key {section}.{key}; known keys: {', '.join(sorted(names))}")
+        setattr(target, key, value)
+
+
+def load_config(path: str | None, overrides: dict[str, dict[str, Any]] | None = None,
+                preset: str | None = None) -> Config:
+    """Preset, then the YAML file, then command-line overrides (later wins).
+
+    The preset comes from ``preset`` (a --model flag) or the file's ``preset`` key.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path}: no such file")
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"--config {path}: expected a mapping with sections model, "
+                              "parallel, training, data")
+    cfg = preset_config(preset or raw.get("preset", "tiny"))
+    file_cfg = {k: v for k, v in raw.items() if k != "preset"}
+    for section in ("model", "parallel", "training", "data"):
+        _update_section(cfg, section, file_cfg.pop(section, None) or {})
+    if file_cfg:
+        raise ConfigError(f"--config {path}: unknown section(s) {sorted(file_cfg)}; "
+                          "use model, parallel, training, data")
+    for section, values in (overrides or {}).items():
+        _update_section(cfg, section, {k: v for k, v in values.items() if v is not None})
+    return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _validate_model(m: ModelConfig) -> None:
+    for name in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size", "vocab_pad_multiple"):
+        _require(getattr(m, name) >= 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(m, name)}")
+    _require(m.d_model % m.n_head == 0,
+             f"--n-head {m.n_head} does not divide --d-model {m.d_model}; "
+             "choose a head count that divides d_model")
+    _require(0.0 <= m.dropout < 1.0, f"--dropout must be in [0, 1), got {m.dropout}")
+
+
+def _validate_training(t: TrainingConfig) -> None:
+    _require(t.steps >= 1, f"--steps must be >= 1, got {t.steps}")
+    _require(t.lr > 0, f"--lr must be > 0, got {t.lr}")
+    _require(t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}")
+    _require(t.dtype in DTYPES, f"--dtype {t.dtype!r} is not one of {', '.join(DTYPES)}")
+    _require(t.recompute in RECOMPUTE, f"--recompute {t.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    _require(t.recompute == "none",
+             f"--recompute {t.recompute} is not implemented yet; use --recompute none")
+    _require(t.device in (None, *DEVICES), f"--device {t.device!r} is not one of cpu, cuda")
+    _require(t.warmup < t.steps or t.steps == 1,
+             f"warm-up ({t.warmup} steps) must be shorter than --steps {t.steps}")
+
+
+def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
+    from gridtrain.grid import GridError, ProcessGrid
+
+    _require(p.schedule in SCHEDULES, f"--schedule {p.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    try:
+        ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp)
+    except GridError as e:
+        raise ConfigError(str(e)) from None
+    _require(p.tp == 1, f"--tp {p.tp}: tensor parallelism is not implemented yet; use --tp 1")
+    _require(p.pp == 1, f"--pp {p.pp}: pipeline parallelism is not implemented yet; use --pp 1")
+    _require(p.vpp == 1, f"--vpp {p.vpp}: interleaved pipelines are not implemented yet; use --vpp 1")
+
+
+def world_size_of(cfg: Config) -> int:
+    """The world the run will have: --nproc, else torchrun's WORLD_SIZE, else 1."""
+    if cfg.parallel.nproc is not None:
+        return cfg.parallel.nproc
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Check everything that can be checked without starting a process; raise ConfigError."""
+    if world_size is None:
+        world_size = world_size_of(cfg)
+    p, t, m = cfg.parallel, cfg.training, cfg.model
+    _require(p.nproc is None or p.nproc >= 1, f"--nproc must be >= 1, got {p.nproc}")
+    _require(p.nproc is None or "TORCHELASTIC_RUN_ID" not in os.environ,
+             "--nproc cannot be used under torchrun; torchrun already started the workers")
+    _validate_model(m)
+    _validate_training(t)
+    _validate_parallel(p, world_size)
+    dp = world_size // (p.tp * p.pp)
+    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+             f"--global-batch-size {t.global_batch_size} is not divisible by "
+             f"--micro-batch-size {t.micro_batch_size} x dp {dp}; make it a multiple of "
+             f"{t.micro_batch_size * dp}")
+    if cfg.data.path is not None:
+        _require(Path(cfg.data.path).exists(), f"--data {cfg.data.path}: no such file or directory")
+    if cfg.data.tokenizer is not None:
+        _require(Path(cfg.data.tokenizer).is_file(),
+                 f"--tokenizer {cfg.data.tokenizer}: no such file")
+    if t.device == "cuda":
+        import torch
+
+        _require(torch.cuda.is_available(), "--device cuda: no CUDA device is available; use --device cpu")
+        found = torch.cuda.device_count()
+        _require(p.nproc is None or found >= p.nproc,
+                 f"--nproc {p.nproc} needs {p.nproc} CUDA devices, found {found}; lower --nproc")
+    return cfg

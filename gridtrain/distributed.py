@@ -1,0 +1,97 @@
+"""Where this process sits: the default process group, the grid, its groups, the device.
+
+A run reaches here in one of three ways: as one of ``--nproc`` workers (the launcher
+has already initialised the default group), under ``torchrun`` (the environment says
+who we are), or as a plain single process (a one-rank gloo group on an in-memory store,
+so that the same code path, collectives included, runs everywhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gridtrain.config import Config
+from gridtrain.grid import ProcessGrid, ProcessGroups, create_process_groups
+from gridtrain.launch import init_from_env
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+@dataclass
+class DistributedContext:
+    grid: ProcessGrid
+    groups: ProcessGroups
+    rank: int
+    device: torch.device
+    dtype: str  # the run's --dtype
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """Parameters are fp32 under bf16 (autocast computes in bf16), else the run's dtype."""
+        return torch.float64 if self.dtype == "fp64" else torch.float32
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def coords(self):
+        return self.grid.coords(self.rank)
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that holds the loss and writes progress: last stage, first DP/TP rank."""
+        c = self.coords
+        return self.grid.is_last_stage(self.rank) and c.dp == 0 and c.tp == 0
+
+
+def resolve_device_type(requested: str | None) -> str:
+    if requested is not None:
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_default_group(cfg: Config) -> None:
+    """Initialise torch.distributed unless a launcher already did."""
+    if dist.is_initialized():
+        return
+    device_type = resolve_device_type(cfg.training.device)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
+        init_from_env(backend, cfg.training.dist_timeout_s)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=cfg.training.dist_timeout_s))
+
+
+def setup_distributed(cfg: Config) -> DistributedContext:
+    """Initialise (if needed) and build the grid's groups; seed this rank's generators."""
+    init_default_group(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p = cfg.parallel
+    grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp)
+    groups = create_process_groups(grid, rank)
+    device_type = resolve_device_type(cfg.training.device)
+    if device_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # Dropout masks differ between pipeline stages (they hold different layers) but not
+    # between DP replicas, as in Megatron.
+    torch.manual_seed(cfg.training.seed + 100 * grid.coords(rank).pp)
+    return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
+                              dtype=cfg.training.dtype)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,404 @@
+"""Run a function on N local worker processes, or join a job started by torchrun.
+
+``run_workers`` backs both ``gridtrain train --nproc N`` and the test suite's
+multi-process harness, so it is built to fail loudly and never hang:
+
+* the parent hosts the rendezvous store itself (a ``TCPStore`` on a port the OS
+  picks), so there is no window in which another job can grab a port chosen by
+  ``find_free_port`` -- test suites running side by side do not collide;
+* each worker sends back either its pickled result or its formatted traceback;
+  the parent polls that queue *and* the workers' liveness, so a worker that
+  raises, is killed or segfaults is reported by rank instead of leaving the
+  parent blocked on ``queue.get`` or the other ranks blocked in a collective;
+* whatever happens (error, timeout, Ctrl-C in the parent), the parent
+  terminates every worker it started before returning or raising, and on Linux
+  workers also die if the parent is killed outright.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_lib
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+_POLL_S = 0.05          # how often the parent checks the queue and worker liveness
+_DRAIN_GRACE_S = 1.0    # how long to wait for a dead worker's last message in the pipe
+_EXIT_GRACE_S = 10.0    # how long finished workers get to tear down before termination
+_KILL_GRACE_S = 3.0     # how long a terminated worker gets before SIGKILL
+_FAILURE_GRACE_S = 0.25 # how long to gather further reports after a first failure
+
+
+class LaunchError(RuntimeError):
+    """The workers could not be started or did not all finish successfully."""
+
+
+class WorkerError(LaunchError):
+    """A worker raised or died; ``rank``, ``exitcode`` and ``worker_traceback`` say how."""
+
+    def __init__(
+        self, message: str, rank: int, worker_traceback: str = "", exitcode: int | None = None
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.worker_traceback = worker_traceback
+        self.exitcode = exitcode
+
+
+class WorkerTimeout(LaunchError):
+    """Some workers had not finished within ``timeout_s``; ``ranks`` lists them."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago.
+
+    Another process may take it before it is used; ``run_workers`` avoids that
+    race by letting its store bind port 0 instead. This is for callers that
+    need a port number up front (e.g. to pass MASTER_PORT to torchrun).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class _WorkerSpec:
+    """Everything a spawned worker needs; pickled once per worker by multiprocessing."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    rank: int
+    world_size: int
+    port: int
+    backend: str
+    collective_timeout_s: float
+    parent_pid: int
+    env: dict[str, str] = field(default_factory=dict)
+
+
+# ---- worker side -------------------------------------------------------------
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this worker when its parent dies, so no orphan outlives a
+    crashed or killed launcher (the parent's ``finally`` cannot run after SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # 1 == PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _set_worker_env(spec: _WorkerSpec) -> None:
+    """Export the torchrun-style variables, so code inside fn can read them as usual."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(spec.port),
+        RANK=str(spec.rank),
+        WORLD_SIZE=str(spec.world_size),
+        LOCAL_RANK=str(spec.rank),
+        LOCAL_WORLD_SIZE=str(spec.world_size),
+    )
+    os.environ.update(spec.env)
+
+
+def _init_worker_process_group(spec: _WorkerSpec) -> None:
+    """Join the parent's store and create the default process group.
+
+    Threads are capped at cores / workers: N workers each using every core
+    oversubscribe the CPU and run many times slower than N single-threaded ones.
+    """
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
+    if spec.backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+    timeout = timedelta(seconds=spec.collective_timeout_s)
+    store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
+    )
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _pickle_result(value: Any) -> bytes:
+    """Pickle fn's return value here, so an unpicklable one is reported as this rank's error."""
+    try:
+        return pickle.dumps(value)
+    except Exception as exc:
+        raise TypeError(
+            f"fn returned a {type(value).__name__} that cannot be pickled to send it "
+            f"to the parent ({exc}); return plain data, e.g. tensors, numbers, dicts"
+        ) from exc
+
+
+def _report(results: Any, message: tuple[int, str, Any]) -> None:
+    """Send one message and wait until it is in the pipe, not just in the feeder's buffer,
+    so that it reaches the parent before anything this worker does next (e.g. closing
+    its connections, which makes its peers fail and report too)."""
+    results.put(message)
+    results.close()
+    results.join_thread()
+
+
+def _worker_main(spec: _WorkerSpec, results: Any) -> None:
+    """Entry point of one spawned worker: run fn and report its result or traceback.
+
+    The result is pickled here with plain pickle, not by the queue's feeder
+    thread: a feeder-side pickling error is only printed, and the parent would
+    wait for a message that never comes (torch's queue pickler would also
+    share tensors through memory that dies with this process). An error is
+    reported before tearing down the process group, so the parent hears about
+    the root cause before the other ranks (blocked in a collective with this
+    one) fail in turn.
+    """
+    _die_with_parent(spec.parent_pid)
+    _set_worker_env(spec)
+    try:
+        _init_worker_process_group(spec)
+        value = spec.fn(spec.rank, spec.world_size, *spec.args)
+        _destroy_process_group()
+        payload = _pickle_result(value)
+    except BaseException:  # noqa: BLE001 -- every failure must reach the parent
+        _report(results, (spec.rank, "error", traceback.format_exc()))
+        try:
+            _destroy_process_group()
+        except BaseException:  # noqa: BLE001 -- already reporting the first failure
+            pass
+        return
+    _report(results, (spec.rank, "ok", payload))
+
+
+# ---- parent side -------------------------------------------------------------
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    """Exit code in words; negative codes are signals (e.g. -9 is SIGKILL)."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"exit code {exitcode}, killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            pass
+    return f"exit code {exitcode}"
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def _drain(results: Any, wait_s: float) -> list[tuple[int, str, Any]]:
+    """Every message already in the queue, waiting up to ``wait_s`` for the first one."""
+    messages = []
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            messages.append(results.get(timeout=max(0.0, deadline - time.monotonic())))
+        except queue_lib.Empty:
+            return messages
+        deadline = time.monotonic()  # after the first hit, only take what is already there
+
+
+def _silent_deaths(procs: Sequence[Any], reported: set[int]) -> list[int]:
+    """Ranks whose process has exited without sending any message."""
+    return [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+
+
+def _death_message(rank: int, exitcode: int | None) -> str:
+    return f"worker rank {rank} died without reporting a result ({_describe_exit(exitcode)})"
+
+
+def _failure(
+    procs: Sequence[Any], errors: dict[int, str], done: dict[int, Any], results: Any
+) -> WorkerError:
+    """Build the WorkerError for a failed run, naming the most likely root cause first.
+
+    When one rank fails, its peers usually fail soon after with "connection
+    closed" errors from the collective they shared. So: wait briefly for
+    further reports, then blame a rank that died silently (killed, segfault --
+    its peers can only have failed because of it) or else the first rank that
+    reported, and list the others in one line each.
+    """
+    for rank, kind, body in _drain(results, _FAILURE_GRACE_S):
+        if kind == "error":
+            errors.setdefault(rank, body)
+    dead = _silent_deaths(procs, set(done) | set(errors))
+    if dead:
+        rank, exitcode = dead[0], procs[dead[0]].exitcode
+        message, tb = _death_message(rank, exitcode), ""
+    else:
+        rank, exitcode = next(iter(errors)), None
+        tb = errors[rank]
+        message = f"worker rank {rank} failed:\n{tb.rstrip()}"
+    others = {r: _last_line(t) for r, t in errors.items() if r != rank}
+    others.update({r: _death_message(r, procs[r].exitcode) for r in dead[1:]})
+    if others:
+        also = "; ".join(f"rank {r}: {line}" for r, line in sorted(others.items()))
+        message += f"\n(other failures, probably consequences: {also})"
+    return WorkerError(message, rank=rank, worker_traceback=tb, exitcode=exitcode)
+
+
+def _start_workers(ctx: Any, specs: Sequence[_WorkerSpec], results: Any, procs: list) -> None:
+    """Start one process per spec, appending each to ``procs`` as soon as it exists,
+    so the caller's cleanup sees every started worker even if a later start fails."""
+    for spec in specs:
+        proc = ctx.Process(
+            target=_worker_main, args=(spec, results), name=f"gridtrain-rank{spec.rank}"
+        )
+        try:
+            proc.start()
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise LaunchError(
+                f"cannot send fn/args to the workers ({exc}); fn must be a module-level "
+                "function and args must be picklable"
+            ) from exc
+        procs.append(proc)
+
+
+def _terminate(procs: Sequence[Any]) -> None:
+    """Stop every worker still alive: SIGTERM, then SIGKILL after a grace period."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + _KILL_GRACE_S
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _collect(results: Any, procs: Sequence[Any], timeout_s: float | None) -> dict[int, Any]:
+    """Poll the queue and the workers until every rank reported, one failed, or time ran out."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    done: dict[int, Any] = {}
+    while len(done) < len(procs):
+        messages = _drain(results, _POLL_S)
+        if not messages and _silent_deaths(procs, set(done)):
+            messages = _drain(results, _DRAIN_GRACE_S)  # its last words may still be in the pipe
+        errors: dict[int, str] = {}
+        for rank, kind, body in messages:
+            if kind == "ok":
+                done[rank] = pickle.loads(body)
+            else:
+                errors[rank] = body
+        if errors or _silent_deaths(procs, set(done)):
+            raise _failure(procs, errors, done, results)
+        if deadline is not None and time.monotonic() > deadline and len(done) < len(procs):
+            raise _timeout(timeout_s, done, len(procs))
+    return done
+
+
+def _timeout(timeout_s: float | None, done: dict[int, Any], nproc: int) -> WorkerTimeout:
+    pending = [r for r in range(nproc) if r not in done]
+    return WorkerTimeout(
+        f"timed out after {timeout_s:g} s: ranks {pending} had not finished "
+        f"(ranks {sorted(done)} had); all workers were terminated",
+        ranks=pending,
+    )
+
+
+def _wait_for_exit(procs: Sequence[Any]) -> None:
+    """Give workers that already reported a moment to finish tearing down cleanly."""
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    nproc: int,
+    args: tuple = (),
+    *,
+    backend: str = "gloo",
+    timeout_s: float | None = None,
+    collective_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``nproc`` fresh processes; return results by rank.
+
+    Workers are started with the "spawn" method (fork is unsafe once torch has
+    started threads), so ``fn`` must be a module-level function of an importable
+    module (not a lambda or closure, and when defined in a script, the script
+    must guard its entry point with ``if __name__ == "__main__":``), and ``args``
+    and the return values must be picklable. Each worker sees the torchrun
+    variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE) plus ``env``, and has an initialized default process group.
+
+    Raises ``WorkerError`` (naming the rank, with its full traceback or exit
+    code) as soon as any worker fails, and ``WorkerTimeout`` (naming the
+    unfinished ranks) when ``timeout_s`` passes; in both cases, all workers are
+    terminated first. ``collective_timeout_s`` bounds each collective inside
+    the workers, so a mismatched collective fails instead of hanging.
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise LaunchError(f"nproc={nproc!r} must be an integer >= 1")
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    specs = [
+        _WorkerSpec(fn, tuple(args), rank, nproc, store.port, backend,
+                    collective_timeout_s, os.getpid(), dict(env or {}))
+        for rank in range(nproc)
+    ]
+    results = ctx.Queue()
+    procs: list[Any] = []
+    try:
+        _start_workers(ctx, specs, results, procs)
+        done = _collect(results, procs, timeout_s)
+        _wait_for_exit(procs)
+    finally:
+        _terminate(procs)
+        results.close()
+        results.cancel_join_thread()
+        del store
+    return [done[rank] for rank in range(nproc)]
+
+
+def init_from_env(
+    backend: str | None = None, collective_timeout_s: float = 600.0
+) -> tuple[int, int, int]:
+    """Join a job launched by torchrun (or any launcher that sets RANK/WORLD_SIZE).
+
+    Picks nccl when CUDA is available and gloo otherwise unless ``backend`` is
+    given, and binds this process to GPU ``LOCAL_RANK`` before creating the
+    group (NCCL needs the device set first). Returns (rank, world_size, local_rank).
+    """
+    required = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [name for name in required if name not in os.environ]
+    if missing:
+        raise LaunchError(
+            f"environment variables {missing} are not set; launch with torchrun "
+            "or use --nproc to spawn local workers"
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=collective_timeout_s)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    return rank, world_size, local_rank

@@ -1,0 +1,74 @@
+"""Optimizer, learning-rate schedule and gradient clipping.
+
+Clipping needs one norm for the whole model even when its parameters are spread over
+devices, so :func:`clip_grad_norm` takes the group over which the squared norms of the
+local shards are summed; each parameter must be counted exactly once in that sum.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gridtrain.config import TrainingConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices and embeddings; never biases or LayerNorm gains (GPT-2/3 practice)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, t: TrainingConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr,
+                             betas=(t.beta1, t.beta2), eps=t.adam_eps)
+
+
+def lr_at(step: int, t: TrainingConfig) -> float:
+    """Linear warm-up from lr/warmup to lr, then cosine decay to lr * min_lr_ratio."""
+    if step < t.warmup:
+        return t.lr * (step + 1) / t.warmup
+    progress = (step - t.warmup) / max(1, t.steps - t.warmup)
+    floor = t.lr * t.min_lr_ratio
+    return floor + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (t.lr - floor)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def grad_norm_squared(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared gradient entries, accumulated in at least fp32."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    acc_dtype = torch.float64 if grads[0].dtype == torch.float64 else torch.float32
+    norms = torch._foreach_norm([g.to(acc_dtype) for g in grads])
+    return torch.stack(norms).square().sum()
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
+                   group: dist.ProcessGroup | None = None) -> float:
+    """Clip to a global norm; returns the norm before clipping.
+
+    ``group`` sums the squared norms of this rank's parameters with its peers' (the
+    model-parallel group once the model is split); replicated copies must be left out
+    of ``params`` by the caller so that nothing is counted twice.
+    """
+    total_sq = grad_norm_squared(params)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total_sq, group=group)
+    norm = float(total_sq.sqrt())
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+    return norm

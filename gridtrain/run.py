@@ -1,0 +1,77 @@
+"""What the ``train`` and ``generate`` commands do once their flags are parsed and valid.
+
+``train`` runs :func:`gridtrain.train.pretrain` with the built-in GPT and text
+providers, either in this process (one rank, or one torchrun worker) or on ``--nproc``
+spawned workers, and ends with a sample of the trained model's text.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from gridtrain import checkpoint
+from gridtrain.config import Config
+from gridtrain.data import load_tokenizer
+from gridtrain.distributed import resolve_device_type, shutdown
+from gridtrain.model import GPT, generate
+from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
+from gridtrain.train import TrainResult, pretrain
+
+
+def train_worker(rank: int, world_size: int, cfg: Config) -> dict:
+    """One rank's whole run; returns what the parent reports (picklable)."""
+    result = pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg)
+    if rank == 0 and cfg.training.sample_tokens > 0:
+        print_sample(result, cfg)
+    return {"losses": result.losses, "valid_loss": result.valid_loss}
+
+
+def train_command(cfg: Config) -> int:
+    nproc = cfg.parallel.nproc
+    if nproc is None:
+        try:
+            train_worker(0, 1, cfg)
+        finally:
+            shutdown()
+        return 0
+    from gridtrain.launch import run_workers
+
+    backend = "nccl" if resolve_device_type(cfg.training.device) == "cuda" else "gloo"
+    run_workers(train_worker, nproc, (cfg,), backend=backend,
+                collective_timeout_s=cfg.training.dist_timeout_s)
+    return 0
+
+
+def print_sample(result: TrainResult, cfg: Config) -> None:
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    text = sample_text(result.model, tokenizer, cfg.training.prompt, cfg.training.sample_tokens,
+                       cfg.training.temperature, cfg.training.top_k, cfg.training.seed)
+    print(f"\n--- sample ({cfg.training.sample_tokens} tokens, prompt {cfg.training.prompt!r}) ---")
+    print(text)
+    print("--- end of sample ---", flush=True)
+
+
+def sample_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
+                top_k: int | None, seed: int) -> str:
+    ids = tokenizer.encode(prompt) if prompt else [tokenizer.eot_id or 0]
+    device = next(model.parameters()).device
+    prompt_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    out = generate(model, prompt_ids, max_new_tokens, temperature=temperature, top_k=top_k,
+                   generator=gen)
+    return tokenizer.decode(out[0].tolist())
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    meta = checkpoint.read_meta(args.load)
+    cfg = Config.from_dict(meta["config"])
+    model = GPT(cfg.model)
+    checkpoint.load_checkpoint(args.load, model)
+    dtype = torch.float64 if cfg.training.dtype == "fp64" else torch.float32
+    model.to(device=resolve_device_type(args.device), dtype=dtype)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    print(sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
+                      args.top_k, args.seed))
+    return 0

@@ -1,0 +1,211 @@
+"""The training loop, in Megatron-LM's shape: ``pretrain(model_provider, datasets_provider,
+forward_step, config)``.
+
+Read it top to bottom: set up the grid, build the model, optimizer and data from the
+providers, then for each step take this rank's micro-batches of the global batch, run
+forward and backward on each, reduce gradients over data parallel, clip, step.
+
+The loss is defined once: the mean over every loss-bearing token of the global batch.
+Each micro-batch's summed loss is scaled by ``dp / global_tokens`` before backward, so
+that averaging gradients over the DP group yields exactly that mean's gradient for any
+number of DP ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gridtrain import checkpoint
+from gridtrain.config import Config
+from gridtrain.data import GlobalBatchSampler, collate
+from gridtrain.data_parallel import allreduce_gradients, broadcast_parameters
+from gridtrain.distributed import DistributedContext, setup_distributed
+from gridtrain.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
+from gridtrain.model import IGNORE_INDEX
+from gridtrain.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+
+Batch = dict[str, torch.Tensor]
+ModelProvider = Callable[[Config, DistributedContext], nn.Module]
+ForwardStep = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+@dataclass
+class Datasets:
+    """What a datasets provider returns.
+
+    ``train``/``valid`` are map-style datasets whose items are dicts of equal-shape
+    tensors with at least ``labels`` (positions equal to IGNORE_INDEX carry no loss).
+    ``reference_loss`` (e.g. the corpus's unigram entropy) is printed beside the final
+    validation loss; ``tokenizer`` lets the run print a sample at the end.
+    """
+
+    train: Any
+    valid: Any = None
+    tokenizer: Any = None
+    reference_loss: float | None = None
+    loss_unit: str = "nats/token"
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    valid_loss: float | None = None
+    tokens_per_s: float = 0.0
+    model: nn.Module | None = None
+
+
+def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config], Datasets],
+             forward_step: ForwardStep, cfg: Config) -> TrainResult:
+    """Train ``cfg.training.steps`` steps on the grid this process belongs to."""
+    ctx = setup_distributed(cfg)
+    t = cfg.training
+    model = model_provider(cfg, ctx)
+    broadcast_parameters(model, ctx.groups.dp)
+    optimizer = build_optimizer(model, t)
+    data = datasets_provider(cfg)
+    dp = ctx.grid.dp
+    sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.micro_batch_size,
+                                 dp, ctx.coords.dp, t.seed)
+    start = checkpoint.load_checkpoint(t.load, model, optimizer) if t.load else 0
+    stats = RunStats(flops_per_token=_flops_per_token(model), world_size=ctx.grid.world_size)
+    log = MetricsLogger(ctx.is_logging_rank, t.metrics_file, t.steps, start, t.progress)
+    log.print(f"gridtrain: {ctx.grid.describe()}, {_count(model):,} parameters per rank, "
+              f"{sampler.num_micro_batches} micro-batches of {t.micro_batch_size} per step, "
+              f"device {ctx.device.type}, dtype {t.dtype}")
+    result = TrainResult(model=model)
+    tokens_seen = start * t.global_batch_size * _sample_tokens(data.train)
+    for step in range(start, t.steps):
+        lr = lr_at(step, t)
+        set_lr(optimizer, lr)
+        began = time.perf_counter()
+        batches = [_to_device(collate(data.train, ids), ctx.device)
+                   for ids in sampler.micro_batches(step)]
+        loss, grad_norm, step_tokens = train_step(model, optimizer, batches, forward_step, ctx, t.grad_clip)
+        elapsed = time.perf_counter() - began
+        tokens_seen += step_tokens
+        record = StepRecord(step=step + 1, loss=loss, grad_norm=grad_norm, lr=lr,
+                            tokens=tokens_seen, step_time_s=elapsed,
+                            tokens_per_s=step_tokens / elapsed)
+        stats.records.append(record)
+        result.losses.append(loss)
+        result.grad_norms.append(grad_norm)
+        extra = None
+        if data.valid is not None and t.eval_interval and (step + 1) % t.eval_interval == 0:
+            result.valid_loss = evaluate(model, data.valid, forward_step, ctx, cfg)
+            extra = {"valid_loss": result.valid_loss}
+            log.print(f"step {step + 1}: train loss {loss:.4f}, valid loss {result.valid_loss:.4f}")
+        log.step(record, extra)
+        if t.save and t.save_interval and (step + 1) % t.save_interval == 0:
+            checkpoint.save_checkpoint(t.save, step + 1, model, optimizer, cfg)
+    log.close()
+    if data.valid is not None and (not t.eval_interval or t.steps % t.eval_interval != 0):
+        result.valid_loss = evaluate(model, data.valid, forward_step, ctx, cfg)
+    if t.save and not (t.save_interval and t.steps % t.save_interval == 0):
+        checkpoint.save_checkpoint(t.save, t.steps, model, optimizer, cfg)
+    result.tokens_per_s = stats.tokens_per_s()
+    _print_summary(log, stats, result, data, ctx, t.peak_tflops)
+    return result
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch],
+               forward_step: ForwardStep, ctx: DistributedContext, grad_clip: float
+               ) -> tuple[float, float, int]:
+    """One optimizer step over this rank's micro-batches; returns (loss, grad norm, tokens).
+
+    The returned loss is the global batch's mean token loss, identical on every rank.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    dp_group = ctx.groups.dp
+    global_tokens = _global_token_count(batches, dp_group, ctx.device)
+    scale = ctx.grid.dp / global_tokens
+    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    for batch in batches:
+        with ctx.autocast():
+            micro_loss = forward_step(model, batch)
+        (micro_loss * scale).backward()
+        loss_sum += micro_loss.detach().to(torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    allreduce_gradients(params, dp_group)
+    grad_norm = clip_grad_norm(params, grad_clip, ctx.groups.mp)
+    optimizer.step()
+    dist.all_reduce(loss_sum, group=dp_group)
+    step_tokens = sum(b["labels"].numel() for b in batches) * ctx.grid.dp
+    return float(loss_sum) / global_tokens, grad_norm, step_tokens
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset, forward_step: ForwardStep, ctx: DistributedContext,
+             cfg: Config) -> float:
+    """Mean token loss over the first ``eval_iters`` global batches of the validation set.
+
+    The same windows are used whatever the layout, each DP rank taking its fixed slice.
+    """
+    t = cfg.training
+    model.eval()
+    sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.micro_batch_size,
+                                 ctx.grid.dp, ctx.coords.dp, t.seed, shuffle=False)
+    totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+    for step in range(min(t.eval_iters, max(1, len(dataset) // t.global_batch_size))):
+        for ids in sampler.micro_batches(step):
+            batch = _to_device(collate(dataset, ids), ctx.device)
+            with ctx.autocast():
+                totals[0] += forward_step(model, batch).double()
+            totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
+    model.train()
+    dist.all_reduce(totals, group=ctx.groups.dp)
+    return float(totals[0] / totals[1])
+
+
+def _global_token_count(batches: list[Batch], group, device) -> int:
+    """Loss-bearing tokens in the whole global batch (all DP ranks), known before backward."""
+    local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    count = torch.tensor([local], dtype=torch.int64, device=device)
+    dist.all_reduce(count, group=group)
+    if int(count) == 0:
+        raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
+    return int(count)
+
+
+def _to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _sample_tokens(dataset) -> int:
+    return int(dataset[0]["labels"].numel())
+
+
+def _flops_per_token(model: nn.Module) -> float:
+    from gridtrain.model import training_flops_per_token
+
+    cfg = getattr(model, "cfg", None)
+    return training_flops_per_token(cfg) if cfg is not None else 6.0 * _count(model)
+
+
+def _print_summary(log: MetricsLogger, stats: RunStats, result: TrainResult, data: Datasets,
+                   ctx: DistributedContext, peak_override: float | None) -> None:
+    if not stats.records:
+        return
+    tps = stats.tokens_per_s()
+    tflops = stats.tflops_per_device()
+    peak = peak_tflops(ctx.device, peak_override)
+    mfu = f"MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s" if peak else \
+        f"MFU n/a (no known peak for {ctx.device.type}; pass --peak-tflops)"
+    log.print(f"throughput: {tps:,.0f} tokens/s, {tflops:.4f} TFLOP/s per device "
+              f"({stats.flops_per_token / 1e6:.2f} MFLOP per token), {mfu}")
+    log.print(f"final train loss {result.losses[-1]:.4f} {data.loss_unit}")
+    if result.valid_loss is not None:
+        ref = "" if data.reference_loss is None else \
+            f" (corpus unigram entropy {data.reference_loss:.4f} {data.loss_unit})"
+        log.print(f"validation loss {result.valid_loss:.4f} {data.loss_unit}{ref}")

@@ -1,0 +1,111 @@
+"""The command line: the flag contract, one-line errors before any process starts, end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from gridtrain import cli, launch
+from gridtrain.config import ConfigError, load_config, validate
+
+BAD_CONFIGS = {
+    "heads do not divide d_model": (["--n-head", "5", "--d-model", "64"], "--n-head 5 does not divide --d-model 64"),
+    "tp does not divide the world": (["--tp", "3", "--nproc", "4"], "tp=3"),
+    "missing data": (["--data", "/nonexistent"], "--data /nonexistent: no such file or directory"),
+    "unknown preset": (["--model", "gpt5"], "unknown model preset 'gpt5'"),
+    "batch does not split": (["--global-batch-size", "6", "--micro-batch-size", "4"], "--global-batch-size 6"),
+    "unknown schedule": (["--schedule", "fastest"], "--schedule 'fastest'"),
+    "unknown dtype": (["--dtype", "fp8"], "--dtype 'fp8'"),
+}
+
+
+@pytest.fixture
+def no_process_may_start(monkeypatch):
+    """Fail the test if anything tries to start a process group or spawn workers."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a process group or worker was started for a bad configuration")
+
+    monkeypatch.setattr(dist, "init_process_group", forbidden)
+    monkeypatch.setattr(launch, "run_workers", forbidden)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_is_one_line_before_any_process(case, capsys, no_process_may_start):
+    argv, expected = BAD_CONFIGS[case]
+    assert cli.main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gridtrain: error: "), err
+    assert expected in err
+
+
+def test_bad_config_from_a_real_shell():
+    proc = subprocess.run([sys.executable, "-m", "gridtrain", "train", "--tp", "3", "--nproc", "4"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "tp=3" in proc.stderr
+
+
+def test_yaml_file_then_flags(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: small\nmodel:\n  n_layer: 3\ntraining:\n  steps: 7\n  lr: 0.01\n")
+    cfg = load_config(str(path), {"training": {"steps": 9}})
+    assert (cfg.preset, cfg.model.n_layer, cfg.model.d_model) == ("small", 3, 128)
+    assert (cfg.training.steps, cfg.training.lr) == (9, 0.01)
+    path.write_text("model:\n  n_layers: 3\n")
+    with pytest.raises(ConfigError, match="unknown key model.n_layers"):
+        load_config(str(path))
+
+
+def test_flags_map_onto_config_fields():
+    args = cli.build_parser().parse_args(
+        ["train", "--model", "tiny", "--dp", "2", "--n-layer", "3", "--dtype", "fp64", "--data", "x.txt",
+         "--micro-batch-size", "2", "--metrics-file", "m.jsonl", "--no-progress"])
+    cfg = cli.config_from_args(args)
+    assert (cfg.parallel.dp, cfg.model.n_layer, cfg.training.dtype) == (2, 3, "fp64")
+    assert (cfg.data.path, cfg.training.micro_batch_size) == ("x.txt", 2)
+    assert cfg.training.metrics_file == "m.jsonl" and cfg.training.progress is False
+
+
+def test_features_of_later_issues_are_refused_clearly():
+    cfg = load_config(None, {"parallel": {"tp": 2, "nproc": 2}})
+    with pytest.raises(ConfigError, match="tensor parallelism is not implemented yet"):
+        validate(cfg)
+
+
+def test_train_two_processes_then_generate(tmp_path):
+    """`gridtrain train --nproc 2` end to end, then `gridtrain generate` from its checkpoint."""
+    metrics, save = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "gridtrain", "train", "--model", "tiny", "--nproc", "2", "--steps", "4",
+           "--global-batch-size", "4", "--micro-batch-size", "2", "--metrics-file", str(metrics),
+           "--save", str(save), "--sample-tokens", "20", "--prompt", "import ", "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "dp 2 x pp 1 x tp 1" in proc.stdout + proc.stderr
+    assert "--- sample" in proc.stdout and "import " in proc.stdout
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+    gen = subprocess.run([sys.executable, "-m", "gridtrain", "generate", "--load", str(save),
+                          "--prompt", "class ", "--max-new-tokens", "16"],
+                         capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.startswith("class ")
+
+
+def test_prepare_then_train_on_the_token_file(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    assert cli.main(["prepare", "--data", str(text), "--out", str(tmp_path / "tok")]) == 0
+    assert (tmp_path / "tok.bin").is_file() and (tmp_path / "tok.json").is_file()
+    proc = subprocess.run([sys.executable, "-m", "gridtrain", "train", "--model", "tiny", "--steps", "2",
+                           "--data", str(tmp_path / "tok.bin"), "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_generate_without_a_checkpoint_is_one_line(tmp_path, capsys):
+    assert cli.main(["generate", "--load", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no checkpoint there" in err

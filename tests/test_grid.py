@@ -1,0 +1,201 @@
+"""Pure tests of the process grid's rank arithmetic: no processes, no torch.distributed."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from gridtrain.grid import GridCoord, GridError, ProcessGrid
+
+# The worked example of DESIGN.md: 16 ranks, tp=2, dp=2, pp=4.
+TP_GROUPS_16 = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+DP_GROUPS_16 = [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+PP_GROUPS_16 = [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+MP_GROUPS_16 = [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+EMBEDDING_GROUPS_16 = [[0, 12], [1, 13], [2, 14], [3, 15]]
+
+LAYOUTS = [  # (world_size, tp, pp, dp)
+    (1, 1, 1, 1),
+    (2, 2, 1, 1),
+    (2, 1, 2, 1),
+    (2, 1, 1, 2),
+    (8, 2, 2, 2),
+    (12, 3, 2, 2),
+    (16, 2, 4, 2),
+    (24, 4, 3, 2),
+    (30, 5, 3, 2),
+]
+
+KINDS = ("tp_group", "dp_group", "pp_group", "model_parallel_group", "embedding_group")
+ALL_KINDS = {
+    "tp_group": "all_tp_groups",
+    "dp_group": "all_dp_groups",
+    "pp_group": "all_pp_groups",
+    "model_parallel_group": "all_model_parallel_groups",
+    "embedding_group": "all_embedding_groups",
+}
+
+
+@pytest.fixture
+def grid16() -> ProcessGrid:
+    return ProcessGrid.build(16, tp=2, pp=4)
+
+
+def test_design_example_all_groups(grid16: ProcessGrid) -> None:
+    assert (grid16.dp, grid16.pp, grid16.tp) == (2, 4, 2)
+    assert grid16.all_tp_groups() == TP_GROUPS_16
+    assert grid16.all_dp_groups() == DP_GROUPS_16
+    assert grid16.all_pp_groups() == PP_GROUPS_16
+    assert grid16.all_model_parallel_groups() == MP_GROUPS_16
+    assert grid16.all_embedding_groups() == EMBEDDING_GROUPS_16
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("tp_group", TP_GROUPS_16),
+        ("dp_group", DP_GROUPS_16),
+        ("pp_group", PP_GROUPS_16),
+        ("model_parallel_group", MP_GROUPS_16),
+    ],
+)
+def test_design_example_group_of_each_rank(grid16: ProcessGrid, kind: str, expected: list[list[int]]) -> None:
+    for rank in range(16):
+        (group,) = [g for g in expected if rank in g]
+        assert getattr(grid16, kind)(rank) == group
+
+
+def test_design_example_embedding_group_of_every_stage(grid16: ProcessGrid) -> None:
+    """Middle stages are not members, but still know their pipeline's embedding group."""
+    for rank in range(16):
+        (pipeline,) = [g for g in PP_GROUPS_16 if rank in g]
+        assert grid16.embedding_group(rank) == [pipeline[0], pipeline[-1]]
+    assert grid16.embedding_group(5) == [1, 13]
+
+
+def test_design_example_stages_and_neighbours(grid16: ProcessGrid) -> None:
+    assert [r for r in range(16) if grid16.is_first_stage(r)] == [0, 1, 2, 3]
+    assert [r for r in range(16) if grid16.is_last_stage(r)] == [12, 13, 14, 15]
+    assert [grid16.next_pp_rank(r) for r in (1, 5, 9, 13)] == [5, 9, 13, 1]
+    assert [grid16.prev_pp_rank(r) for r in (1, 5, 9, 13)] == [13, 1, 5, 9]
+    assert [grid16.tp_src_rank(r) for r in range(16)] == [r - r % 2 for r in range(16)]
+    assert grid16.coords(13) == GridCoord(dp=0, pp=3, tp=1)
+    assert grid16.coords(6) == GridCoord(dp=1, pp=1, tp=0)
+    assert (grid16.dp_rank(6), grid16.pp_rank(6), grid16.tp_rank(6)) == (1, 1, 0)
+    assert grid16.describe() == "16 ranks = dp 2 x pp 4 x tp 2"
+
+
+@pytest.mark.parametrize("world_size, tp, pp, dp", LAYOUTS)
+def test_coords_round_trip(world_size: int, tp: int, pp: int, dp: int) -> None:
+    grid = ProcessGrid.build(world_size, tp=tp, pp=pp)
+    assert grid.dp == dp
+    seen = set()
+    for rank in range(world_size):
+        c = grid.coords(rank)
+        assert 0 <= c.dp < dp and 0 <= c.pp < pp and 0 <= c.tp < tp
+        assert grid.rank_of(*c) == rank
+        assert rank == c.pp * dp * tp + c.dp * tp + c.tp
+        seen.add(c)
+    assert seen == {
+        GridCoord(d, p, t) for d, p, t in itertools.product(range(dp), range(pp), range(tp))
+    }
+
+
+@pytest.mark.parametrize("world_size, tp, pp, dp", LAYOUTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_rank_in_exactly_one_group_of_each_kind(
+    world_size: int, tp: int, pp: int, dp: int, kind: str
+) -> None:
+    grid = ProcessGrid.build(world_size, tp=tp, pp=pp, dp=dp)
+    groups = getattr(grid, ALL_KINDS[kind])()
+    for group in groups:
+        assert group == sorted(group)
+    if kind != "embedding_group":  # embedding groups skip middle stages
+        assert sorted(r for g in groups for r in g) == list(range(world_size))
+    for rank in range(world_size):
+        containing = [g for g in groups if rank in g]
+        member = getattr(grid, kind)(rank)
+        assert containing == ([member] if rank in member else [])
+
+
+@pytest.mark.parametrize("world_size, tp, pp, dp", LAYOUTS)
+def test_group_sizes_and_shared_coordinates(world_size: int, tp: int, pp: int, dp: int) -> None:
+    grid = ProcessGrid.build(world_size, tp=tp, pp=pp, dp=dp)
+    for rank in range(world_size):
+        c = grid.coords(rank)
+        assert len(grid.tp_group(rank)) == tp
+        assert len(grid.dp_group(rank)) == dp
+        assert len(grid.pp_group(rank)) == pp
+        assert len(grid.model_parallel_group(rank)) == tp * pp
+        assert len(grid.embedding_group(rank)) == min(pp, 2)
+        assert {grid.coords(r)[:2] for r in grid.tp_group(rank)} == {(c.dp, c.pp)}
+        assert {(grid.coords(r).pp, grid.coords(r).tp) for r in grid.dp_group(rank)} == {(c.pp, c.tp)}
+        assert {grid.coords(r).dp for r in grid.model_parallel_group(rank)} == {c.dp}
+        assert grid.prev_pp_rank(grid.next_pp_rank(rank)) == rank
+        assert grid.tp_src_rank(rank) == grid.rank_of(c.dp, c.pp, 0)
+
+
+def test_single_stage_pipeline() -> None:
+    grid = ProcessGrid.build(4, tp=2)
+    assert grid.dp == 2 and grid.pp == 1
+    assert grid.all_embedding_groups() == [[0], [1], [2], [3]]
+    for rank in range(4):
+        assert grid.is_first_stage(rank) and grid.is_last_stage(rank)
+        assert grid.next_pp_rank(rank) == rank == grid.prev_pp_rank(rank)
+
+
+def test_explicit_consistent_dp_is_accepted() -> None:
+    assert ProcessGrid.build(8, tp=2, pp=2, dp=2) == ProcessGrid(world_size=8, tp=2, pp=2, dp=2)
+
+
+def test_world_not_divisible_by_tp_pp() -> None:
+    with pytest.raises(GridError) as info:
+        ProcessGrid.build(4, tp=3)
+    message = str(info.value)
+    assert "world size 4" in message and "tp=3" in message and "divisible" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("name", ["world_size", "tp", "pp", "dp"])
+@pytest.mark.parametrize("bad", [0, -2])
+def test_non_positive_sizes(name: str, bad: int) -> None:
+    sizes = {"world_size": 4, "tp": 1, "pp": 1, "dp": 4}
+    sizes[name] = bad
+    with pytest.raises(GridError) as info:
+        ProcessGrid.build(**sizes)
+    assert f"{name}={bad}" in str(info.value) and ">= 1" in str(info.value)
+
+
+def test_non_integer_size() -> None:
+    with pytest.raises(GridError, match=r"tp=2\.0 is not an integer"):
+        ProcessGrid.build(4, tp=2.0)  # type: ignore[arg-type]
+
+
+def test_inconsistent_dp() -> None:
+    with pytest.raises(GridError) as info:
+        ProcessGrid.build(8, tp=2, pp=2, dp=3)
+    message = str(info.value)
+    assert "dp=3" in message and "world size 8" in message and "12" in message
+
+
+def test_direct_construction_is_validated() -> None:
+    with pytest.raises(GridError, match="does not equal world size 8"):
+        ProcessGrid(world_size=8, tp=2, pp=2, dp=1)
+
+
+def test_grid_error_is_a_value_error() -> None:
+    assert issubclass(GridError, ValueError)
+
+
+@pytest.mark.parametrize("rank", [-1, 8])
+def test_rank_out_of_range(rank: int) -> None:
+    grid = ProcessGrid.build(8, tp=2, pp=2)
+    with pytest.raises(GridError, match=f"rank {rank} is outside the grid of 8 ranks"):
+        grid.coords(rank)
+
+
+def test_coordinate_out_of_range() -> None:
+    grid = ProcessGrid.build(8, tp=2, pp=2)
+    with pytest.raises(GridError, match=r"pp index 2 is outside \[0, 2\)"):
+        grid.rank_of(dp=0, pp=2, tp=0)

@@ -1,0 +1,173 @@
+"""Multi-process tests of gridtrain.launch and the live process groups of gridtrain.grid.
+
+Every worker function is module-level so that spawned children can import it
+from ``tests.test_launch``. Each spawn of torch processes costs seconds on a
+small CPU machine, so the group checks share one 8-rank world.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gridtrain.grid import GridError, ProcessGrid, create_process_groups
+from gridtrain.launch import (
+    LaunchError,
+    WorkerError,
+    WorkerTimeout,
+    find_free_port,
+    init_from_env,
+    run_workers,
+)
+from tests.harness import run_on_ranks
+
+GROUP_KINDS = {  # ProcessGroups attribute -> ProcessGrid method giving its ranks
+    "tp": "tp_group",
+    "dp": "dp_group",
+    "pp": "pp_group",
+    "mp": "model_parallel_group",
+    "embedding": "embedding_group",
+}
+
+
+def _all_reduce_every_group(rank: int, world_size: int, tp: int, pp: int) -> dict:
+    """Sum the rank over each of this rank's groups; report sums, env and group facts.
+
+    Higher ranks return first, so that an ordering by arrival would be caught.
+    """
+    grid = ProcessGrid.build(world_size, tp=tp, pp=pp)
+    groups = create_process_groups(grid, rank)
+    sums = {}
+    for kind in GROUP_KINDS:
+        value = torch.tensor([float(rank)], dtype=torch.float64)
+        dist.all_reduce(value, group=getattr(groups, kind))
+        sums[kind] = value.item()
+    sizes = {kind: dist.get_world_size(getattr(groups, kind)) for kind in GROUP_KINDS}
+    time.sleep(0.05 * (world_size - rank))
+    return {
+        "rank": rank,
+        "sums": sums,
+        "sizes": sizes,
+        "coord": tuple(groups.coord),
+        "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")},
+        "threads": torch.get_num_threads(),
+    }
+
+
+def test_all_reduce_over_every_group_kind_of_8_rank_grid() -> None:
+    grid = ProcessGrid.build(8, tp=2, pp=2)
+    results = run_on_ranks(_all_reduce_every_group, 8, 2, 2)
+    assert [r["rank"] for r in results] == list(range(8))  # ordered by rank, not arrival
+    for rank, result in enumerate(results):
+        for kind, method in GROUP_KINDS.items():
+            ranks = getattr(grid, method)(rank)
+            assert result["sums"][kind] == sum(ranks), (rank, kind)
+            assert result["sizes"][kind] == len(ranks), (rank, kind)
+        assert result["coord"] == tuple(grid.coords(rank))
+        assert result["env"] == {
+            "RANK": str(rank), "WORLD_SIZE": "8", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "8",
+        }
+        assert result["threads"] == max(1, (os.cpu_count() or 1) // 8)
+
+
+def _single_rank_world(rank: int, world_size: int) -> dict:
+    """A 1-rank grid still gets real (single-member) groups; a wrong grid is refused;
+    init_from_env joins a torchrun-style environment (here: a fresh 1-rank job)."""
+    groups = create_process_groups(ProcessGrid.build(1), rank)
+    value = torch.tensor([3.0])
+    for kind in GROUP_KINDS:
+        dist.all_reduce(value, group=getattr(groups, kind))
+    try:
+        create_process_groups(ProcessGrid.build(2, tp=2), rank)
+    except GridError as exc:
+        refusal = str(exc)
+    already = init_from_env()  # already initialized by the launcher: only reads the env
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(find_free_port())  # the launcher's store holds its port
+    fresh = init_from_env(collective_timeout_s=30)
+    total = torch.tensor([5.0])
+    dist.all_reduce(total)
+    return {"value": value.item(), "refusal": refusal, "already": already,
+            "fresh": fresh, "backend": dist.get_backend(), "total": total.item()}
+
+
+def test_single_rank_world_groups_and_init_from_env() -> None:
+    [result] = run_on_ranks(_single_rank_world, 1)
+    assert result["value"] == 3.0
+    assert "has 1 ranks but the grid" in result["refusal"] and "needs 2" in result["refusal"]
+    assert result["already"] == result["fresh"] == (0, 1, 0)
+    assert result["backend"] == "gloo" and result["total"] == 5.0
+
+
+def test_init_from_env_without_launcher_env_names_missing_variables(monkeypatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(LaunchError, match=r"\['RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT'\] are not set"):
+        init_from_env()
+
+
+def test_unpicklable_fn_and_bad_nproc_fail_before_spawning() -> None:
+    with pytest.raises(LaunchError, match="module-level function"):
+        run_workers(lambda rank, world_size: rank, 1)
+    with pytest.raises(LaunchError, match="nproc=0"):
+        run_workers(_rank_1_hangs, 0)
+    assert multiprocessing.active_children() == []
+
+
+def _rank_1_raises(rank: int, world_size: int) -> None:
+    """Rank 1 raises while rank 0 waits for it in a collective that will never complete."""
+    if rank == 1:
+        raise ValueError("boom from the test on rank 1")
+    dist.barrier()
+
+
+def test_raising_rank_gives_worker_error_with_its_traceback() -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        run_workers(_rank_1_raises, 2, timeout_s=60, collective_timeout_s=60)
+    message = str(info.value)
+    assert info.value.rank == 1
+    assert "rank 1" in message
+    assert "ValueError: boom from the test on rank 1" in message
+    assert "_rank_1_raises" in message  # the full traceback, not only the last line
+    assert time.monotonic() - start < 30  # rank 0 was not left to hit its collective timeout
+    assert multiprocessing.active_children() == []  # no orphans
+
+
+def _rank_1_is_killed(rank: int, world_size: int) -> None:
+    """Rank 1 dies without a word (as under the OOM killer); rank 0 waits in a barrier."""
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_rank_killed_without_report_is_named_with_its_exit_code() -> None:
+    with pytest.raises(WorkerError) as info:
+        run_on_ranks(_rank_1_is_killed, 2, timeout_s=60)
+    assert info.value.rank == 1
+    assert info.value.exitcode == -signal.SIGKILL
+    assert "rank 1 died without reporting" in str(info.value)
+    assert "SIGKILL" in str(info.value)
+    assert multiprocessing.active_children() == []
+
+
+def _rank_1_hangs(rank: int, world_size: int) -> int:
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+def test_hanging_rank_gives_worker_timeout_naming_it() -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout) as info:
+        run_on_ranks(_rank_1_hangs, 2, timeout_s=6)
+    assert info.value.ranks == [1]
+    assert "ranks [1] had not finished" in str(info.value)
+    assert time.monotonic() - start < 20
+    assert multiprocessing.active_children() == []

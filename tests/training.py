@@ -1,0 +1,67 @@
+"""Helpers that train the built-in GPT on a grid of real gloo processes and compare runs.
+
+Parity tests (DESIGN.md, "The invariant") call :func:`train_layout` for a layout and for
+one process with the same config, and :func:`assert_same_training` on the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from gridtrain.config import Config, preset_config
+from gridtrain.distributed import shutdown
+from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
+from gridtrain.train import TrainResult, pretrain
+from tests.harness import run_on_ranks
+
+
+def tiny_config(**training) -> Config:
+    """The tiny preset with a parity-friendly recipe: fp64, 10 steps, no dropout, quiet."""
+    cfg = preset_config("tiny")
+    recipe = dict(dtype="fp64", steps=10, global_batch_size=8, micro_batch_size=2,
+                  eval_interval=0, eval_iters=1, progress=False, lr=3e-3, warmup_steps=2)
+    cfg.training = dataclasses.replace(cfg.training, **{**recipe, **training})
+    return cfg
+
+
+def summarize(result: TrainResult) -> dict:
+    """Picklable record of a run: per-step losses and grad norms, final weights in fp64."""
+    state = {k: v.detach().double().cpu().numpy() for k, v in result.model.state_dict().items()}
+    return {"losses": result.losses, "grad_norms": result.grad_norms,
+            "valid_loss": result.valid_loss, "state": state}
+
+
+def _train_worker(rank: int, world_size: int, cfg: Config) -> dict:
+    return summarize(pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg))
+
+
+def train_layout(cfg: Config, world_size: int, timeout_s: float = 240) -> list[dict]:
+    """Train ``cfg`` on ``world_size`` spawned gloo ranks; one summary per rank."""
+    return run_on_ranks(_train_worker, world_size, cfg, timeout_s=timeout_s)
+
+
+def train_in_process(cfg: Config) -> dict:
+    """One rank in this process (no spawn): the fast reference for single-process tests."""
+    try:
+        return summarize(pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg))
+    finally:
+        shutdown()
+
+
+def relative_difference(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    scale = max(np.abs(a).max(), np.abs(b).max(), 1e-30)
+    return float(np.abs(a - b).max() / scale)
+
+
+def assert_same_training(run: dict, reference: dict, rtol: float) -> None:
+    """Per-step losses and every final weight agree with the reference within ``rtol``."""
+    assert len(run["losses"]) == len(reference["losses"])
+    for step, (x, y) in enumerate(zip(run["losses"], reference["losses"]), 1):
+        assert abs(x - y) <= rtol * abs(y), f"step {step}: loss {x!r} vs reference {y!r}"
+    assert run["state"].keys() == reference["state"].keys()
+    for name, value in run["state"].items():
+        diff = relative_difference(value, reference["state"][name])
+        assert diff <= rtol, f"{name}: relative difference {diff:.3g} > {rtol:g}"
