@@ -238,6 +238,22 @@ def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
     _require(p.vpp == 1, f"--vpp {p.vpp}: interleaved pipelines are not implemented yet; use --vpp 1")
 
 
+def _validate_data(d: DataConfig, vocab_size: int) -> None:
+    """Paths exist and the tokenizer fits the model's vocabulary (reads no corpus)."""
+    from gridtrain.data import DataError, load_tokenizer
+
+    if d.path is not None:
+        _require(Path(d.path).exists(), f"--data {d.path}: no such file or directory")
+    if d.tokenizer is not None:
+        _require(Path(d.tokenizer).is_file(), f"--tokenizer {d.tokenizer}: no such file")
+    try:
+        tokens = load_tokenizer(d.tokenizer).vocab_size
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    _require(tokens <= vocab_size, f"the tokenizer has {tokens} tokens but --vocab-size is "
+                                   f"{vocab_size}; pass --vocab-size {tokens}")
+
+
 def world_size_of(cfg: Config) -> int:
     """The world the run will have: --nproc, else torchrun's WORLD_SIZE, else 1."""
     if cfg.parallel.nproc is not None:
@@ -261,11 +277,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
              f"--global-batch-size {t.global_batch_size} is not divisible by "
              f"--micro-batch-size {t.micro_batch_size} x dp {dp}; make it a multiple of "
              f"{t.micro_batch_size * dp}")
-    if cfg.data.path is not None:
-        _require(Path(cfg.data.path).exists(), f"--data {cfg.data.path}: no such file or directory")
-    if cfg.data.tokenizer is not None:
-        _require(Path(cfg.data.tokenizer).is_file(),
-                 f"--tokenizer {cfg.data.tokenizer}: no such file")
+    _validate_data(cfg.data, m.vocab_size)
     if t.device == "cuda":
         import torch
 

@@ -28,11 +28,6 @@ def text_datasets_provider(cfg: Config) -> Datasets:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     train, valid, tokens = build_datasets(cfg.data.path, tokenizer, cfg.model.seq_len,
                                           valid_every=cfg.data.valid_every)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        from gridtrain.data import DataError
-
-        raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but --vocab-size is "
-                        f"{cfg.model.vocab_size}; pass --vocab-size {tokenizer.vocab_size}")
     unit = "nats/byte" if isinstance(tokenizer, ByteTokenizer) else "nats/token"
     return Datasets(train=train, valid=valid, tokenizer=tokenizer,
                     reference_loss=unigram_entropy(tokens, tokenizer.vocab_size), loss_unit=unit)

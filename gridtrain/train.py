@@ -187,10 +187,12 @@ def _sample_tokens(dataset) -> int:
 
 
 def _flops_per_token(model: nn.Module) -> float:
+    """The GPT formula for the built-in model; 6 x parameters for anyone else's."""
+    from gridtrain.config import ModelConfig
     from gridtrain.model import training_flops_per_token
 
     cfg = getattr(model, "cfg", None)
-    return training_flops_per_token(cfg) if cfg is not None else 6.0 * _count(model)
+    return training_flops_per_token(cfg) if isinstance(cfg, ModelConfig) else 6.0 * _count(model)
 
 
 def _print_summary(log: MetricsLogger, stats: RunStats, result: TrainResult, data: Datasets,

@@ -20,6 +20,7 @@ BAD_CONFIGS = {
     "batch does not split": (["--global-batch-size", "6", "--micro-batch-size", "4"], "--global-batch-size 6"),
     "unknown schedule": (["--schedule", "fastest"], "--schedule 'fastest'"),
     "unknown dtype": (["--dtype", "fp8"], "--dtype 'fp8'"),
+    "vocabulary too small for bytes": (["--vocab-size", "100"], "pass --vocab-size 257"),
 }
 
 
