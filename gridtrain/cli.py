@@ -59,6 +59,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
     for flag, _, _, typ, help_text in TRAIN_FLAGS:
         p.add_argument(flag, type=typ, help=help_text)
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp > 1: LayerNorm and dropout on sequence shards")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -95,6 +97,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         dest = flag[2:].replace("-", "_")
         if hasattr(args, dest):
             overrides.setdefault(section, {})[name] = getattr(args, dest)
+    if getattr(args, "sequence_parallel", False):
+        overrides.setdefault("parallel", {})["sequence_parallel"] = True
     if getattr(args, "no_progress", False):
         overrides.setdefault("training", {})["progress"] = False
     return load_config(getattr(args, "config", None), overrides, getattr(args, "model", None))

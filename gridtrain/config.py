@@ -68,6 +68,7 @@ class ParallelConfig:
     pp: int = 1
     vpp: int = 1
     schedule: str = "1f1b"
+    sequence_parallel: bool = False  # LayerNorm/dropout on sequence shards (needs tp > 1)
 
 
 @dataclass
@@ -233,9 +234,19 @@ def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
         ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp)
     except GridError as e:
         raise ConfigError(str(e)) from None
-    _require(p.tp == 1, f"--tp {p.tp}: tensor parallelism is not implemented yet; use --tp 1")
     _require(p.pp == 1, f"--pp {p.pp}: pipeline parallelism is not implemented yet; use --pp 1")
     _require(p.vpp == 1, f"--vpp {p.vpp}: interleaved pipelines are not implemented yet; use --vpp 1")
+
+
+def _validate_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    """Each TP rank must own whole heads, an equal MLP slice and (under SP) sequence slice."""
+    _require(m.n_head % p.tp == 0,
+             f"--tp {p.tp} does not divide --n-head {m.n_head}; choose a tp that divides the head count")
+    _require(m.ffn_size % p.tp == 0,
+             f"--tp {p.tp} does not divide the MLP width {m.ffn_size}; choose a tp that divides it")
+    _require(not p.sequence_parallel or m.seq_len % p.tp == 0,
+             f"--sequence-parallel: --tp {p.tp} does not divide --seq-len {m.seq_len}; "
+             "choose a sequence length that tp divides")
 
 
 def _validate_data(d: DataConfig, vocab_size: int) -> None:
@@ -272,6 +283,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _validate_model(m)
     _validate_training(t)
     _validate_parallel(p, world_size)
+    _validate_tensor_parallel(m, p)
     dp = world_size // (p.tp * p.pp)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"--global-batch-size {t.global_batch_size} is not divisible by "

@@ -16,9 +16,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gridtrain.comm import ByteCounter, CommGroup
 from gridtrain.config import Config
 from gridtrain.grid import ProcessGrid, ProcessGroups, create_process_groups
 from gridtrain.launch import init_from_env
+from gridtrain.tensor_parallel import (MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker,
+                                       TensorParallel)
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -30,6 +33,9 @@ class DistributedContext:
     rank: int
     device: torch.device
     dtype: str  # the run's --dtype
+    tp: TensorParallel  # the TP group, sequence parallelism, RNG streams
+    dp: CommGroup
+    bytes: ByteCounter  # every counted collective of this rank
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -86,10 +92,19 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     else:
         device = torch.device("cpu")
     # Dropout masks differ between pipeline stages (they hold different layers) but not
-    # between DP replicas, as in Megatron.
-    torch.manual_seed(cfg.training.seed + 100 * grid.coords(rank).pp)
+    # between DP replicas or TP ranks, as in Megatron; TP regions draw from their own
+    # per-rank stream.
+    coords = grid.coords(rank)
+    seed = cfg.training.seed + 100 * coords.pp
+    torch.manual_seed(seed)
+    rng = RNGStatesTracker(device)
+    rng.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + coords.tp)
+    counter = ByteCounter()
+    tp = TensorParallel(CommGroup.of("tp", groups.tp, counter),
+                        sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng)
     return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
-                              dtype=cfg.training.dtype)
+                              dtype=cfg.training.dtype, tp=tp,
+                              dp=CommGroup.of("dp", groups.dp, counter), bytes=counter)
 
 
 def shutdown() -> None:

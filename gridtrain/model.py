@@ -21,65 +21,94 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.config import ModelConfig
-
-IGNORE_INDEX = -100
+from gridtrain.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, ShardSpec,
+                                       TensorParallel, VocabParallelEmbedding, gather_logits,
+                                       parallel_lm_logits, shard, shard_spec,
+                                       vocab_parallel_cross_entropy)
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Causal self-attention; under TP each rank owns ``n_head / tp`` whole heads."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.tp = tp
+        self.local_heads = cfg.n_head // tp.size
+        self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp, parts=3)
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp)
         self.proj.weight.residual_projection = True  # scaled init, see init_parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+        qkv = self.qkv(x)
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        with self.tp.rng.fork():  # this rank's heads: its own dropout stream
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """GELU MLP: column-parallel expansion, row-parallel contraction."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.ffn_size)
-        self.proj = nn.Linear(cfg.ffn_size, cfg.d_model)
+        self.fc = ColumnParallelLinear(cfg.d_model, cfg.ffn_size, tp)
+        self.proj = RowParallelLinear(cfg.ffn_size, cfg.d_model, tp)
         self.proj.weight.residual_projection = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
+def layer_norm(cfg: ModelConfig, tp: TensorParallel) -> nn.LayerNorm:
+    """A LayerNorm, replicated over TP; under sequence parallelism its grads are partial."""
+    norm = nn.LayerNorm(cfg.d_model, eps=cfg.layernorm_eps)
+    for p in norm.parameters():
+        p.sequence_parallel = tp.sequence_parallel
+    return norm
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.layernorm_eps)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.layernorm_eps)
-        self.mlp = MLP(cfg)
+        self.tp = tp
+        self.ln1 = layer_norm(cfg, tp)
+        self.attn = CausalSelfAttention(cfg, tp)
+        self.ln2 = layer_norm(cfg, tp)
+        self.mlp = MLP(cfg, tp)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln1(x)))
-        return x + self.dropout(self.mlp(self.ln2(x)))
+        x = x + self._dropout(self.attn(self.ln1(x)))
+        return x + self._dropout(self.mlp(self.ln2(x)))
+
+    def _dropout(self, h: torch.Tensor) -> torch.Tensor:
+        with self.tp.sharded_dropout():
+            return self.dropout(h)
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embedding; the token table is padded (see ModelConfig)."""
+    """Token plus learned position embedding; the token table is padded (see ModelConfig)
+    and split over TP by vocabulary rows."""
 
-    def __init__(self, cfg: ModelConfig, padded_vocab: int):
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, tp: TensorParallel):
         super().__init__()
-        self.word = nn.Embedding(padded_vocab, cfg.d_model)
+        self.tp = tp
+        self.word = VocabParallelEmbedding(padded_vocab, cfg.d_model, tp)
         self.word.weight.vocab_rows = cfg.vocab_size  # rows past this are padding
         self.position = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.position.weight.sequence_parallel = tp.sequence_parallel
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.dropout(self.word(tokens) + self.position(positions))
+        x = self.word(tokens)  # [b, s / tp, d] under sequence parallelism
+        first = self.tp.rank * x.shape[1] if self.tp.sequence_parallel else 0
+        x = x + self.position(torch.arange(first, first + x.shape[1], device=tokens.device))
+        with self.tp.sharded_dropout():
+            return self.dropout(x)
 
 
 class GPT(nn.Module):
@@ -87,23 +116,26 @@ class GPT(nn.Module):
 
     ``pre_process`` (the embedding) and ``post_process`` (final norm, head and loss) follow
     Megatron's model_provider flags; ``layer_ids`` are the global indices of the blocks
-    this module holds.
+    this module holds; ``tp`` says how each layer is split (default: not at all).
     """
 
     def __init__(self, cfg: ModelConfig, *, layer_ids: Iterable[int] | None = None,
-                 pre_process: bool = True, post_process: bool = True, tp: int = 1):
+                 pre_process: bool = True, post_process: bool = True,
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.cfg = cfg
+        self.tp = tp = tp or TensorParallel()
         self.pre_process, self.post_process = pre_process, post_process
-        self.padded_vocab = cfg.padded_vocab_size(tp)
+        self.padded_vocab = cfg.padded_vocab_size(tp.size)
         ids = range(cfg.n_layer) if layer_ids is None else layer_ids
-        self.embedding = Embedding(cfg, self.padded_vocab) if pre_process else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in ids})
-        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layernorm_eps) if post_process else None
+        self.embedding = Embedding(cfg, self.padded_vocab, tp) if pre_process else None
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp) for i in ids})
+        self.final_norm = layer_norm(cfg, tp) if post_process else None
         if post_process and not (cfg.tie_embeddings and pre_process):
             # Untied head, or a last pipeline stage that keeps its own copy of the tied
             # table (kept equal to the first stage's by summing their gradients).
-            self.head = nn.Parameter(torch.empty(self.padded_vocab, cfg.d_model))
+            self.head = nn.Parameter(torch.empty(self.padded_vocab // tp.size, cfg.d_model))
+            self.head.tp_spec = ShardSpec(0)
             self.head.vocab_rows = cfg.vocab_size
         else:
             self.head = None
@@ -121,12 +153,10 @@ class GPT(nn.Module):
             x = block(x)
         if not self.post_process:
             return x
-        logits = F.linear(self.final_norm(x), self.output_weight())[..., : self.cfg.vocab_size]
+        logits = parallel_lm_logits(self.final_norm(x), self.output_weight(), self.tp)
         if labels is None:
-            return logits
-        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                                 ignore_index=IGNORE_INDEX, reduction="none")
-        return losses.view_as(labels)
+            return gather_logits(logits, self.cfg.vocab_size, self.tp)
+        return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -146,21 +176,24 @@ def _init_std(name: str, param: torch.Tensor, cfg: ModelConfig) -> float | None:
 
 @torch.no_grad()
 def init_parameters(model: GPT, seed: int) -> None:
-    """Draw each parameter whole from its own generator, then copy in the local part.
+    """Draw each parameter whole from its own generator, then copy in the local shard.
 
-    Values are drawn in fp32 on the CPU so every dtype and device starts from the same
-    numbers; vocabulary padding rows are zero (they never receive a gradient).
+    Values are drawn in fp32 on the CPU so every dtype, device and TP layout starts from
+    the same numbers; vocabulary padding rows are zero (they never receive a gradient).
     """
+    tp = model.tp
     for name, param in model.named_parameters():
         std = _init_std(name, param, model.cfg)
         if std is None:
             param.fill_(1.0 if name.endswith("weight") else 0.0)
             continue
-        rows = getattr(param, "vocab_rows", param.shape[0])
+        spec = shard_spec(param)
+        full_shape = spec.full_shape(param.shape, tp.size) if spec else tuple(param.shape)
+        rows = getattr(param, "vocab_rows", full_shape[0])
         gen = torch.Generator().manual_seed(parameter_seed(seed, _canonical_name(name)))
-        full = torch.empty((rows, *param.shape[1:]), dtype=torch.float32).normal_(0.0, std, generator=gen)
-        param.zero_()
-        param[:rows].copy_(full)
+        full = torch.zeros(full_shape)
+        full[:rows].normal_(0.0, std, generator=gen)
+        param.copy_(shard(full, spec, tp.rank, tp.size) if spec else full)
 
 
 def _canonical_name(name: str) -> str:
@@ -199,9 +232,10 @@ def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, *, temperatu
     was_training = model.training
     model.eval()
     ids = prompt
-    for _ in range(max_new_tokens):
-        logits = model(ids[:, -model.cfg.seq_len:])[:, -1, :].float()
-        ids = torch.cat([ids, sample_next(logits, temperature, top_k, generator)], dim=1)
+    with model.tp.without_sequence_parallel():
+        for _ in range(max_new_tokens):
+            logits = model(ids[:, -model.cfg.seq_len:])[:, -1, :].float()
+            ids = torch.cat([ids, sample_next(logits, temperature, top_k, generator)], dim=1)
     model.train(was_training)
     return ids
 

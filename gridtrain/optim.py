@@ -57,14 +57,16 @@ def grad_norm_squared(params: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
-                   group: dist.ProcessGroup | None = None) -> float:
-    """Clip to a global norm; returns the norm before clipping.
+                   group: dist.ProcessGroup | None = None,
+                   norm_params: list[torch.Tensor] | None = None) -> float:
+    """Clip ``params`` to a global norm; returns the norm before clipping.
 
-    ``group`` sums the squared norms of this rank's parameters with its peers' (the
-    model-parallel group once the model is split); replicated copies must be left out
-    of ``params`` by the caller so that nothing is counted twice.
+    The norm is taken over ``norm_params`` (default: ``params``) and ``group`` sums the
+    squared norms of this rank's parameters with its peers' (the model-parallel group
+    once the model is split). A parameter replicated over that group must appear in
+    ``norm_params`` on one rank only, so that nothing is counted twice.
     """
-    total_sq = grad_norm_squared(params)
+    total_sq = grad_norm_squared(params if norm_params is None else norm_params)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total_sq, group=group)
     norm = float(total_sq.sqrt())

@@ -18,7 +18,7 @@ from gridtrain.train import Batch, Datasets
 
 def gpt_model_provider(cfg: Config, ctx: DistributedContext) -> nn.Module:
     """The GPT of ``cfg.model``, initialised layout-independently, on this rank's device."""
-    model = GPT(cfg.model)
+    model = GPT(cfg.model, tp=ctx.tp)
     init_parameters(model, cfg.training.seed)
     return model.to(device=ctx.device, dtype=ctx.param_dtype)
 

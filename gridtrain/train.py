@@ -30,6 +30,7 @@ from gridtrain.distributed import DistributedContext, setup_distributed
 from gridtrain.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.model import IGNORE_INDEX
 from gridtrain.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from gridtrain.tensor_parallel import allreduce_sequence_parallel_grads, broadcast_batches, is_tp_duplicate
 
 Batch = dict[str, torch.Tensor]
 ModelProvider = Callable[[Config, DistributedContext], nn.Module]
@@ -68,13 +69,13 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     ctx = setup_distributed(cfg)
     t = cfg.training
     model = model_provider(cfg, ctx)
-    broadcast_parameters(model, ctx.groups.dp)
+    broadcast_parameters(model, ctx.dp)
     optimizer = build_optimizer(model, t)
     data = datasets_provider(cfg)
     dp = ctx.grid.dp
     sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.micro_batch_size,
                                  dp, ctx.coords.dp, t.seed)
-    start = checkpoint.load_checkpoint(t.load, model, optimizer) if t.load else 0
+    start = checkpoint.load_checkpoint(t.load, model, optimizer, ctx) if t.load else 0
     stats = RunStats(flops_per_token=_flops_per_token(model), world_size=ctx.grid.world_size)
     log = MetricsLogger(ctx.is_logging_rank, t.metrics_file, t.steps, start, t.progress)
     log.print(f"gridtrain: {ctx.grid.describe()}, {_count(model):,} parameters per rank, "
@@ -86,8 +87,7 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         lr = lr_at(step, t)
         set_lr(optimizer, lr)
         began = time.perf_counter()
-        batches = [_to_device(collate(data.train, ids), ctx.device)
-                   for ids in sampler.micro_batches(step)]
+        batches = read_micro_batches(data.train, sampler, step, ctx)
         loss, grad_norm, step_tokens = train_step(model, optimizer, batches, forward_step, ctx, t.grad_clip)
         elapsed = time.perf_counter() - began
         tokens_seen += step_tokens
@@ -104,12 +104,12 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
             log.print(f"step {step + 1}: train loss {loss:.4f}, valid loss {result.valid_loss:.4f}")
         log.step(record, extra)
         if t.save and t.save_interval and (step + 1) % t.save_interval == 0:
-            checkpoint.save_checkpoint(t.save, step + 1, model, optimizer, cfg)
+            checkpoint.save_checkpoint(t.save, step + 1, model, optimizer, cfg, ctx)
     log.close()
     if data.valid is not None and (not t.eval_interval or t.steps % t.eval_interval != 0):
         result.valid_loss = evaluate(model, data.valid, forward_step, ctx, cfg)
     if t.save and not (t.save_interval and t.steps % t.save_interval == 0):
-        checkpoint.save_checkpoint(t.save, t.steps, model, optimizer, cfg)
+        checkpoint.save_checkpoint(t.save, t.steps, model, optimizer, cfg, ctx)
     result.tokens_per_s = stats.tokens_per_s()
     _print_summary(log, stats, result, data, ctx, t.peak_tflops)
     return result
@@ -123,8 +123,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
     The returned loss is the global batch's mean token loss, identical on every rank.
     """
     optimizer.zero_grad(set_to_none=True)
-    dp_group = ctx.groups.dp
-    global_tokens = _global_token_count(batches, dp_group, ctx.device)
+    global_tokens = _global_token_count(batches, ctx)
     scale = ctx.grid.dp / global_tokens
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     for batch in batches:
@@ -133,10 +132,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
         (micro_loss * scale).backward()
         loss_sum += micro_loss.detach().to(torch.float64)
     params = [p for p in model.parameters() if p.requires_grad]
-    allreduce_gradients(params, dp_group)
-    grad_norm = clip_grad_norm(params, grad_clip, ctx.groups.mp)
+    allreduce_sequence_parallel_grads(model, ctx.tp)
+    allreduce_gradients(params, ctx.dp)
+    counted_once = [p for p in params if not is_tp_duplicate(p, ctx.tp.rank)]
+    grad_norm = clip_grad_norm(params, grad_clip, ctx.groups.mp, norm_params=counted_once)
     optimizer.step()
-    dist.all_reduce(loss_sum, group=dp_group)
+    ctx.dp.all_reduce(loss_sum)
     step_tokens = sum(b["labels"].numel() for b in batches) * ctx.grid.dp
     return float(loss_sum) / global_tokens, grad_norm, step_tokens
 
@@ -154,21 +155,30 @@ def evaluate(model: nn.Module, dataset, forward_step: ForwardStep, ctx: Distribu
                                  ctx.grid.dp, ctx.coords.dp, t.seed, shuffle=False)
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     for step in range(min(t.eval_iters, max(1, len(dataset) // t.global_batch_size))):
-        for ids in sampler.micro_batches(step):
-            batch = _to_device(collate(dataset, ids), ctx.device)
+        for batch in read_micro_batches(dataset, sampler, step, ctx):
             with ctx.autocast():
                 totals[0] += forward_step(model, batch).double()
             totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
     model.train()
-    dist.all_reduce(totals, group=ctx.groups.dp)
+    ctx.dp.all_reduce(totals)
     return float(totals[0] / totals[1])
 
 
-def _global_token_count(batches: list[Batch], group, device) -> int:
+def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int,
+                       ctx: DistributedContext) -> list[Batch]:
+    """This rank's micro-batches of ``step``: read by the TP group's first rank, broadcast."""
+    ids = sampler.micro_batches(step)
+    batches = None
+    if ctx.tp.rank == 0:
+        batches = [_to_device(collate(dataset, i), ctx.device) for i in ids]
+    return broadcast_batches(batches, len(ids), ctx.tp, ctx.device)
+
+
+def _global_token_count(batches: list[Batch], ctx: DistributedContext) -> int:
     """Loss-bearing tokens in the whole global batch (all DP ranks), known before backward."""
     local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-    count = torch.tensor([local], dtype=torch.int64, device=device)
-    dist.all_reduce(count, group=group)
+    count = torch.tensor([local], dtype=torch.int64, device=ctx.device)
+    ctx.dp.all_reduce(count)
     if int(count) == 0:
         raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
     return int(count)

@@ -20,6 +20,9 @@ BAD_CONFIGS = {
     "batch does not split": (["--global-batch-size", "6", "--micro-batch-size", "4"], "--global-batch-size 6"),
     "unknown schedule": (["--schedule", "fastest"], "--schedule 'fastest'"),
     "unknown dtype": (["--dtype", "fp8"], "--dtype 'fp8'"),
+    "tp does not divide heads": (["--tp", "3", "--nproc", "3"], "--tp 3 does not divide --n-head 4"),
+    "sequence parallel needs divisible seq": (["--tp", "4", "--nproc", "4", "--seq-len", "30", "--sequence-parallel"],
+                                              "--tp 4 does not divide --seq-len 30"),
     "vocabulary too small for bytes": (["--vocab-size", "100"], "pass --vocab-size 257"),
 }
 
@@ -72,8 +75,8 @@ def test_flags_map_onto_config_fields():
 
 
 def test_features_of_later_issues_are_refused_clearly():
-    cfg = load_config(None, {"parallel": {"tp": 2, "nproc": 2}})
-    with pytest.raises(ConfigError, match="tensor parallelism is not implemented yet"):
+    cfg = load_config(None, {"parallel": {"pp": 2, "nproc": 2}})
+    with pytest.raises(ConfigError, match="pipeline parallelism is not implemented yet"):
         validate(cfg)
 
 

@@ -22,7 +22,7 @@ def build(cfg: ModelConfig = TINY, seed: int = 0, **kwargs) -> GPT:
 def test_parameter_count_formula_matches_the_module():
     for name in ("tiny", "small", "gpt2"):
         cfg = preset_config(name).model
-        model = GPT(cfg, tp=1)
+        model = GPT(cfg)
         padding = (model.padded_vocab - cfg.vocab_size) * cfg.d_model
         assert sum(p.numel() for p in model.parameters()) - padding == count_parameters(cfg)
 

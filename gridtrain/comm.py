@@ -1,0 +1,210 @@
+"""Collectives for model parallelism, as autograd functions in conjugate pairs, with byte counts.
+
+Tensor parallelism moves activations between the ranks of a TP group inside the
+forward pass, and the backward pass must move their gradients the opposite way:
+
+    copy_to_tp          forward: identity            backward: all-reduce
+    reduce_from_tp      forward: all-reduce          backward: identity
+    split_last_dim      forward: keep own slice      backward: all-gather last dim
+    gather_last_dim     forward: all-gather last dim backward: keep own slice
+    scatter_to_seq      forward: keep own seq slice  backward: all-gather sequence
+    gather_from_seq     forward: all-gather sequence backward: reduce-scatter sequence
+    reduce_scatter_seq  forward: reduce-scatter seq  backward: all-gather sequence
+
+Activations are ``[batch, seq, hidden]``; the sequence dimension is 1.
+
+Every collective records the bytes of its payload in the group's :class:`ByteCounter`,
+by kind and group: the full tensor being all-reduced, the gathered output of an
+all-gather, the unreduced input of a reduce-scatter, the broadcast tensor. That is the
+volume the textbook formulas count (a ring moves 2(n-1)/n of it per rank for an
+all-reduce, (n-1)/n for the others), so tests compare it with closed forms.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+class ByteCounter:
+    """Payload bytes per (kind, group name); read by tests, benchmarks and the summary."""
+
+    def __init__(self) -> None:
+        self.bytes: Counter[tuple[str, str]] = Counter()
+        self.calls: Counter[tuple[str, str]] = Counter()
+
+    def add(self, kind: str, group: str, tensor: torch.Tensor) -> None:
+        self.bytes[(kind, group)] += tensor.numel() * tensor.element_size()
+        self.calls[(kind, group)] += 1
+
+    def total(self, kind: str | None = None, group: str | None = None) -> int:
+        return sum(n for (k, g), n in self.bytes.items()
+                   if (kind is None or k == kind) and (group is None or g == group))
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+@dataclass
+class CommGroup:
+    """A process group with its name, this rank's index in it, and the byte counter.
+
+    ``group=None`` with size 1 stands for "no parallelism": every collective is then the
+    identity and nothing is counted, so layers need no special case for one rank.
+    """
+
+    name: str
+    group: dist.ProcessGroup | None = None
+    size: int = 1
+    rank: int = 0
+    counter: ByteCounter = field(default_factory=ByteCounter)
+
+    @classmethod
+    def of(cls, name: str, group: dist.ProcessGroup, counter: ByteCounter) -> "CommGroup":
+        return cls(name, group, dist.get_world_size(group), dist.get_rank(group), counter)
+
+    def global_rank(self, index: int) -> int:
+        return dist.get_global_rank(self.group, index)
+
+    # ---- plain (non-autograd) collectives, counted --------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.size > 1:
+            self.counter.add("all_reduce", self.name, tensor)
+            dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src_index: int = 0) -> torch.Tensor:
+        if self.size > 1:
+            self.counter.add("broadcast", self.name, tensor)
+            dist.broadcast(tensor, src=self.global_rank(src_index), group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        out = torch.cat(parts, dim=dim)
+        self.counter.add("all_gather", self.name, out)
+        return out
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sum over ranks, keep this rank's slice of ``dim``."""
+        if self.size == 1:
+            return tensor
+        self.counter.add("reduce_scatter", self.name, tensor)
+        parts = [p.contiguous() for p in tensor.chunk(self.size, dim=dim)]
+        out = torch.empty_like(parts[self.rank])
+        dist.reduce_scatter(out, parts, group=self.group)
+        return out
+
+    def own_slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+        return tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+
+def single(name: str = "single") -> CommGroup:
+    """The one-rank group: collectives are identities."""
+    return CommGroup(name)
+
+
+# ---- autograd mappings --------------------------------------------------------------
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad.contiguous().clone()), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return comm.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.own_slice(x, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad, -1), None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_gather(x, -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.own_slice(grad, -1), None
+
+
+class _ScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.own_slice(x, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad, 1), None
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_gather(x, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.reduce_scatter(grad, 1), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.reduce_scatter(x, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather(grad, 1), None
+
+
+def _mapped(fn):
+    def apply(x: torch.Tensor, comm: CommGroup) -> torch.Tensor:
+        return x if comm.size == 1 else fn.apply(x, comm)
+    apply.__doc__ = fn.__doc__
+    return apply
+
+
+copy_to_tp = _mapped(_CopyToTP)
+reduce_from_tp = _mapped(_ReduceFromTP)
+split_last_dim = _mapped(_SplitLastDim)
+gather_last_dim = _mapped(_GatherLastDim)
+scatter_to_seq = _mapped(_ScatterToSeq)
+gather_from_seq = _mapped(_GatherFromSeq)
+reduce_scatter_seq = _mapped(_ReduceScatterSeq)

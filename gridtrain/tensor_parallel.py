@@ -1,0 +1,349 @@
+"""Tensor parallelism, Megatron style: every transformer layer split across the TP group.
+
+* :class:`ColumnParallelLinear` splits the output features (each rank computes a slice of
+  the columns); :class:`RowParallelLinear` splits the input features and sums the partial
+  products. Attention is a column-parallel QKV (each rank owns whole heads) and a
+  row-parallel output projection; the MLP is column then row. One all-reduce in the
+  forward pass and one in the backward per pair, and none in between.
+* :class:`VocabParallelEmbedding` gives each rank a range of the (padded) vocabulary; ids
+  outside it look up zeros and the partial tables are summed.
+* :func:`vocab_parallel_cross_entropy` computes the loss from vocabulary-sharded logits
+  with three all-reduces of ``[b, s]`` numbers (max, target logit, sum of exponentials),
+  in fp32, never building the full ``[b, s, V]`` logits.
+* Sequence parallelism (``TensorParallel.sequence_parallel``) runs LayerNorm and dropout on
+  sequence shards: the all-reduce around a column/row pair becomes an all-gather before
+  the column layer and a reduce-scatter after the row layer (same bytes), and the
+  gradients of weights replicated across TP but fed by shards are all-reduced over TP.
+* :class:`RNGStatesTracker` gives dropout inside TP regions a per-rank stream.
+
+Every sharded parameter carries a :class:`ShardSpec`, so the whole-tensor initialisation,
+checkpoints and tests can move between the full tensor and any rank's shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gridtrain import comm
+from gridtrain.comm import CommGroup
+
+IGNORE_INDEX = -100
+MODEL_PARALLEL_RNG = "model-parallel"
+MODEL_PARALLEL_SEED_OFFSET = 2718  # Megatron's offset between the default and TP streams
+
+
+# ---- shards ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a parameter is split over TP: along ``dim``, part by part.
+
+    A fused tensor such as QKV holds ``parts`` tensors stacked along ``dim``; each part is
+    split separately so that rank r holds the r-th slice of Q, of K and of V (whole heads).
+    """
+
+    dim: int
+    parts: int = 1
+
+    def full_shape(self, local_shape: torch.Size, size: int) -> tuple[int, ...]:
+        shape = list(local_shape)
+        shape[self.dim] *= size
+        return tuple(shape)
+
+
+def shard(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``full``."""
+    parts = full.chunk(spec.parts, dim=spec.dim)
+    return torch.cat([p.chunk(size, dim=spec.dim)[rank] for p in parts], dim=spec.dim)
+
+
+def unshard(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """The full tensor from every rank's shard (inverse of :func:`shard`)."""
+    split = [s.chunk(spec.parts, dim=spec.dim) for s in shards]
+    return torch.cat([torch.cat([s[p] for s in split], dim=spec.dim) for p in range(spec.parts)],
+                     dim=spec.dim)
+
+
+def shard_spec(param: torch.Tensor) -> ShardSpec | None:
+    return getattr(param, "tp_spec", None)
+
+
+def is_tp_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
+    """True for a replicated parameter on any TP rank but the first: count it only once."""
+    return shard_spec(param) is None and tp_rank != 0
+
+
+# ---- RNG ------------------------------------------------------------------------------
+
+class RNGStatesTracker:
+    """Named RNG streams for regions that must draw differently per TP rank.
+
+    Dropout outside TP regions uses the default generator, seeded alike on every TP
+    rank, so replicated activations get the same mask. Inside a TP region (attention
+    probabilities of this rank's heads, or anything under sequence parallelism) ``fork``
+    swaps in this rank's own stream and swaps it back after. ``get_states``/``set_states``
+    let activation recomputation replay the exact masks.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.states: dict[str, torch.Tensor] = {}
+
+    def _get(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.cuda.get_rng_state(self.device)
+        return torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        saved = self._get()
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        self.states[name] = self._get()
+        self._set(saved)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {k: v.clone() for k, v in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        if name not in self.states:
+            yield  # no tracker stream set up (single process): the default generator
+            return
+        saved = self._get()
+        self._set(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = self._get()
+            self._set(saved)
+
+
+# ---- the TP context a model is built with ------------------------------------------------
+
+@dataclass
+class TensorParallel:
+    """What TP layers need: the group, whether sequence parallelism is on, the RNG streams."""
+
+    comm: CommGroup = field(default_factory=lambda: comm.single("tp"))
+    sequence_parallel: bool = False
+    rng: RNGStatesTracker = field(default_factory=lambda: RNGStatesTracker(torch.device("cpu")))
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """Into a column-parallel layer: full sequence, gradient summed over TP."""
+        return comm.gather_from_seq(x, self.comm) if self.sequence_parallel else comm.copy_to_tp(x, self.comm)
+
+    def leave(self, partial: torch.Tensor) -> torch.Tensor:
+        """Out of a row-parallel layer: sum partial results (keeping a sequence shard under SP)."""
+        if self.sequence_parallel:
+            return comm.reduce_scatter_seq(partial, self.comm)
+        return comm.reduce_from_tp(partial, self.comm)
+
+    def sharded_dropout(self):
+        """Dropout on sequence shards draws per rank; on replicated activations, alike."""
+        return self.rng.fork() if self.sequence_parallel else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def without_sequence_parallel(self):
+        """Run on full sequences (generation takes prompts of any length); same model."""
+        saved, self.sequence_parallel = self.sequence_parallel, False
+        try:
+            yield
+        finally:
+            self.sequence_parallel = saved
+
+
+# ---- layers -----------------------------------------------------------------------------
+
+def _param(*shape: int, spec: ShardSpec | None = None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(*shape))
+    if spec is not None:
+        p.tp_spec = spec
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A's output rows (and b) split over TP; y stays split."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, parts: int = 1):
+        super().__init__()
+        if out_features % (parts * tp.size):
+            raise ValueError(f"{out_features} output features do not split into {parts} x tp {tp.size}")
+        self.tp = tp
+        spec = ShardSpec(0, parts)
+        self.weight = _param(out_features // tp.size, in_features, spec=spec)
+        self.bias = _param(out_features // tp.size, spec=spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.tp.enter(x), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with A's input columns split over TP; x arrives split, y is summed."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel):
+        super().__init__()
+        if in_features % tp.size:
+            raise ValueError(f"{in_features} input features do not split over tp {tp.size}")
+        self.tp = tp
+        self.weight = _param(out_features, in_features // tp.size, spec=ShardSpec(1))
+        self.bias = _param(out_features)  # added once, after the sum
+        self.bias.sequence_parallel = tp.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.leave(F.linear(x, self.weight)) + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose (padded) vocabulary rows are split over TP."""
+
+    def __init__(self, padded_vocab: int, dim: int, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.rows = padded_vocab // tp.size
+        self.start = tp.rank * self.rows
+        self.weight = _param(self.rows, dim, spec=ShardSpec(0))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.leave(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+def parallel_lm_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's vocabulary slice of the logits, ``[b, s, padded_vocab / tp]``."""
+    return F.linear(tp.enter(x), weight)
+
+
+def gather_logits(logits: torch.Tensor, vocab_size: int, tp: TensorParallel) -> torch.Tensor:
+    """Full logits without padding columns (for sampling; training never builds them)."""
+    return comm.gather_last_dim(logits, tp.comm)[..., :vocab_size]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy from vocabulary-sharded fp32 logits.
+
+    loss = log(sum_v exp(z_v - m)) - (z_target - m) with m the global max; each term is a
+    local reduction followed by one all-reduce. Padding columns (global index >= vocab)
+    are set to -inf first, so they contribute nothing and get no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_size, tp_comm):
+        rows = logits.shape[-1]
+        start = tp_comm.rank * rows
+        logits = logits.clone()
+        if start + rows > vocab_size:
+            logits[..., max(0, vocab_size - start):] = float("-inf")
+        logits_max = logits.max(dim=-1).values
+        tp_comm.all_reduce(logits_max, op=torch.distributed.ReduceOp.MAX)
+        logits.sub_(logits_max.unsqueeze(-1))
+        local_target = labels - start
+        mine = (local_target >= 0) & (local_target < rows) & (labels != IGNORE_INDEX)
+        index = local_target.masked_fill(~mine, 0).unsqueeze(-1)
+        target_logit = logits.gather(-1, index).squeeze(-1).masked_fill(~mine, 0.0)
+        tp_comm.all_reduce(target_logit)
+        exp = logits.exp_()
+        sum_exp = exp.sum(dim=-1)
+        tp_comm.all_reduce(sum_exp)
+        ignored = labels == IGNORE_INDEX
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, index, mine, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, index, mine, ignored = ctx.saved_tensors
+        grad = softmax  # reused in place: backward runs once
+        grad.scatter_add_(-1, index, -mine.unsqueeze(-1).to(grad.dtype))
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                                 tp: TensorParallel) -> torch.Tensor:
+    """Per-token fp32 losses ``[b, s]`` (0 where the label is IGNORE_INDEX)."""
+    if tp.size == 1:
+        losses = F.cross_entropy(logits[..., :vocab_size].float().flatten(0, 1), labels.flatten(),
+                                 ignore_index=IGNORE_INDEX, reduction="none")
+        return losses.view_as(labels)
+    return _VocabParallelCrossEntropy.apply(logits.float(), labels, vocab_size, tp.comm)
+
+
+# ---- after backward ------------------------------------------------------------------------
+
+def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel) -> None:
+    """Sum over TP the gradients of replicated weights that saw only a sequence shard.
+
+    Under sequence parallelism LayerNorm, the row-parallel biases and the position
+    embedding each see 1/tp of the tokens on each rank, so each rank holds a partial
+    gradient; their sum is the gradient of the whole sequence.
+    """
+    if not tp.sequence_parallel or tp.size == 1:
+        return
+    grads = [p.grad for p in model.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    tp.comm.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+def broadcast_batches(batches: list[dict[str, torch.Tensor]] | None, n: int, tp: TensorParallel,
+                      device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """The TP group's first rank reads the step's micro-batches; the others receive them.
+
+    Keys, shapes and dtypes travel first as a small object broadcast, then one tensor
+    per key holding all ``n`` micro-batches stacked (as Megatron's broadcast_data does).
+    """
+    if tp.size == 1:
+        return batches
+    src = tp.rank == 0
+    meta = [None]
+    if src:
+        meta[0] = {k: (tuple(v.shape), v.dtype) for k, v in batches[0].items()}
+    torch.distributed.broadcast_object_list(meta, src=tp.comm.global_rank(0), group=tp.comm.group,
+                                            device=device if device.type == "cuda" else None)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    for key, (shape, dtype) in sorted(meta[0].items()):
+        stacked = (torch.stack([b[key] for b in batches]).to(device) if src
+                   else torch.empty((n, *shape), dtype=dtype, device=device))
+        tp.comm.broadcast(stacked)
+        for i in range(n):
+            out[i][key] = stacked[i]
+    return out
