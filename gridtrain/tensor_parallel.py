@@ -249,7 +249,7 @@ def gather_logits(logits: torch.Tensor, vocab_size: int, tp: TensorParallel) -> 
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross entropy from vocabulary-sharded fp32 logits.
+    """Per-token cross entropy from vocabulary-sharded logits (fp32 or fp64).
 
     loss = log(sum_v exp(z_v - m)) - (z_target - m) with m the global max; each term is a
     local reduction followed by one all-reduce. Padding columns (global index >= vocab)
@@ -291,12 +291,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                                  tp: TensorParallel) -> torch.Tensor:
-    """Per-token fp32 losses ``[b, s]`` (0 where the label is IGNORE_INDEX)."""
+    """Per-token losses ``[b, s]`` (0 where the label is IGNORE_INDEX), in fp32 or wider."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if tp.size == 1:
-        losses = F.cross_entropy(logits[..., :vocab_size].float().flatten(0, 1), labels.flatten(),
+        losses = F.cross_entropy(logits[..., :vocab_size].flatten(0, 1), labels.flatten(),
                                  ignore_index=IGNORE_INDEX, reduction="none")
         return losses.view_as(labels)
-    return _VocabParallelCrossEntropy.apply(logits.float(), labels, vocab_size, tp.comm)
+    return _VocabParallelCrossEntropy.apply(logits, labels, vocab_size, tp.comm)
 
 
 # ---- after backward ------------------------------------------------------------------------
