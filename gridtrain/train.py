@@ -61,6 +61,7 @@ class TrainResult:
     valid_loss: float | None = None
     tokens_per_s: float = 0.0
     model: nn.Module | None = None
+    step_bytes: list[dict[str, int]] = field(default_factory=list)  # "kind/group" -> bytes
 
 
 def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config], Datasets],
@@ -87,9 +88,12 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         lr = lr_at(step, t)
         set_lr(optimizer, lr)
         began = time.perf_counter()
+        bytes_before = dict(ctx.bytes.bytes)
         batches = read_micro_batches(data.train, sampler, step, ctx)
         loss, grad_norm, step_tokens = train_step(model, optimizer, batches, forward_step, ctx, t.grad_clip)
         elapsed = time.perf_counter() - began
+        moved = {f"{k}/{g}": n - bytes_before.get((k, g), 0) for (k, g), n in ctx.bytes.bytes.items()}
+        result.step_bytes.append({k: n for k, n in moved.items() if n})
         tokens_seen += step_tokens
         record = StepRecord(step=step + 1, loss=loss, grad_norm=grad_norm, lr=lr,
                             tokens=tokens_seen, step_time_s=elapsed,
@@ -97,10 +101,10 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         stats.records.append(record)
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
-        extra = None
+        extra = {"comm_bytes": _bytes_by_group(result.step_bytes[-1])}
         if data.valid is not None and t.eval_interval and (step + 1) % t.eval_interval == 0:
             result.valid_loss = evaluate(model, data.valid, forward_step, ctx, cfg)
-            extra = {"valid_loss": result.valid_loss}
+            extra["valid_loss"] = result.valid_loss
             log.print(f"step {step + 1}: train loss {loss:.4f}, valid loss {result.valid_loss:.4f}")
         log.step(record, extra)
         if t.save and t.save_interval and (step + 1) % t.save_interval == 0:
@@ -182,6 +186,15 @@ def _global_token_count(batches: list[Batch], ctx: DistributedContext) -> int:
     if int(count) == 0:
         raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
     return int(count)
+
+
+def _bytes_by_group(moved: dict[str, int]) -> dict[str, int]:
+    """Payload bytes this step per group (tp, dp, ...), summed over collective kinds."""
+    out: dict[str, int] = {}
+    for key, n in moved.items():
+        group = key.split("/", 1)[1]
+        out[group] = out.get(group, 0) + n
+    return out
 
 
 def _to_device(batch: Batch, device: torch.device) -> Batch:

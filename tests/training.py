@@ -30,7 +30,7 @@ def summarize(result: TrainResult) -> dict:
     """Picklable record of a run: per-step losses and grad norms, final weights in fp64."""
     state = {k: v.detach().double().cpu().numpy() for k, v in result.model.state_dict().items()}
     return {"losses": result.losses, "grad_norms": result.grad_norms,
-            "valid_loss": result.valid_loss, "state": state}
+            "valid_loss": result.valid_loss, "state": state, "step_bytes": result.step_bytes}
 
 
 def _train_worker(rank: int, world_size: int, cfg: Config) -> dict:
@@ -56,12 +56,24 @@ def relative_difference(a, b) -> float:
     return float(np.abs(a - b).max() / scale)
 
 
-def assert_same_training(run: dict, reference: dict, rtol: float) -> None:
-    """Per-step losses and every final weight agree with the reference within ``rtol``."""
+# In fp32, weights drift further apart than losses: some gradients are zero in exact
+# arithmetic (the key bias: softmax ignores a constant added to every score), so in
+# floating point they are pure rounding noise, and Adam divides by that noise's own size,
+# turning it into updates of about lr * g / (|g| + eps). Different summation orders
+# (threads, TP partial sums) give different noise. fp64 noise is far below Adam's eps.
+FP32_WEIGHT_RTOL = 1e-3
+
+
+def assert_same_training(run: dict, reference: dict, rtol: float, weight_rtol: float | None = None) -> None:
+    """Per-step losses and grad norms within ``rtol``; every final weight within
+    ``weight_rtol`` (default ``rtol``), relative to the largest entry of the tensor."""
+    weight_rtol = rtol if weight_rtol is None else weight_rtol
     assert len(run["losses"]) == len(reference["losses"])
     for step, (x, y) in enumerate(zip(run["losses"], reference["losses"]), 1):
         assert abs(x - y) <= rtol * abs(y), f"step {step}: loss {x!r} vs reference {y!r}"
+    for step, (x, y) in enumerate(zip(run["grad_norms"], reference["grad_norms"]), 1):
+        assert abs(x - y) <= rtol * abs(y), f"step {step}: grad norm {x!r} vs reference {y!r}"
     assert run["state"].keys() == reference["state"].keys()
     for name, value in run["state"].items():
         diff = relative_difference(value, reference["state"][name])
-        assert diff <= rtol, f"{name}: relative difference {diff:.3g} > {rtol:g}"
+        assert diff <= weight_rtol, f"{name}: relative difference {diff:.3g} > {weight_rtol:g}"

@@ -1,0 +1,1 @@
+"""Benchmarks for gridtrain; run each module as a script (see benchmarks/README.md)."""

@@ -1,0 +1,168 @@
+"""Tensor parallelism: shards as data, the RNG tracker, parity with one process, bytes moved."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gridtrain.comm import CommGroup
+from gridtrain.config import Config
+from gridtrain.model import GPT
+from gridtrain.tensor_parallel import (MODEL_PARALLEL_RNG, RNGStatesTracker, ShardSpec, TensorParallel, shard,
+                                       shard_spec, unshard)
+from tests.training import FP32_WEIGHT_RTOL, assert_same_training, tiny_config, train_in_process, train_layout
+
+# ---- shards and RNG as data (no processes) -------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,shape", [(ShardSpec(0), (8, 3)), (ShardSpec(1), (3, 8)),
+                                        (ShardSpec(0, parts=3), (12, 5)), (ShardSpec(0), (8,))])
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_shard_then_unshard_is_the_identity(spec, shape, size):
+    full = torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape)
+    shards = [shard(full, spec, r, size) for r in range(size)]
+    assert all(s.shape == shards[0].shape for s in shards)
+    assert spec.full_shape(shards[0].shape, size) == shape
+    torch.testing.assert_close(unshard(shards, spec), full, rtol=0, atol=0)
+
+
+def test_fused_qkv_shards_hold_whole_heads_of_q_k_and_v():
+    """Rank r of a [q; k; v] weight gets rows of q, k and v for the same heads."""
+    d, tp = 8, 2
+    full = torch.cat([torch.full((d, 1), float(i)) for i in range(3)])  # q rows 0, k rows 1, v rows 2
+    full = full + torch.arange(3 * d).unsqueeze(1) % d / 100  # row index within q/k/v
+    local = shard(full, ShardSpec(0, parts=3), rank=1, size=tp)
+    q, k, v = local.chunk(3)
+    for part, tensor in enumerate((q, k, v)):
+        assert (tensor.floor() == part).all()
+        assert torch.allclose(tensor - part, torch.arange(d // tp, d).unsqueeze(1) / 100)
+
+
+def test_rng_tracker_forks_a_separate_stream_and_replays_it():
+    tracker = RNGStatesTracker(torch.device("cpu"))
+    torch.manual_seed(0)
+    tracker.add(MODEL_PARALLEL_RNG, 123)
+    default_before = torch.get_rng_state()
+    saved = tracker.get_states()
+    with tracker.fork():
+        a = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), default_before)  # default stream untouched
+    with tracker.fork():
+        b = torch.rand(4)
+    assert not torch.equal(a, b)  # the stream advanced
+    tracker.set_states(saved)
+    with tracker.fork():
+        torch.testing.assert_close(torch.rand(4), a)  # replayed
+    with pytest.raises(ValueError, match="already exists"):
+        tracker.add(MODEL_PARALLEL_RNG, 1)
+
+
+def _fake_tp(size: int, rank: int) -> TensorParallel:
+    """Layers only need the size and rank to shape themselves; no process group."""
+    return TensorParallel(CommGroup("tp", None, size=size, rank=rank))
+
+
+def test_tp_layers_have_megatron_shapes():
+    cfg = tiny_config().model
+    model = GPT(cfg, tp=_fake_tp(4, 2))
+    h, f = cfg.d_model, cfg.ffn_size
+    block = model.blocks["0"]
+    assert block.attn.qkv.weight.shape == (3 * h // 4, h) and block.attn.local_heads == cfg.n_head // 4
+    assert block.attn.proj.weight.shape == (h, h // 4) and block.attn.proj.bias.shape == (h,)
+    assert block.mlp.fc.weight.shape == (f // 4, h) and block.mlp.proj.weight.shape == (h, f // 4)
+    assert model.padded_vocab == 512 and model.embedding.word.weight.shape == (128, h)
+    assert model.embedding.word.start == 256  # rank 2 owns rows 256..383: one real row, 127 padding
+
+
+# ---- parity with one process (real gloo processes) ------------------------------------------
+
+
+def _parity_config(tp: int, sequence_parallel: bool, dtype: str) -> Config:
+    cfg = tiny_config(dtype=dtype)
+    cfg.parallel.tp, cfg.parallel.sequence_parallel = tp, sequence_parallel
+    assert cfg.model.vocab_size == 257  # bytes + end-of-text: no TP size divides it
+    return cfg
+
+
+def _reference_shards(reference: dict, cfg: Config, tp: int, rank: int) -> dict[str, np.ndarray]:
+    """The single-process weights cut the way TP rank ``rank`` holds them (padding zero-filled)."""
+    layout = dict(GPT(cfg.model, tp=_fake_tp(tp, rank)).named_parameters())
+    out = {}
+    for name, value in reference["state"].items():
+        spec = shard_spec(layout[name])
+        full = torch.from_numpy(value)
+        if spec is None:
+            out[name] = value
+            continue
+        full_shape = spec.full_shape(layout[name].shape, tp)
+        padded = torch.zeros(full_shape, dtype=full.dtype)
+        padded[tuple(slice(0, n) for n in full.shape)] = full
+        out[name] = shard(padded, spec, rank, tp).numpy()
+    return out
+
+
+PARITY = [(2, False, "fp64"), (2, True, "fp64"), (4, False, "fp64"), (4, True, "fp64"),
+          (2, True, "fp32"), (4, False, "fp32")]
+
+
+@pytest.mark.parametrize("tp,sequence_parallel,dtype", PARITY)
+def test_tensor_parallel_trains_the_single_process_model(tp, sequence_parallel, dtype):
+    """DESIGN.md invariant: same losses and grad norms (fp64 within 1e-9, fp32 within 1e-5)
+    and, on every rank, shards equal to the slices of the single-process weights (fp64
+    within 1e-9; fp32 see FP32_WEIGHT_RTOL)."""
+    rtol, weight_rtol = (1e-9, 1e-9) if dtype == "fp64" else (1e-5, FP32_WEIGHT_RTOL)
+    cfg = _parity_config(tp, sequence_parallel, dtype)
+    reference = train_in_process(tiny_config(dtype=dtype))
+    runs = train_layout(cfg, tp)
+    for rank, run in enumerate(runs):
+        expected = dict(reference, state=_reference_shards(reference, cfg, tp, rank))
+        assert_same_training(run, expected, rtol, weight_rtol)
+
+
+# ---- bytes moved --------------------------------------------------------------------------
+
+
+def expected_tp_bytes(cfg: Config, sequence_parallel: bool, element_size: int) -> dict[str, int]:
+    """Analytic TP payload of one training step (see comm.py for what a payload is).
+
+    Per micro-batch of b sequences of s tokens, hidden h, L layers:
+    without SP, 2 all-reduces of s*b*h per layer forward (attention and MLP outputs) and
+    2 backward (their inputs), plus one each for the embedding (forward) and the LM head's
+    input (backward); with SP the same volume as all-gathers and reduce-scatters. The
+    vocab-parallel cross entropy adds 3 all-reduces of b*s numbers. Under SP the gradients
+    of replicated weights fed by shards are all-reduced once per step. The first TP rank
+    broadcasts tokens and labels (int64).
+    """
+    m, t = cfg.model, cfg.training
+    b, s, h, L = t.micro_batch_size, m.seq_len, m.d_model, m.n_layer
+    n_micro = t.global_batch_size // t.micro_batch_size  # dp = 1
+    activation = (2 * L + 1) * b * s * h * element_size  # one direction, one micro-batch
+    ce = 3 * b * s * element_size
+    out = {"broadcast/tp": n_micro * 2 * b * s * 8}
+    if sequence_parallel:
+        sp_grads = (L * (2 * 2 * h + 2 * h) + 2 * h + m.seq_len * h) * element_size  # LN, row biases, final LN, positions
+        out["all_gather/tp"] = n_micro * 2 * activation
+        out["reduce_scatter/tp"] = n_micro * 2 * activation
+        out["all_reduce/tp"] = n_micro * ce + sp_grads
+    else:
+        out["all_reduce/tp"] = n_micro * (2 * activation + ce)
+    return out
+
+
+def _tp_bytes(step_bytes: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in step_bytes.items() if k.endswith("/tp")}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp_traffic_of_a_step_equals_the_analytic_count(sequence_parallel):
+    cfg = _parity_config(2, sequence_parallel, "fp64")
+    cfg.training.steps = 2
+    runs = train_layout(cfg, 2)
+    expected = expected_tp_bytes(cfg, sequence_parallel, element_size=8)
+    for run in runs:
+        for step_bytes in run["step_bytes"]:
+            assert _tp_bytes(step_bytes) == expected
+    if sequence_parallel:  # same activation volume as the all-reduces without SP
+        plain = expected_tp_bytes(cfg, False, 8)["all_reduce/tp"] - 2 * 3 * 4 * 64 * 8
+        assert expected["all_gather/tp"] + expected["reduce_scatter/tp"] == 2 * plain
