@@ -3,7 +3,7 @@
 Layout of a save directory::
 
     DIR/latest                           name of the newest complete step directory
-    DIR/step_0000200/model.safetensors   whole (unsharded) weights by global parameter name
+    DIR/step_0000200/model.safetensors   whole weights by global name, no vocabulary padding
     DIR/step_0000200/trainer.pt          optimizer state by parameter name, every rank's RNG
     DIR/step_0000200/meta.json           step, full config
 
@@ -59,17 +59,24 @@ def _tp_of(ctx) -> TensorParallel:
 
 
 def _full(local: torch.Tensor, param: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """The whole tensor of which ``local`` is this rank's shard (shaped like ``param``)."""
+    """The whole tensor of which ``local`` is this rank's shard (shaped like ``param``),
+    without vocabulary padding rows (their number depends on the layout)."""
     spec = shard_spec(param)
     if spec is None or tp.size == 1:
-        return local.detach().cpu()
-    parts = [torch.empty_like(local) for _ in range(tp.size)]
-    dist.all_gather(parts, local.detach().contiguous(), group=tp.comm.group)
-    return unshard([p.cpu() for p in parts], spec)
+        full = local.detach().cpu()
+    else:
+        parts = [torch.empty_like(local) for _ in range(tp.size)]
+        dist.all_gather(parts, local.detach().contiguous(), group=tp.comm.group)
+        full = unshard([p.cpu() for p in parts], spec)
+    return full[: getattr(param, "vocab_rows", full.shape[0])]
 
 
 def _local(full: torch.Tensor, param: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's shard of a saved whole tensor, re-padded to this layout's vocabulary."""
     spec = shard_spec(param)
+    padded_rows = spec.full_shape(param.shape, tp.size)[0] if spec is not None else param.shape[0]
+    if hasattr(param, "vocab_rows") and full.shape[0] < padded_rows:
+        full = torch.cat([full, full.new_zeros((padded_rows - full.shape[0], *full.shape[1:]))])
     return full if spec is None or tp.size == 1 else shard(full, spec, tp.rank, tp.size)
 
 
