@@ -14,8 +14,8 @@ on two gloo processes in two ways, alternating inside the same two processes:
   ``RowwiseParallel`` (vocabulary-sharded, as gridtrain's), the LM head
   ``ColwiseParallel(output_layouts=Shard(-1))`` with the cross entropy computed under
   ``loss_parallel()``. The LM head is tied to the token embedding, as in gridtrain.
-* optionally the same DTensor model with one ``PrepareModuleInput`` on each attention
-  module (``--dtensor-variants``), so the three q/k/v input gradients are summed before a
+* the same DTensor model with one ``PrepareModuleInput`` on each attention module (skip
+  with ``--no-variant``), so that the three q/k/v input gradients are summed before a
   single all-reduce instead of one all-reduce each;
 * two one-process references without TP on rank 0 (all cores, the other rank idle in a
   barrier): gridtrain's GPT and the plain GPT.
@@ -312,7 +312,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
         return Setup(name, model, lambda: F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()))
 
     setups.append(dtensor_setup("DTensor tp=2", prep=False))
-    if opts["dtensor_variants"]:
+    if opts["dtensor_variant"]:
         setups.append(dtensor_setup("DTensor tp=2, attn PrepareModuleInput", prep=True))
 
     # one-process references, computed on rank 0 with every core while rank 1 waits
@@ -359,6 +359,16 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
             run_block(s, opts["warmup"] - 1)
         run_block(s, 1, count_bytes=True)
 
+    # the cost of one all-reduce of a [b, s, d] activation on this group, for the reading
+    x = torch.randn(opts["batch"], m.seq_len, m.d_model)
+    samples = []
+    for _ in range(30):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        samples.append(time.perf_counter() - t0)
+    allreduce_s = statistics.median(samples)
+
     # timed: interleaved, order reversed every other repeat
     for r in range(opts["repeats"]):
         for s in (setups if r % 2 == 0 else setups[::-1]):
@@ -378,6 +388,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
         "notes": notes,
         "padded_vocab": gt.padded_vocab,
         "threads_per_rank": base_threads,
+        "allreduce_s": allreduce_s,
     }
 
 
@@ -412,8 +423,7 @@ def _fmt_calls(calls: dict[str, int]) -> str:
 def report(result: dict, opts: dict, wall_s: float) -> str:
     tokens = opts["batch"] * opts["seq_len"]
     rows = result["setups"]
-    med = {r["name"]: statistics.median(r["times"]) for r in rows}
-    dt_name = next(r["name"] for r in rows if r["name"].startswith("DTensor tp=2"))
+    dt = next(r for r in rows if r["name"].startswith("DTensor tp=2"))
     lines = [
         f"shape: {opts['n_layer']} layers, d_model {opts['d_model']}, {opts['n_head']} heads, "
         f"seq {opts['seq_len']}, vocab 257 (padded to {result['padded_vocab']} at tp=2), "
@@ -422,16 +432,18 @@ def report(result: dict, opts: dict, wall_s: float) -> str:
         f"tp=2 ranks use {result['threads_per_rank']} thread(s) each, one-process references "
         f"{os.cpu_count()}",
         f"timing: {opts['warmup']} warm-up steps, then {opts['repeats']} repeats x {opts['steps']} steps "
-        "per setup, interleaved; medians over repeats",
+        "per setup, interleaved (order reversed every other repeat); medians over repeats",
         "",
-        f"| setup | tokens/s | step ms | fwd / bwd / AdamW ms | vs {dt_name} |",
-        "| --- | ---: | ---: | --- | ---: |",
+        f"| setup | tokens/s | step ms | best step ms | fwd / bwd / AdamW ms | vs {dt['name']} |",
+        "| --- | ---: | ---: | ---: | --- | ---: |",
     ]
     for r in rows:
-        t = med[r["name"]]
+        t = statistics.median(r["times"])
         ph = [statistics.median(p[i] for p in r["phases"]) * 1e3 for i in range(3)]
-        lines.append(f"| {r['name']} | {tokens / t:,.0f} | {t * 1e3:.1f} | "
-                     f"{ph[0]:.1f} / {ph[1]:.1f} / {ph[2]:.1f} | {med[dt_name] / t:.2f}x |")
+        # tokens/s ratio against DTensor, paired within each repeat (adjacent in time), median
+        ratio = statistics.median(d / x for d, x in zip(dt["times"], r["times"]))
+        lines.append(f"| {r['name']} | {tokens / t:,.0f} | {t * 1e3:.1f} | {min(r['times']) * 1e3:.1f} | "
+                     f"{ph[0]:.1f} / {ph[1]:.1f} / {ph[2]:.1f} | {ratio:.2f}x |")
     lines.append("")
     lines.append("tokens/s per repeat:")
     for r in rows:
@@ -446,11 +458,11 @@ def report(result: dict, opts: dict, wall_s: float) -> str:
         if r["bytes_per_step"] is not None:
             lines.append(f"{r['name']} bytes/step (functional collectives, same convention): "
                          f"{r['bytes_per_step']:,}; {_fmt_calls(r['calls_per_step'])}")
+    act = opts["batch"] * opts["seq_len"] * opts["d_model"] * 4
+    lines.append(f"one gloo all-reduce of a [b, s, d] activation ({act / 2**20:.2f} MiB): "
+                 f"{result['allreduce_s'] * 1e3:.2f} ms (median of 30, after a barrier)")
     ref = gt_row["losses"]
-    diffs = []
-    for r in rows[1:]:
-        d = max(abs(a - b) for a, b in zip(ref, r["losses"]))
-        diffs.append(f"{r['name']} {d:.1e}")
+    diffs = [f"{r['name']} {max(abs(a - b) for a, b in zip(ref, r['losses'])):.1e}" for r in rows[1:]]
     lines.append(f"loss check: {len(ref)} steps on each setup, step-1 loss {ref[0]:.4f}, last {ref[-1]:.4f}; "
                  "largest |loss - gridtrain tp=2 loss|: " + ", ".join(diffs))
     for note in result["notes"]:
@@ -468,14 +480,14 @@ def parse_args(argv: list[str] | None = None) -> dict:
     p.add_argument("--n-head", type=int, default=small.n_head)
     p.add_argument("--seq-len", type=int, default=small.seq_len)
     p.add_argument("--batch", type=int, default=8, help="sequences per step (one micro-batch)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per repeat and setup")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per repeat and setup")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per setup before timing")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--loss", choices=("parallel", "replicated"), default="parallel",
                    help="DTensor loss: loss_parallel() on vocab-sharded logits, or all-gathered logits")
-    p.add_argument("--dtensor-variants", action="store_true",
-                   help="also time DTensor with PrepareModuleInput on each attention module")
+    p.add_argument("--no-variant", dest="dtensor_variant", action="store_false",
+                   help="skip the DTensor variant with PrepareModuleInput on each attention module")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the one-process references")
     p.add_argument("--timeout", type=float, default=1800.0, help="collective timeout, seconds")
