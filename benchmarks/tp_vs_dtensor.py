@@ -288,6 +288,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
     def make_dtensor(lp: bool, prep: bool) -> PlainGPT:
         whole = GPT(replace(m, vocab_pad_multiple=m.vocab_pad_multiple * TP))  # same padding, one rank
         init_parameters(whole, opts["seed"])
+        assert whole.padded_vocab == gt.padded_vocab
         model = plain_from_gridtrain(whole)
         parallelize_dtensor(model, mesh, loss_parallel=lp, prepare_attn_input=prep)
         return model
@@ -317,11 +318,10 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
 
     # one-process references, computed on rank 0 with every core while rank 1 waits
     if opts["reference"]:
-        ref_cfg = m
-        ref_gt = GPT(ref_cfg)
+        ref_gt = GPT(m)  # padded vocabulary of one rank (320 for 257), masked like the others
         init_parameters(ref_gt, opts["seed"])
         ref_plain = plain_from_gridtrain(ref_gt)
-        cores = os.cpu_count() or 1
+        cores = opts["ref_threads"] or os.cpu_count() or 1
         setups.append(Setup("gridtrain 1 process", ref_gt, lambda: ref_gt(tokens, labels).mean(),
                             active=rank == 0, threads=cores))
         setups.append(Setup("plain PyTorch 1 process", ref_plain,
@@ -430,7 +430,8 @@ def report(result: dict, opts: dict, wall_s: float) -> str:
         f"batch {opts['batch']} sequences = {tokens} tokens/step, fp32",
         f"machine: {os.cpu_count()} CPU cores, gloo, torch {torch.__version__}; "
         f"tp=2 ranks use {result['threads_per_rank']} thread(s) each, one-process references "
-        f"{os.cpu_count()}",
+        f"{opts['ref_threads'] or os.cpu_count()}; 1-min load average at start / end "
+        f"{result['load'][0]:.1f} / {result['load'][1]:.1f}",
         f"timing: {opts['warmup']} warm-up steps, then {opts['repeats']} repeats x {opts['steps']} steps "
         "per setup, interleaved (order reversed every other repeat); medians over repeats",
         "",
@@ -482,7 +483,7 @@ def parse_args(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=8, help="sequences per step (one micro-batch)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per repeat and setup")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per setup before timing")
-    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--loss", choices=("parallel", "replicated"), default="parallel",
                    help="DTensor loss: loss_parallel() on vocab-sharded logits, or all-gathered logits")
@@ -490,6 +491,8 @@ def parse_args(argv: list[str] | None = None) -> dict:
                    help="skip the DTensor variant with PrepareModuleInput on each attention module")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the one-process references")
+    p.add_argument("--ref-threads", type=int, default=0,
+                   help="torch threads of the one-process references (0: every core)")
     p.add_argument("--timeout", type=float, default=1800.0, help="collective timeout, seconds")
     opts = vars(p.parse_args(argv))
     if opts["warmup"] < 1 or opts["steps"] < 1 or opts["repeats"] < 1:
@@ -505,7 +508,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tp_vs_dtensor: error: {e}", file=sys.stderr)
         return 2
     began = time.perf_counter()
+    load_before = os.getloadavg()[0]
     result = run_workers(_worker, TP, (opts,), collective_timeout_s=opts["timeout"])[0]
+    result["load"] = (load_before, os.getloadavg()[0])
     print(report(result, opts, time.perf_counter() - began))
     return 0
 

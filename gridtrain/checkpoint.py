@@ -65,9 +65,7 @@ def _full(local: torch.Tensor, param: torch.Tensor, tp: TensorParallel) -> torch
     if spec is None or tp.size == 1:
         full = local.detach().cpu()
     else:
-        parts = [torch.empty_like(local) for _ in range(tp.size)]
-        dist.all_gather(parts, local.detach().contiguous(), group=tp.comm.group)
-        full = unshard([p.cpu() for p in parts], spec)
+        full = unshard([p.cpu() for p in tp.comm.all_gather_list(local.detach())], spec)
     return full[: getattr(param, "vocab_rows", full.shape[0])]
 
 

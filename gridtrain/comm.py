@@ -36,8 +36,8 @@ class ByteCounter:
         self.bytes: Counter[tuple[str, str]] = Counter()
         self.calls: Counter[tuple[str, str]] = Counter()
 
-    def add(self, kind: str, group: str, tensor: torch.Tensor) -> None:
-        self.bytes[(kind, group)] += tensor.numel() * tensor.element_size()
+    def add(self, kind: str, group: str, tensor: torch.Tensor, copies: int = 1) -> None:
+        self.bytes[(kind, group)] += copies * tensor.numel() * tensor.element_size()
         self.calls[(kind, group)] += 1
 
     def total(self, kind: str | None = None, group: str | None = None) -> int:
@@ -84,16 +84,19 @@ class CommGroup:
             dist.broadcast(tensor, src=self.global_rank(src_index), group=self.group)
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
+    def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor``, in rank order."""
         if self.size == 1:
-            return tensor
+            return [tensor]
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor, group=self.group)
-        out = torch.cat(parts, dim=dim)
-        self.counter.add("all_gather", self.name, out)
-        return out
+        self.counter.add("all_gather", self.name, tensor, copies=self.size)
+        return parts
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
+        return torch.cat(self.all_gather_list(tensor), dim=dim) if self.size > 1 else tensor
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Sum over ranks, keep this rank's slice of ``dim``."""

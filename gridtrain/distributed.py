@@ -35,6 +35,7 @@ class DistributedContext:
     dtype: str  # the run's --dtype
     tp: TensorParallel  # the TP group, sequence parallelism, RNG streams
     dp: CommGroup
+    mp: CommGroup  # model parallel: TP x PP, over which the gradient norm is summed
     bytes: ByteCounter  # every counted collective of this rank
 
     @property
@@ -104,7 +105,8 @@ def setup_distributed(cfg: Config) -> DistributedContext:
                         sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng)
     return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
                               dtype=cfg.training.dtype, tp=tp,
-                              dp=CommGroup.of("dp", groups.dp, counter), bytes=counter)
+                              dp=CommGroup.of("dp", groups.dp, counter),
+                              mp=CommGroup.of("mp", groups.mp, counter), bytes=counter)
 
 
 def shutdown() -> None:

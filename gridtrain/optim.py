@@ -11,9 +11,9 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from gridtrain.comm import CommGroup
 from gridtrain.config import TrainingConfig
 
 
@@ -56,8 +56,7 @@ def grad_norm_squared(params: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
-                   group: dist.ProcessGroup | None = None,
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group: CommGroup | None = None,
                    norm_params: list[torch.Tensor] | None = None) -> float:
     """Clip ``params`` to a global norm; returns the norm before clipping.
 
@@ -67,8 +66,8 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
     ``norm_params`` on one rank only, so that nothing is counted twice.
     """
     total_sq = grad_norm_squared(params if norm_params is None else norm_params)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total_sq, group=group)
+    if group is not None:
+        group.all_reduce(total_sq)
     norm = float(total_sq.sqrt())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         grads = [p.grad for p in params if p.grad is not None]

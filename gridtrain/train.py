@@ -139,7 +139,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list
     allreduce_sequence_parallel_grads(model, ctx.tp)
     allreduce_gradients(params, ctx.dp)
     counted_once = [p for p in params if not is_tp_duplicate(p, ctx.tp.rank)]
-    grad_norm = clip_grad_norm(params, grad_clip, ctx.groups.mp, norm_params=counted_once)
+    grad_norm = clip_grad_norm(params, grad_clip, ctx.mp, norm_params=counted_once)
     optimizer.step()
     ctx.dp.all_reduce(loss_sum)
     step_tokens = sum(b["labels"].numel() for b in batches) * ctx.grid.dp
@@ -197,6 +197,13 @@ def _bytes_by_group(moved: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def _format_bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
 def _to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -229,6 +236,10 @@ def _print_summary(log: MetricsLogger, stats: RunStats, result: TrainResult, dat
         f"MFU n/a (no known peak for {ctx.device.type}; pass --peak-tflops)"
     log.print(f"throughput: {tps:,.0f} tokens/s, {tflops:.4f} TFLOP/s per device "
               f"({stats.flops_per_token / 1e6:.2f} MFLOP per token), {mfu}")
+    moved = _bytes_by_group(result.step_bytes[-1]) if result.step_bytes else {}
+    if moved:
+        log.print("communication per step (payload bytes, this rank): " +
+                  ", ".join(f"{g} {_format_bytes(n)}" for g, n in sorted(moved.items())))
     log.print(f"final train loss {result.losses[-1]:.4f} {data.loss_unit}")
     if result.valid_loss is not None:
         ref = "" if data.reference_loss is None else \
