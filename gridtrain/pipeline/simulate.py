@@ -1,0 +1,109 @@
+"""Timelines from schedules: when each action of each stage would run, given its cost.
+
+The simulator reads the same action lists the runtime executes. A compute action starts
+when its stage is free and its input exists: a forward needs the previous virtual
+stage's forward of the same micro-batch (plus the transfer latency), a backward needs
+the next virtual stage's backward (or, on the last virtual stage, its own forward), a
+weight-gradient step needs its own backward. Communication actions take no stage time;
+their cost is the latency on the dependency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gridtrain.pipeline.schedules import B, COMPUTE, F, W, Action, virtual_stage
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of one micro-batch through one chunk. ``b`` is the input-gradient part of the
+    backward and ``w`` the weight-gradient part; a schedule without W actions runs both
+    in its B."""
+
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+    latency: float = 0.0
+
+
+@dataclass
+class Interval:
+    stage: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    intervals: list[Interval] = field(default_factory=list)
+    num_stages: int = 0
+
+    @property
+    def makespan(self) -> float:
+        return max(i.end for i in self.intervals) - min(i.start for i in self.intervals)
+
+    def busy(self, stage: int) -> float:
+        return sum(i.end - i.start for i in self.intervals if i.stage == stage)
+
+    def idle_fraction(self) -> float:
+        """Idle stage-time over all stage-time, from the first action to the last."""
+        total = self.num_stages * self.makespan
+        return 1.0 - sum(self.busy(s) for s in range(self.num_stages)) / total
+
+    def stage_idle_fraction(self, stage: int) -> float:
+        return 1.0 - self.busy(stage) / self.makespan
+
+
+class DeadlockError(RuntimeError):
+    """The compute orders wait on each other in a cycle."""
+
+
+def simulate(schedule: list[list[Action]], costs: Costs = Costs(), chunks: int = 1) -> Timeline:
+    p = len(schedule)
+    last_virtual = p * chunks - 1
+    split = any(a.kind == W for stage in schedule for a in stage)
+    duration = {F: costs.f, B: costs.b if split else costs.b + costs.w, W: costs.w}
+    orders = [[a for a in stage if a.kind in COMPUTE] for stage in schedule]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> end time
+    free = [0.0] * p
+    cursor = [0] * p
+    timeline = Timeline(num_stages=p)
+
+    def ready(s: int, a: Action) -> float | None:
+        v = virtual_stage(s, a.chunk, p)
+        if a.kind == F:
+            dep = None if v == 0 else (F, a.mb, v - 1)
+        elif a.kind == B:
+            dep = (F, a.mb, v) if v == last_virtual else (B, a.mb, v + 1)
+        else:
+            dep = (B, a.mb, v)
+        if dep is None:
+            return 0.0
+        if dep not in done:
+            return None
+        same_stage = dep[2] == v
+        return done[dep] + (0.0 if same_stage else costs.latency)
+
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            while cursor[s] < len(orders[s]):
+                a = orders[s][cursor[s]]
+                t = ready(s, a)
+                if t is None:
+                    break
+                start = max(free[s], t)
+                end = start + duration[a.kind]
+                free[s] = end
+                done[(a.kind, a.mb, virtual_stage(s, a.chunk, p))] = end
+                timeline.intervals.append(Interval(s, a, start, end))
+                cursor[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {s: str(orders[s][cursor[s]]) for s in range(p) if cursor[s] < len(orders[s])}
+            raise DeadlockError(f"no stage can proceed; waiting: {stuck}")
+    return timeline
