@@ -26,7 +26,13 @@ betas (0.9, 0.95), weight decay 0.1 on matrices). No clipping, no LR schedule.
 
 Both models start from the same numbers (gridtrain's ``init_parameters``, copied into the
 plain model; the fused QKV split into q, k, v) and see the same batch, so their losses
-must agree step for step; the run checks it and prints the largest difference.
+must agree step for step (to fp32 rounding); the run prints the differences.
+
+Timing: every setup first runs ``--warmup`` untimed steps (the last one also counts the
+collectives); then ``--repeats`` rounds, each timing ``--steps`` steps of every setup in
+turn (the order reversed every other round), between two barriers, with
+``time.perf_counter`` on rank 0. Reported: medians over rounds, the best round, the
+forward / backward / AdamW split, and the tokens/s ratio to DTensor paired per round.
 
 Vocabulary: gridtrain pads 257 to ``padded_vocab_size(tp)`` (384 at tp=2) and masks the
 padding columns to -inf in its cross entropy. The DTensor model uses the same padded
@@ -35,15 +41,14 @@ matmuls and the same loss.
 
 Run from the repository root::
 
-    python3 benchmarks/tp_vs_dtensor.py                   # small preset shape, ~1 min on 2 cores
-    python3 benchmarks/tp_vs_dtensor.py --d-model 256 --n-layer 6 --batch 16 --steps 10
+    python3 benchmarks/tp_vs_dtensor.py        # `small` preset shape: ~30 s on 2 idle cores
+    python3 benchmarks/tp_vs_dtensor.py --d-model 512 --n-head 8 --steps 5 --repeats 4 --warmup 2
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import statistics
 import sys
@@ -58,7 +63,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gridtrain.comm import ByteCounter
 from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config, validate
 from gridtrain.distributed import setup_distributed
 from gridtrain.launch import run_workers
@@ -225,6 +229,25 @@ class CollectiveBytes(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def timed_collectives(comm):
+    """Time gridtrain's TP all-reduces (issue and wait) by wrapping this CommGroup's method."""
+    clock = {"seconds": 0.0}
+
+    def all_reduce(tensor, *args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return type(comm).all_reduce(comm, tensor, *args, **kwargs)
+        finally:
+            clock["seconds"] += time.perf_counter() - began
+
+    comm.all_reduce = all_reduce  # an instance attribute shadows the method
+    try:
+        yield clock
+    finally:
+        del comm.all_reduce
+
+
 # ---- the setups ------------------------------------------------------------------------------------
 
 class Setup:
@@ -245,6 +268,7 @@ class Setup:
         self.phases: list[tuple[float, float, float]] = []  # fwd, bwd, opt per step, per repeat
         self.bytes_per_step: int | None = None
         self.calls_per_step: dict[str, int] = {}
+        self.comm_fraction: tuple[float, float] | None = None  # (s in collectives, s) per step
 
     def step(self) -> tuple[float, float, float]:
         t0 = time.perf_counter()
@@ -328,36 +352,42 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
                             lambda: F.cross_entropy(ref_plain(tokens).flatten(0, 1), labels.flatten()),
                             active=rank == 0, threads=cores))
 
-    def run_block(s: Setup, steps: int, count_bytes: bool = False) -> tuple[float, list[float]]:
+    def run_block(s: Setup, steps: int, instrument: bool = False) -> tuple[float, list[float]]:
+        """``steps`` steps of one setup between two barriers; ``instrument`` counts and times
+        the collectives (untimed warm-up only: the dispatch mode adds its own overhead)."""
         torch.set_num_threads(s.threads or base_threads)
         phases = [0.0, 0.0, 0.0]
-        mode = CollectiveBytes() if count_bytes else contextlib.nullcontext()
-        if count_bytes:
-            ctx.bytes.reset()
+        is_gt = s.model is gt
+        # gridtrain: its ByteCounter plus a timer around its all-reduces (cheap); DTensor: a
+        # dispatch mode that sees every op (counts are exact, but it slows the step down)
+        mode = CollectiveBytes() if instrument and not is_gt else contextlib.nullcontext()
+        timer = timed_collectives(ctx.tp.comm) if instrument and is_gt else contextlib.nullcontext()
+        ctx.bytes.reset()
         dist.barrier()
         start = time.perf_counter()
         if s.active:
-            with mode:
+            with mode, timer as clock:
                 for _ in range(steps):
                     for i, t in enumerate(s.step()):
                         phases[i] += t
         dist.barrier()
         elapsed = time.perf_counter() - start
         torch.set_num_threads(base_threads)
-        if count_bytes and s.active:
-            if s.model is gt:
+        if instrument and s.active:
+            if is_gt:
                 s.bytes_per_step = ctx.bytes.total() // steps
                 s.calls_per_step = {k: v // steps for (k, _), v in ctx.bytes.calls.items()}
-            elif isinstance(mode, CollectiveBytes) and mode.calls:
+                s.comm_fraction = (clock["seconds"] / steps, elapsed / steps)
+            elif mode.calls:
                 s.bytes_per_step = mode.bytes // steps
                 s.calls_per_step = {k: v // steps for k, v in mode.calls.items()}
         return elapsed, phases
 
-    # warm-up: every setup its own steps; the last one counts the collectives
+    # warm-up: every setup its own steps; all but the first count and time the collectives
     for s in setups:
+        run_block(s, 1, instrument=opts["warmup"] == 1)
         if opts["warmup"] > 1:
-            run_block(s, opts["warmup"] - 1)
-        run_block(s, 1, count_bytes=True)
+            run_block(s, opts["warmup"] - 1, instrument=True)
 
     # the cost of one all-reduce of a [b, s, d] activation on this group, for the reading
     x = torch.randn(opts["batch"], m.seq_len, m.d_model)
@@ -382,8 +412,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
         "setups": [{"name": s.name, "times": s.times, "phases": s.phases,
                     "losses": [_loss_value(x) for x in s.losses],
                     "bytes_per_step": s.bytes_per_step, "calls_per_step": s.calls_per_step,
-                    "params_per_rank": sum(p.numel() if not hasattr(p, "to_local") else p.to_local().numel()
-                                           for p in s.model.parameters())}
+                    "comm_fraction": s.comm_fraction}
                    for s in setups],
         "notes": notes,
         "padded_vocab": gt.padded_vocab,
@@ -459,13 +488,20 @@ def report(result: dict, opts: dict, wall_s: float) -> str:
         if r["bytes_per_step"] is not None:
             lines.append(f"{r['name']} bytes/step (functional collectives, same convention): "
                          f"{r['bytes_per_step']:,}; {_fmt_calls(r['calls_per_step'])}")
+    for r in rows:
+        if r["comm_fraction"]:
+            c, t = r["comm_fraction"]
+            lines.append(f"{r['name']}: {c * 1e3:.1f} ms of a {t * 1e3:.1f} ms step ({100 * c / t:.0f}%) inside "
+                         "its TP all-reduces, waiting included (timed in the warm-up steps)")
     act = opts["batch"] * opts["seq_len"] * opts["d_model"] * 4
     lines.append(f"one gloo all-reduce of a [b, s, d] activation ({act / 2**20:.2f} MiB): "
                  f"{result['allreduce_s'] * 1e3:.2f} ms (median of 30, after a barrier)")
     ref = gt_row["losses"]
-    diffs = [f"{r['name']} {max(abs(a - b) for a, b in zip(ref, r['losses'])):.1e}" for r in rows[1:]]
-    lines.append(f"loss check: {len(ref)} steps on each setup, step-1 loss {ref[0]:.4f}, last {ref[-1]:.4f}; "
-                 "largest |loss - gridtrain tp=2 loss|: " + ", ".join(diffs))
+    diffs = [f"{r['name']} {abs(ref[0] - r['losses'][0]):.1e} / "
+             f"{max(abs(a - b) for a, b in zip(ref, r['losses'])):.1e}" for r in rows[1:]]
+    lines.append(f"loss check ({len(ref)} steps on each setup from the same weights and batch; loss "
+                 f"{ref[0]:.4f} at step 1, {ref[-1]:.4f} at the last): |loss - gridtrain tp=2 loss| "
+                 "at step 1 / largest over all steps: " + "; ".join(diffs))
     for note in result["notes"]:
         lines.append("NOTE " + note.rstrip())
     lines.append(f"wall time {wall_s:.0f} s")
@@ -474,26 +510,27 @@ def report(result: dict, opts: dict, wall_s: float) -> str:
 
 def parse_args(argv: list[str] | None = None) -> dict:
     small = preset_config("small").model
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--n-layer", type=int, default=small.n_layer)
-    p.add_argument("--d-model", type=int, default=small.d_model)
-    p.add_argument("--n-head", type=int, default=small.n_head)
-    p.add_argument("--seq-len", type=int, default=small.seq_len)
-    p.add_argument("--batch", type=int, default=8, help="sequences per step (one micro-batch)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per repeat and setup")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per setup before timing")
-    p.add_argument("--repeats", type=int, default=6)
-    p.add_argument("--seed", type=int, default=1234)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n-layer", type=int, default=small.n_layer, help="default: %(default)s (small preset)")
+    p.add_argument("--d-model", type=int, default=small.d_model, help="default: %(default)s")
+    p.add_argument("--n-head", type=int, default=small.n_head, help="default: %(default)s")
+    p.add_argument("--seq-len", type=int, default=small.seq_len, help="default: %(default)s")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step, one micro-batch (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round and setup (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per setup first (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=6, help="timed rounds (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=1234, help="weights and batch (default: %(default)s)")
     p.add_argument("--loss", choices=("parallel", "replicated"), default="parallel",
-                   help="DTensor loss: loss_parallel() on vocab-sharded logits, or all-gathered logits")
+                   help="DTensor loss: loss_parallel() on vocabulary-sharded logits (default), "
+                        "or all-gathered logits and a plain cross entropy")
     p.add_argument("--no-variant", dest="dtensor_variant", action="store_false",
                    help="skip the DTensor variant with PrepareModuleInput on each attention module")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="skip the one-process references")
     p.add_argument("--ref-threads", type=int, default=0,
-                   help="torch threads of the one-process references (0: every core)")
-    p.add_argument("--timeout", type=float, default=1800.0, help="collective timeout, seconds")
+                   help="torch threads of the one-process references (default: every core)")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="collective timeout in seconds (default: %(default)s)")
     opts = vars(p.parse_args(argv))
     if opts["warmup"] < 1 or opts["steps"] < 1 or opts["repeats"] < 1:
         p.error("--warmup, --steps and --repeats must be >= 1")

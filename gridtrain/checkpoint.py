@@ -2,14 +2,17 @@
 
 Layout of a save directory::
 
-    DIR/latest                           name of the newest complete step directory
-    DIR/step_0000200/model.safetensors   whole weights by global name, no vocabulary padding
-    DIR/step_0000200/trainer.pt          optimizer state by parameter name, every rank's RNG
-    DIR/step_0000200/meta.json           step, full config
+    DIR/latest                                 name of the newest complete step directory
+    DIR/step_0000200/model-pp000.safetensors   one file per pipeline stage: whole tensors
+                                               by global name, no vocabulary padding
+    DIR/step_0000200/trainer-pp000.pt          optimizer state by parameter name (and, in
+                                               stage 0's file, every rank's RNG state)
+    DIR/step_0000200/meta.json                 step, full config
 
-Checkpoints hold whole tensors, whatever the layout that wrote them: TP shards are
-gathered on save and re-sliced on load (through each parameter's ShardSpec), so a run
-may resume on another tensor-parallel size, and ``gridtrain generate`` needs no grid.
+Checkpoints hold whole tensors with global names, whatever the layout that wrote them:
+TP shards are gathered on save and re-sliced on load (through each parameter's
+ShardSpec), the stages' files are merged on load, so a run may resume on another
+tensor- or pipeline-parallel layout, and ``gridtrain generate`` needs no grid.
 Gathering costs one all-gather per sharded tensor; sharded files are the way for models
 too large for one host's memory, and are not built yet.
 
@@ -79,8 +82,22 @@ def _local(full: torch.Tensor, param: torch.Tensor, tp: TensorParallel) -> torch
 
 
 def full_model_state(model: nn.Module, tp: TensorParallel) -> dict[str, torch.Tensor]:
-    """Whole weights by name; collective over the TP group."""
-    return {name: _full(p, p, tp) for name, p in model.named_parameters()}
+    """This stage's whole weights by global name (TP shards gathered, padding dropped, a
+    tied head copy left out); collective over the TP group."""
+    return {name: _full(p, p, tp) for name, p in model.named_parameters()
+            if not getattr(p, "tied_copy", False)}
+
+
+def gather_model(model: nn.Module, ctx) -> dict[str, torch.Tensor] | None:
+    """The whole model's weights on rank 0 (None elsewhere), from any layout; collective
+    over the world. For models that fit one host (sampling at the end of a run)."""
+    mine = full_model_state(model, _tp_of(ctx))
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    writer = ctx.coords.dp == 0 and ctx.coords.tp == 0
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine if writer else {}, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else None
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -94,31 +111,50 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     return out
 
 
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def save_checkpoint(directory: str | Path, step: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None, cfg: Config, ctx=None) -> Path:
-    """Write the state after ``step`` completed steps; collective over the default group."""
+    """Write the state after ``step`` completed steps; collective over the default group.
+
+    The first DP/TP rank of each pipeline stage writes that stage's tensors (TP shards
+    gathered whole; a last stage's copy of the tied embedding is left out, it equals the
+    first stage's), into a temporary directory that rank 0 renames into place once all
+    files are complete.
+    """
     tp = _tp_of(ctx)
     final = step_dir(directory, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    stage = ctx.coords.pp if ctx is not None else 0
+    writer = ctx is None or (ctx.coords.dp == 0 and ctx.coords.tp == 0)
     weights = full_model_state(model, tp)
     opt_state = full_optimizer_state(model, optimizer, tp) if optimizer is not None else None
     rng = _gather_rng_states(ctx)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors",
+    _barrier()
+    if writer:
+        save_file({k: v.contiguous() for k, v in weights.items()}, tmp / f"model-pp{stage:03d}.safetensors",
                   metadata={"format": "gridtrain"})
         if opt_state is not None:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            torch.save({"state": opt_state, "param_groups": groups, "rng": rng}, tmp / "trainer.pt")
+            state = {k: v for k, v in opt_state.items() if k in weights}
+            torch.save({"state": state, "param_groups": groups, "rng": rng if rank0 else None},
+                       tmp / f"trainer-pp{stage:03d}.pt")
+    _barrier()
+    if rank0:
         (tmp / "meta.json").write_text(json.dumps({"step": step, "config": cfg.to_dict()}, indent=2))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_atomically(final.parent / LATEST, final.name)
-    if dist.is_initialized():
-        dist.barrier()
+    _barrier()
     return final
 
 
@@ -150,12 +186,12 @@ def _restore_rng(states: list[dict] | None, ctx) -> None:
 def resolve(directory: str | Path) -> Path:
     """A step directory, given either it or a save directory with a ``latest`` pointer."""
     path = Path(directory)
-    if (path / "model.safetensors").is_file():
+    if (path / "meta.json").is_file():
         return path
     pointer = path / LATEST
     if not pointer.is_file():
         raise CheckpointError(f"--load {directory}: no checkpoint there (no {LATEST} file "
-                              "and no model.safetensors); pass a directory written by --save")
+                              "and no meta.json); pass a directory written by --save")
     return path / pointer.read_text().strip()
 
 
@@ -163,34 +199,48 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     return json.loads((resolve(directory) / "meta.json").read_text())
 
 
+def _merged(path: Path, pattern: str, read) -> dict[str, Any]:
+    """The union of every pipeline stage's file (names are global)."""
+    merged: dict[str, Any] = {}
+    for file in sorted(path.glob(pattern)):
+        merged.update(read(file))
+    return merged
+
+
+def _source_name(name: str, param: torch.Tensor) -> str:
+    """A last stage's tied head loads the embedding it is a copy of."""
+    return "embedding.word.weight" if getattr(param, "tied_copy", False) else name
+
+
 @torch.no_grad()
 def load_checkpoint(directory: str | Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, ctx=None) -> int:
-    """Load weights (and optimizer/RNG state when given); returns the completed step count."""
+    """Load weights (and optimizer/RNG state when given) into whatever part of the model
+    this rank holds, in whatever layout; returns the completed step count."""
     tp = _tp_of(ctx)
     path = resolve(directory)
-    weights = load_file(path / "model.safetensors")
+    weights = _merged(path, "model-pp*.safetensors", load_file)
     params = dict(model.named_parameters())
-    missing, unexpected = params.keys() - weights.keys(), weights.keys() - params.keys()
-    if missing or unexpected:
-        detail = f"missing {sorted(missing)[:3]}" if missing else f"unexpected {sorted(unexpected)[:3]}"
-        raise CheckpointError(f"--load {path}: weights do not match this model ({detail}); "
+    missing = sorted(n for n, p in params.items() if _source_name(n, p) not in weights)
+    if missing:
+        raise CheckpointError(f"--load {path}: weights do not match this model (missing {missing[:3]}); "
                               "use the same model flags as the saved run")
     for name, p in params.items():
-        local = _local(weights[name], p, tp)
+        saved = weights[_source_name(name, p)]
+        local = _local(saved, p, tp)
         if local.shape != p.shape:
-            raise CheckpointError(f"--load {path}: {name} has shape {tuple(weights[name].shape)}, "
+            raise CheckpointError(f"--load {path}: {name} has shape {tuple(saved.shape)}, "
                                   "which does not fit this model; use the same model flags as the saved run")
         p.copy_(local)
-    trainer = path / "trainer.pt"
-    if optimizer is not None and trainer.is_file():
-        saved = torch.load(trainer, weights_only=False)
+    if optimizer is not None and any(path.glob("trainer-pp*.pt")):
+        trainers = [torch.load(f, weights_only=False) for f in sorted(path.glob("trainer-pp*.pt"))]
+        state_by_name = {k: v for t in trainers for k, v in t["state"].items()}
         for name, p in params.items():
-            state = saved["state"].get(name)
+            state = state_by_name.get(_source_name(name, p))
             if state:
                 optimizer.state[p] = {k: _local(v, p, tp).to(p.device) if torch.is_tensor(v) and v.dim() else v
                                       for k, v in state.items()}
-        for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        for group, saved_group in zip(optimizer.param_groups, trainers[0]["param_groups"]):
             group.update(saved_group)
-        _restore_rng(saved.get("rng"), ctx)
+        _restore_rng(trainers[0].get("rng"), ctx)
     return int(read_meta(path)["step"])

@@ -11,16 +11,20 @@ import argparse
 import sys
 from typing import Any
 
+from gridtrain.pipeline.draw import add_schedule_parser
 from gridtrain.config import DTYPES, PRESETS, RECOMPUTE, SCHEDULES, Config, ConfigError, load_config, validate
 
 # flag -> (section, field, type, help)
-TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [
+TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
     ("--nproc", "parallel", "nproc", int, "spawn N local worker processes (not under torchrun)"),
     ("--dp", "parallel", "dp", int, "data-parallel size (default: world / (tp * pp))"),
     ("--tp", "parallel", "tp", int, "tensor-parallel size"),
     ("--pp", "parallel", "pp", int, "pipeline-parallel size"),
     ("--vpp", "parallel", "vpp", int, "model chunks per pipeline rank (interleaved schedule)"),
     ("--schedule", "parallel", "schedule", str, " | ".join(SCHEDULES)),
+    ("--pp-layers", "parallel", "pp_layers", lambda text: [int(x) for x in text.split(",")],
+     "blocks per virtual stage, e.g. 3,4,4,3"),
+    ("--pp-partition", "parallel", "pp_partition", str, "uniform | parameters | time"),
     ("--n-layer", "model", "n_layer", int, "transformer blocks"),
     ("--n-head", "model", "n_head", int, "attention heads"),
     ("--d-model", "model", "d_model", int, "hidden size"),
@@ -48,6 +52,7 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [
     ("--prompt", "training", "prompt", str, "prompt for the closing sample"),
     ("--peak-tflops", "training", "peak_tflops", float, "device peak for MFU"),
     ("--timeout", "training", "dist_timeout_s", float, "collective timeout in seconds"),
+    ("--trace", "training", "trace", str, "write a Chrome trace of pipeline actions per rank here"),
     ("--data", "data", "path", str, "text file, folder of text, or token file (default: built-in corpus)"),
     ("--tokenizer", "data", "tokenizer", str, "Hugging Face tokenizer.json (default: bytes)"),
 ]
@@ -88,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _generate_parser(sub)
     _prepare_parser(sub)
+    add_schedule_parser(sub)
     return parser
 
 
@@ -120,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
             from gridtrain.run import generate_command
 
             return generate_command(args)
+        if args.command == "schedule":
+            from gridtrain.pipeline.draw import schedule_command
+
+            return schedule_command(args)
         from gridtrain.data import prepare
 
         out = prepare(args.data, args.out, args.tokenizer)

@@ -69,6 +69,8 @@ class ParallelConfig:
     vpp: int = 1
     schedule: str = "1f1b"
     sequence_parallel: bool = False  # LayerNorm/dropout on sequence shards (needs tp > 1)
+    pp_layers: list[int] | None = None  # blocks per virtual stage, e.g. [3, 4, 4, 3]
+    pp_partition: str = "uniform"  # uniform | parameters | time, when pp_layers is not given
 
 
 @dataclass
@@ -103,6 +105,7 @@ class TrainingConfig:
     peak_tflops: float | None = None  # per device, for MFU; known GPUs are looked up
     dist_timeout_s: float = 300.0
     progress: bool = True
+    trace: str | None = None  # directory for per-rank Chrome traces of pipeline actions
 
     @property
     def warmup(self) -> int:
@@ -234,8 +237,6 @@ def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
         ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp)
     except GridError as e:
         raise ConfigError(str(e)) from None
-    _require(p.pp == 1, f"--pp {p.pp}: pipeline parallelism is not implemented yet; use --pp 1")
-    _require(p.vpp == 1, f"--vpp {p.vpp}: interleaved pipelines are not implemented yet; use --vpp 1")
 
 
 def _validate_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
@@ -247,6 +248,30 @@ def _validate_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     _require(not p.sequence_parallel or m.seq_len % p.tp == 0,
              f"--sequence-parallel: --tp {p.tp} does not divide --seq-len {m.seq_len}; "
              "choose a sequence length that tp divides")
+
+
+def _validate_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainingConfig, dp: int) -> None:
+    """Schedule, chunk count and layer split fit the model and the micro-batch count."""
+    from gridtrain.pipeline.partition import METHODS
+    from gridtrain.pipeline.schedules import ScheduleError, check_sizes
+
+    _require(p.vpp >= 1, f"--vpp must be >= 1, got {p.vpp}")
+    stages = p.pp * p.vpp
+    if t.global_batch_size % (t.micro_batch_size * dp) == 0:
+        try:
+            check_sizes(p.schedule, p.pp, t.global_batch_size // (t.micro_batch_size * dp), p.vpp)
+        except ScheduleError as e:
+            raise ConfigError(str(e)) from None
+    if p.pp_layers is not None:
+        _require(len(p.pp_layers) == stages and all(c >= 0 for c in p.pp_layers)
+                 and sum(p.pp_layers) == m.n_layer,
+                 f"--pp-layers {','.join(map(str, p.pp_layers))} must give {stages} non-negative block "
+                 f"counts (pp x vpp) that add up to --n-layer {m.n_layer}")
+    else:
+        _require(p.pp_partition in METHODS,
+                 f"--pp-partition {p.pp_partition!r} is not one of {', '.join(METHODS)}")
+        _require(m.n_layer >= stages, f"--n-layer {m.n_layer} is fewer than pp x vpp = {stages} stages; "
+                                      "lower --pp/--vpp or give --pp-layers")
 
 
 def _validate_data(d: DataConfig, vocab_size: int) -> None:
@@ -285,6 +310,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _validate_parallel(p, world_size)
     _validate_tensor_parallel(m, p)
     dp = world_size // (p.tp * p.pp)
+    _validate_pipeline(m, p, t, dp)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"--global-batch-size {t.global_batch_size} is not divisible by "
              f"--micro-batch-size {t.micro_batch_size} x dp {dp}; make it a multiple of "

@@ -36,6 +36,8 @@ class DistributedContext:
     tp: TensorParallel  # the TP group, sequence parallelism, RNG streams
     dp: CommGroup
     mp: CommGroup  # model parallel: TP x PP, over which the gradient norm is summed
+    pp: CommGroup
+    embedding: CommGroup | None  # first and last pipeline stage (tied embeddings), if a member
     bytes: ByteCounter  # every counted collective of this rank
 
     @property
@@ -106,7 +108,16 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
                               dtype=cfg.training.dtype, tp=tp,
                               dp=CommGroup.of("dp", groups.dp, counter),
-                              mp=CommGroup.of("mp", groups.mp, counter), bytes=counter)
+                              mp=CommGroup.of("mp", groups.mp, counter),
+                              pp=CommGroup.of("pp", groups.pp, counter),
+                              embedding=_embedding_group(grid, rank, groups, counter), bytes=counter)
+
+
+def _embedding_group(grid: ProcessGrid, rank: int, groups: ProcessGroups,
+                     counter: ByteCounter) -> CommGroup | None:
+    if grid.pp == 1 or not (grid.is_first_stage(rank) or grid.is_last_stage(rank)):
+        return None
+    return CommGroup.of("embedding", groups.embedding, counter)
 
 
 def shutdown() -> None:

@@ -243,7 +243,7 @@ class ProcessGroups:
     dp: ProcessGroup
     pp: ProcessGroup
     mp: ProcessGroup
-    embedding: ProcessGroup
+    embedding: ProcessGroup | None  # None on middle pipeline stages: they hold no embedding
 
 
 def _group_kinds(grid: ProcessGrid) -> list[tuple[str, list[list[int]]]]:
@@ -303,4 +303,5 @@ def create_process_groups(
             group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
             if rank in ranks:
                 mine[kind] = group
+    mine.setdefault("embedding", None)
     return ProcessGroups(grid=grid, rank=rank, coord=grid.coords(rank), **mine)

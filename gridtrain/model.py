@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -111,47 +112,62 @@ class Embedding(nn.Module):
             return self.dropout(x)
 
 
-class GPT(nn.Module):
-    """A GPT-2 decoder, or the slice of one that a pipeline stage holds.
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One model chunk a pipeline rank runs: which blocks, and whether it embeds / ends."""
 
-    ``pre_process`` (the embedding) and ``post_process`` (final norm, head and loss) follow
-    Megatron's model_provider flags; ``layer_ids`` are the global indices of the blocks
-    this module holds; ``tp`` says how each layer is split (default: not at all).
+    layer_ids: tuple[int, ...]
+    pre_process: bool = True
+    post_process: bool = True
+
+
+class GPT(nn.Module):
+    """A GPT-2 decoder, or the chunks of one that a pipeline rank holds.
+
+    Each :class:`ChunkSpec` names its blocks by global index and says whether it holds
+    the embedding (``pre_process``) or the final norm, head and loss (``post_process``),
+    as Megatron's model_provider flags do. A rank with several chunks (interleaved
+    schedule) holds them in one module, so parameter names stay global. ``tp`` says how
+    each layer is split (default: not at all).
     """
 
     def __init__(self, cfg: ModelConfig, *, layer_ids: Iterable[int] | None = None,
                  pre_process: bool = True, post_process: bool = True,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, chunks: list[ChunkSpec] | None = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
-        self.pre_process, self.post_process = pre_process, post_process
+        ids = tuple(range(cfg.n_layer) if layer_ids is None else layer_ids)
+        self.chunks = chunks or [ChunkSpec(ids, pre_process, post_process)]
+        has_embedding = any(c.pre_process for c in self.chunks)
+        has_head = any(c.post_process for c in self.chunks)
         self.padded_vocab = cfg.padded_vocab_size(tp.size)
-        ids = range(cfg.n_layer) if layer_ids is None else layer_ids
-        self.embedding = Embedding(cfg, self.padded_vocab, tp) if pre_process else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp) for i in ids})
-        self.final_norm = layer_norm(cfg, tp) if post_process else None
-        if post_process and not (cfg.tie_embeddings and pre_process):
+        self.embedding = Embedding(cfg, self.padded_vocab, tp) if has_embedding else None
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp) for c in self.chunks for i in c.layer_ids})
+        self.final_norm = layer_norm(cfg, tp) if has_head else None
+        if has_head and not (cfg.tie_embeddings and has_embedding):
             # Untied head, or a last pipeline stage that keeps its own copy of the tied
             # table (kept equal to the first stage's by summing their gradients).
             self.head = nn.Parameter(torch.empty(self.padded_vocab // tp.size, cfg.d_model))
             self.head.tp_spec = ShardSpec(0)
             self.head.vocab_rows = cfg.vocab_size
+            self.head.tied_copy = cfg.tie_embeddings
         else:
             self.head = None
 
     def output_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.head is None else self.head
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[b, s, vocab]`` without labels; per-token fp32 losses ``[b, s]`` with them.
-
-        Non-final pipeline stages take and return hidden states instead.
-        """
-        x = self.embedding(tokens) if self.pre_process else tokens
-        for block in self.blocks.values():
-            x = block(x)
-        if not self.post_process:
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
+                chunk: int = 0) -> torch.Tensor:
+        """Token ids in, logits ``[b, s, vocab]`` out, or per-token losses ``[b, s]`` (at
+        least fp32) when labels are given. A chunk without the embedding takes hidden
+        states; a chunk without the head returns them."""
+        spec = self.chunks[chunk]
+        x = self.embedding(inputs) if spec.pre_process else inputs
+        for i in spec.layer_ids:
+            x = self.blocks[str(i)](x)
+        if not spec.post_process:
             return x
         logits = parallel_lm_logits(self.final_norm(x), self.output_weight(), self.tp)
         if labels is None:

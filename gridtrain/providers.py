@@ -12,15 +12,34 @@ from torch import nn
 from gridtrain.config import Config
 from gridtrain.data import ByteTokenizer, build_datasets, load_tokenizer, unigram_entropy
 from gridtrain.distributed import DistributedContext
-from gridtrain.model import GPT, init_parameters
+from gridtrain.model import GPT, ChunkSpec, init_parameters
+from gridtrain.pipeline.partition import partition
 from gridtrain.train import Batch, Datasets
 
 
 def gpt_model_provider(cfg: Config, ctx: DistributedContext) -> nn.Module:
-    """The GPT of ``cfg.model``, initialised layout-independently, on this rank's device."""
-    model = GPT(cfg.model, tp=ctx.tp)
+    """This rank's chunks of the GPT of ``cfg.model``, split over TP and PP, initialised
+    layout-independently, on this rank's device."""
+    model = GPT(cfg.model, tp=ctx.tp, chunks=stage_chunks(cfg, ctx))
     init_parameters(model, cfg.training.seed)
     return model.to(device=ctx.device, dtype=ctx.param_dtype)
+
+
+def stage_chunks(cfg: Config, ctx: DistributedContext) -> list[ChunkSpec]:
+    """The model chunks of this rank's pipeline stage (one per virtual stage it holds).
+
+    A measured ("time") partition is computed on rank 0 and broadcast, so that every
+    rank cuts the model at the same places.
+    """
+    p, v, s = ctx.grid.pp, cfg.parallel.vpp, ctx.coords.pp
+    layers = [None]
+    if ctx.rank == 0 or cfg.parallel.pp_partition != "time":
+        layers[0] = partition(cfg.model, p * v, cfg.parallel.pp_partition, cfg.parallel.pp_layers,
+                              cfg.training.micro_batch_size)
+    if cfg.parallel.pp_partition == "time" and cfg.parallel.pp_layers is None:
+        torch.distributed.broadcast_object_list(layers, src=0)
+    last = p * v - 1
+    return [ChunkSpec(tuple(layers[0][c * p + s]), c * p + s == 0, c * p + s == last) for c in range(v)]
 
 
 def text_datasets_provider(cfg: Config) -> Datasets:

@@ -17,14 +17,16 @@ from gridtrain.data import load_tokenizer
 from gridtrain.distributed import resolve_device_type, shutdown
 from gridtrain.model import GPT, generate
 from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
-from gridtrain.train import TrainResult, pretrain
+from gridtrain.train import pretrain
 
 
 def train_worker(rank: int, world_size: int, cfg: Config) -> dict:
     """One rank's whole run; returns what the parent reports (picklable)."""
     result = pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg)
-    if rank == 0 and cfg.training.sample_tokens > 0:
-        print_sample(result, cfg)
+    if cfg.training.sample_tokens > 0:
+        weights = checkpoint.gather_model(result.model, result.ctx)  # whatever the layout
+        if rank == 0:
+            print_sample(whole_model(cfg, weights), cfg)
     return {"losses": result.losses, "valid_loss": result.valid_loss}
 
 
@@ -44,9 +46,20 @@ def train_command(cfg: Config) -> int:
     return 0
 
 
-def print_sample(result: TrainResult, cfg: Config) -> None:
+def whole_model(cfg: Config, weights: dict[str, torch.Tensor]) -> GPT:
+    """The unsplit GPT with the given whole weights, on this process's device."""
+    model = GPT(cfg.model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            saved = weights[name]
+            p[: saved.shape[0]].copy_(saved)  # padding rows stay zero
+    dtype = torch.float64 if cfg.training.dtype == "fp64" else torch.float32
+    return model.to(device=resolve_device_type(cfg.training.device), dtype=dtype)
+
+
+def print_sample(model: GPT, cfg: Config) -> None:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    text = sample_text(result.model, tokenizer, cfg.training.prompt, cfg.training.sample_tokens,
+    text = sample_text(model, tokenizer, cfg.training.prompt, cfg.training.sample_tokens,
                        cfg.training.temperature, cfg.training.top_k, cfg.training.seed)
     print(f"\n--- sample ({cfg.training.sample_tokens} tokens, prompt {cfg.training.prompt!r}) ---")
     print(text)

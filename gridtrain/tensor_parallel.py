@@ -31,6 +31,7 @@ from torch import nn
 
 from gridtrain import comm
 from gridtrain.comm import CommGroup
+from gridtrain.pipeline.weight_grad import WeightGradStore, linear
 
 IGNORE_INDEX = -100
 MODEL_PARALLEL_RNG = "model-parallel"
@@ -145,6 +146,7 @@ class TensorParallel:
     comm: CommGroup = field(default_factory=lambda: comm.single("tp"))
     sequence_parallel: bool = False
     rng: RNGStatesTracker = field(default_factory=lambda: RNGStatesTracker(torch.device("cpu")))
+    weight_grads: WeightGradStore | None = None  # set by zero-bubble schedules (split backward)
 
     @property
     def size(self) -> int:
@@ -200,7 +202,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param(out_features // tp.size, spec=spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.tp.enter(x), self.weight, self.bias)
+        return linear(self.tp.enter(x), self.weight, self.bias, self.tp.weight_grads)
 
 
 class RowParallelLinear(nn.Module):
@@ -216,7 +218,7 @@ class RowParallelLinear(nn.Module):
         self.bias.sequence_parallel = tp.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.leave(F.linear(x, self.weight)) + self.bias
+        return self.tp.leave(linear(x, self.weight, None, self.tp.weight_grads)) + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -240,7 +242,7 @@ class VocabParallelEmbedding(nn.Module):
 
 def parallel_lm_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """This rank's vocabulary slice of the logits, ``[b, s, padded_vocab / tp]``."""
-    return F.linear(tp.enter(x), weight)
+    return linear(tp.enter(x), weight, None, tp.weight_grads)
 
 
 def gather_logits(logits: torch.Tensor, vocab_size: int, tp: TensorParallel) -> torch.Tensor:

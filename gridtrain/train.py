@@ -30,6 +30,9 @@ from gridtrain.distributed import DistributedContext, setup_distributed
 from gridtrain.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.model import IGNORE_INDEX
 from gridtrain.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from gridtrain.pipeline.runtime import PipelineStage, StageStats, sum_tied_embedding_grads
+from gridtrain.pipeline.schedules import build_schedule, uses_split_backward
+from gridtrain.pipeline.weight_grad import WeightGradStore
 from gridtrain.tensor_parallel import allreduce_sequence_parallel_grads, broadcast_batches, is_tp_duplicate
 
 Batch = dict[str, torch.Tensor]
@@ -62,6 +65,8 @@ class TrainResult:
     tokens_per_s: float = 0.0
     model: nn.Module | None = None
     step_bytes: list[dict[str, int]] = field(default_factory=list)  # "kind/group" -> bytes
+    peak_in_flight: int = 0  # most micro-batch chunks whose activations this stage held
+    ctx: DistributedContext | None = None
 
 
 def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config], Datasets],
@@ -76,13 +81,14 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     dp = ctx.grid.dp
     sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.micro_batch_size,
                                  dp, ctx.coords.dp, t.seed)
+    pipeline = build_pipeline(model, cfg, ctx, forward_step, sampler.num_micro_batches)
     start = checkpoint.load_checkpoint(t.load, model, optimizer, ctx) if t.load else 0
     stats = RunStats(flops_per_token=_flops_per_token(model), world_size=ctx.grid.world_size)
     log = MetricsLogger(ctx.is_logging_rank, t.metrics_file, t.steps, start, t.progress)
     log.print(f"gridtrain: {ctx.grid.describe()}, {_count(model):,} parameters per rank, "
               f"{sampler.num_micro_batches} micro-batches of {t.micro_batch_size} per step, "
               f"device {ctx.device.type}, dtype {t.dtype}")
-    result = TrainResult(model=model)
+    result = TrainResult(model=model, ctx=ctx)
     tokens_seen = start * t.global_batch_size * _sample_tokens(data.train)
     for step in range(start, t.steps):
         lr = lr_at(step, t)
@@ -90,7 +96,9 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         began = time.perf_counter()
         bytes_before = dict(ctx.bytes.bytes)
         batches = read_micro_batches(data.train, sampler, step, ctx)
-        loss, grad_norm, step_tokens = train_step(model, optimizer, batches, forward_step, ctx, t.grad_clip)
+        loss, grad_norm, stage_stats = train_step(model, optimizer, pipeline, batches, ctx, t.grad_clip)
+        result.peak_in_flight = max(result.peak_in_flight, stage_stats.peak_in_flight)
+        step_tokens = t.global_batch_size * _sample_tokens(data.train)
         elapsed = time.perf_counter() - began
         moved = {f"{k}/{g}": n - bytes_before.get((k, g), 0) for (k, g), n in ctx.bytes.bytes.items()}
         result.step_bytes.append({k: n for k, n in moved.items() if n})
@@ -103,7 +111,7 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         result.grad_norms.append(grad_norm)
         extra = {"comm_bytes": _bytes_by_group(result.step_bytes[-1])}
         if data.valid is not None and t.eval_interval and (step + 1) % t.eval_interval == 0:
-            result.valid_loss = evaluate(model, data.valid, forward_step, ctx, cfg)
+            result.valid_loss = evaluate(pipeline, data.valid, ctx, cfg)
             extra["valid_loss"] = result.valid_loss
             log.print(f"step {step + 1}: train loss {loss:.4f}, valid loss {result.valid_loss:.4f}")
         log.step(record, extra)
@@ -111,7 +119,7 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
             checkpoint.save_checkpoint(t.save, step + 1, model, optimizer, cfg, ctx)
     log.close()
     if data.valid is not None and (not t.eval_interval or t.steps % t.eval_interval != 0):
-        result.valid_loss = evaluate(model, data.valid, forward_step, ctx, cfg)
+        result.valid_loss = evaluate(pipeline, data.valid, ctx, cfg)
     if t.save and not (t.save_interval and t.steps % t.save_interval == 0):
         checkpoint.save_checkpoint(t.save, t.steps, model, optimizer, cfg, ctx)
     result.tokens_per_s = stats.tokens_per_s()
@@ -119,58 +127,87 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     return result
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[Batch],
-               forward_step: ForwardStep, ctx: DistributedContext, grad_clip: float
-               ) -> tuple[float, float, int]:
-    """One optimizer step over this rank's micro-batches; returns (loss, grad norm, tokens).
+def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forward_step: ForwardStep,
+                   num_micro_batches: int) -> PipelineStage:
+    """This rank's stage of the schedule; with one stage, a plain gradient-accumulation loop."""
+    p, v, m = ctx.grid.pp, cfg.parallel.vpp, num_micro_batches
+    actions = build_schedule(cfg.parallel.schedule, p, m, v)[ctx.coords.pp]
+    if uses_split_backward(cfg.parallel.schedule):
+        ctx.tp.weight_grads = WeightGradStore()
+    seq = cfg.model.seq_len // (ctx.tp.size if ctx.tp.sequence_parallel else 1)
+    return PipelineStage(model, actions, stage=ctx.coords.pp, num_stages=p, chunks=v, pp=ctx.pp,
+                         activation_shape=(cfg.training.micro_batch_size, seq, cfg.model.d_model),
+                         activation_dtype=ctx.param_dtype, device=ctx.device,
+                         weight_grads=ctx.tp.weight_grads, forward_step=forward_step,
+                         trace=cfg.training.trace is not None)
 
-    The returned loss is the global batch's mean token loss, identical on every rank.
-    """
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, pipeline: PipelineStage,
+               batches: list[Batch] | None, ctx: DistributedContext, grad_clip: float
+               ) -> tuple[float, float, StageStats]:
+    """One optimizer step: the stage's schedule (forward, backward and gradient reduction
+    of every micro-batch), clipping, the optimizer. Returns the global batch's mean token
+    loss (the same on every rank), the gradient norm and what the stage did."""
     optimizer.zero_grad(set_to_none=True)
-    global_tokens = _global_token_count(batches, ctx)
-    scale = ctx.grid.dp / global_tokens
-    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    for batch in batches:
-        with ctx.autocast():
-            micro_loss = forward_step(model, batch)
-        (micro_loss * scale).backward()
-        loss_sum += micro_loss.detach().to(torch.float64)
+    holds_loss = ctx.grid.is_last_stage(ctx.rank)
+    global_tokens = _global_token_count(batches, ctx) if holds_loss else 1
+    loss_sum, stats = pipeline.run(batches, ctx.grid.dp / global_tokens, ctx.autocast,
+                                   lambda: reduce_gradients(model, ctx))
     params = [p for p in model.parameters() if p.requires_grad]
-    allreduce_sequence_parallel_grads(model, ctx.tp)
-    allreduce_gradients(params, ctx.dp)
-    counted_once = [p for p in params if not is_tp_duplicate(p, ctx.tp.rank)]
+    counted_once = [p for p in params if not is_tp_duplicate(p, ctx.tp.rank)
+                    and not getattr(p, "tied_copy", False)]
     grad_norm = clip_grad_norm(params, grad_clip, ctx.mp, norm_params=counted_once)
     optimizer.step()
-    ctx.dp.all_reduce(loss_sum)
-    step_tokens = sum(b["labels"].numel() for b in batches) * ctx.grid.dp
-    return float(loss_sum) / global_tokens, grad_norm, step_tokens
+    return _mean_loss(loss_sum, global_tokens, holds_loss, ctx), grad_norm, stats
+
+
+def reduce_gradients(model: nn.Module, ctx: DistributedContext) -> None:
+    """A stage's gradients are complete: sum the partial ones over TP (sequence
+    parallelism), the tied embedding copies over the first and last stage, and average
+    over data parallel."""
+    allreduce_sequence_parallel_grads(model, ctx.tp)
+    sum_tied_embedding_grads(model, ctx.embedding)
+    allreduce_gradients([p for p in model.parameters() if p.requires_grad], ctx.dp)
+
+
+def _mean_loss(loss_sum: torch.Tensor | None, global_tokens: int, holds_loss: bool,
+               ctx: DistributedContext) -> float:
+    """The last stage sums its DP group's losses; every stage then receives the mean."""
+    value = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    if holds_loss:
+        value = ctx.dp.all_reduce(loss_sum) / global_tokens
+    return float(ctx.pp.broadcast(value, src_index=ctx.grid.pp - 1))
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, forward_step: ForwardStep, ctx: DistributedContext,
-             cfg: Config) -> float:
-    """Mean token loss over the first ``eval_iters`` global batches of the validation set.
-
-    The same windows are used whatever the layout, each DP rank taking its fixed slice.
-    """
+def evaluate(pipeline: PipelineStage, dataset, ctx: DistributedContext, cfg: Config) -> float:
+    """Mean token loss over the first ``eval_iters`` global batches of the validation set,
+    forward-only through the pipeline. The same windows are used whatever the layout,
+    each DP rank taking its fixed slice."""
     t = cfg.training
-    model.eval()
+    pipeline.model.eval()
     sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.micro_batch_size,
                                  ctx.grid.dp, ctx.coords.dp, t.seed, shuffle=False)
+    holds_loss = ctx.grid.is_last_stage(ctx.rank)
     totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
     for step in range(min(t.eval_iters, max(1, len(dataset) // t.global_batch_size))):
-        for batch in read_micro_batches(dataset, sampler, step, ctx):
-            with ctx.autocast():
-                totals[0] += forward_step(model, batch).double()
-            totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
-    model.train()
-    ctx.dp.all_reduce(totals)
-    return float(totals[0] / totals[1])
+        batches = read_micro_batches(dataset, sampler, step, ctx)
+        loss_sum = pipeline.forward_only(batches, ctx.autocast)
+        if holds_loss:
+            totals[0] += loss_sum
+            totals[1] += sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    pipeline.model.train()
+    if holds_loss:
+        ctx.dp.all_reduce(totals)
+    return float(ctx.pp.broadcast(totals[0] / totals[1].clamp(min=1), src_index=ctx.grid.pp - 1))
 
 
 def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int,
-                       ctx: DistributedContext) -> list[Batch]:
-    """This rank's micro-batches of ``step``: read by the TP group's first rank, broadcast."""
+                       ctx: DistributedContext) -> list[Batch] | None:
+    """This rank's micro-batches of ``step``, on the stages that embed tokens or compute
+    the loss (None elsewhere): read by the TP group's first rank and broadcast."""
+    if not (ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
+        return None
     ids = sampler.micro_batches(step)
     batches = None
     if ctx.tp.rank == 0:

@@ -21,6 +21,12 @@ BAD_CONFIGS = {
     "unknown schedule": (["--schedule", "fastest"], "--schedule 'fastest'"),
     "unknown dtype": (["--dtype", "fp8"], "--dtype 'fp8'"),
     "tp does not divide heads": (["--tp", "3", "--nproc", "3"], "--tp 3 does not divide --n-head 4"),
+    "interleaving needs m a multiple of pp": (["--pp", "2", "--nproc", "2", "--vpp", "2", "--schedule",
+                                               "interleaved-1f1b", "--global-batch-size", "6",
+                                               "--micro-batch-size", "2"], "multiple of --pp 2"),
+    "vpp without interleaving": (["--pp", "2", "--nproc", "2", "--vpp", "2"], "--vpp 2 needs --schedule"),
+    "bad layer split": (["--pp", "2", "--nproc", "2", "--pp-layers", "1,2"], "add up to --n-layer 2"),
+    "more stages than layers": (["--pp", "4", "--nproc", "4"], "--n-layer 2 is fewer than pp x vpp = 4"),
     "sequence parallel needs divisible seq": (["--tp", "4", "--nproc", "4", "--seq-len", "30", "--sequence-parallel"],
                                               "--tp 4 does not divide --seq-len 30"),
     "vocabulary too small for bytes": (["--vocab-size", "100"], "pass --vocab-size 257"),
@@ -75,8 +81,8 @@ def test_flags_map_onto_config_fields():
 
 
 def test_features_of_later_issues_are_refused_clearly():
-    cfg = load_config(None, {"parallel": {"pp": 2, "nproc": 2}})
-    with pytest.raises(ConfigError, match="pipeline parallelism is not implemented yet"):
+    cfg = load_config(None, {"training": {"recompute": "full"}})
+    with pytest.raises(ConfigError, match="--recompute full is not implemented yet"):
         validate(cfg)
 
 

@@ -129,22 +129,51 @@ ORDERS: dict[str, Callable[[int, int, int, int], list[Action]]] = {
 
 # ---- communication ------------------------------------------------------------------------
 
-def with_communication(order: list[Action], s: int, p: int, v: int) -> list[Action]:
-    """Insert the receives before, and the sends after, each compute action that needs them,
-    then the gradient reduction after the stage's last gradient action and the step."""
-    last_virtual = p * v - 1
-    out: list[Action] = []
-    for a in order:
-        virtual = virtual_stage(s, a.chunk, p)
-        if a.kind == F and virtual > 0:
-            out.append(Action(RECV_F, a.mb, a.chunk))
-        if a.kind == B and virtual < last_virtual:
-            out.append(Action(RECV_B, a.mb, a.chunk))
-        out.append(a)
-        if a.kind == F and virtual < last_virtual:
-            out.append(Action(SEND_F, a.mb, a.chunk))
-        if a.kind == B and virtual > 0:
-            out.append(Action(SEND_B, a.mb, a.chunk))
+def _receives(step: list[Action], s: int, p: int, v: int) -> list[Action]:
+    last = p * v - 1
+    return [Action(RECV_F if a.kind == F else RECV_B, a.mb, a.chunk) for a in step
+            if (a.kind == F and virtual_stage(s, a.chunk, p) > 0)
+            or (a.kind == B and virtual_stage(s, a.chunk, p) < last)]
+
+
+def _sends(step: list[Action], s: int, p: int, v: int) -> list[Action]:
+    last = p * v - 1
+    return [Action(SEND_F if a.kind == F else SEND_B, a.mb, a.chunk) for a in step
+            if (a.kind == F and virtual_stage(s, a.chunk, p) < last)
+            or (a.kind == B and virtual_stage(s, a.chunk, p) > 0)]
+
+
+def _steps(order: list[Action], paired: bool) -> list[list[Action]]:
+    """Units between which communication happens: single actions, or (``paired``) each
+    steady-state forward together with the backward that follows it."""
+    if not paired or not any(a.kind == B for a in order):
+        return [[a] for a in order]
+    first_b = next(i for i, a in enumerate(order) if a.kind == B)
+    steps = [[a] for a in order[:first_b - 1]]
+    i = first_b - 1
+    while i + 1 < len(order) and order[i].kind == F and order[i + 1].kind == B:
+        steps.append(order[i:i + 2])
+        i += 2
+    return steps + [[a] for a in order[i:]]
+
+
+def with_communication(order: list[Action], s: int, p: int, v: int, paired: bool = False) -> list[Action]:
+    """Insert each step's receives before it and its sends after it, then the gradient
+    reduction and the optimizer step.
+
+    With ``paired`` (interleaved 1F1B), the sends of one steady-state F+B pair and the
+    receives of the next pair form a single batch, as Megatron's
+    ``send_forward_backward_recv_forward_backward`` does: gradients travel round the
+    ring of stages (the first stage's chunk 1 feeds the last stage's chunk 0), and
+    posting each send in a batch of its own would wait for a receive that the peer only
+    posts after its next forward: a deadlock.
+    """
+    steps = _steps(order, paired)
+    out = _receives(steps[0], s, p, v) if steps else []
+    for k, step in enumerate(steps):
+        out += step + _sends(step, s, p, v)
+        if k + 1 < len(steps):
+            out += _receives(steps[k + 1], s, p, v)
     return out + [Action(ALLREDUCE_GRADS), Action(OPTIMIZER_STEP)]
 
 
@@ -155,6 +184,8 @@ def check_sizes(name: str, p: int, m: int, v: int) -> None:
         raise ScheduleError(f"pipeline sizes must be >= 1 (pp={p}, micro-batches={m}, vpp={v})")
     if v > 1 and name != "interleaved-1f1b":
         raise ScheduleError(f"--vpp {v} needs --schedule interleaved-1f1b; use --vpp 1 with {name}")
+    if v > 1 and p == 1:
+        raise ScheduleError(f"--vpp {v} needs --pp > 1 (chunks interleave across pipeline ranks); use --vpp 1")
     if name == "interleaved-1f1b" and p > 1 and m % p:
         raise ScheduleError(f"interleaved-1f1b needs the micro-batch count ({m}) to be a multiple of "
                             f"--pp {p}; change --global-batch-size or --micro-batch-size")
@@ -163,7 +194,8 @@ def check_sizes(name: str, p: int, m: int, v: int) -> None:
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     """Each stage's full action list for one optimizer step."""
     check_sizes(name, p, m, v)
-    return [with_communication(ORDERS[name](p, m, v, s), s, p, v) for s in range(p)]
+    paired = name == "interleaved-1f1b" and m > p
+    return [with_communication(ORDERS[name](p, m, v, s), s, p, v, paired) for s in range(p)]
 
 
 def uses_split_backward(name: str) -> bool:

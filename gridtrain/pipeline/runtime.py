@@ -1,0 +1,243 @@
+"""Executing one stage's action list: forward and backward of model chunks, with
+point-to-point communication on the pipeline group.
+
+This is where the pipeline sends activations (SEND_F) and gradients (SEND_B). The
+schedule decides the order; the runtime only interprets it:
+
+* a run of consecutive SEND/RECV actions is posted as one ``batch_isend_irecv`` and
+  waited for as a whole (the validator proves this cannot deadlock); shapes are known in
+  advance (``[micro-batch, seq (/ tp under SP), hidden]``), so nothing is exchanged but
+  the tensors; every message carries a tag naming (micro-batch, virtual stage,
+  direction), so messages between the same two ranks cannot be confused;
+* once an output has been sent, its data is freed (only its autograd graph is kept,
+  which is all backward needs), as Megatron's ``deallocate_output_tensor`` does;
+* the last virtual stage turns per-token losses into ``sum * loss_scale``, so that the
+  gradient is that of the mean over the global batch;
+* gradients accumulate over micro-batches in ``.grad``; at ALLREDUCE_GRADS the caller's
+  ``reduce_grads`` runs (tied embeddings, sequence-parallel and data-parallel
+  reductions);
+* with a split backward (ZB-H1), B computes input gradients and queues the linear
+  layers' weight gradients, which W computes.
+
+The peak number of micro-batches whose activations the stage holds is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from gridtrain.comm import CommGroup
+from gridtrain.pipeline.schedules import (ALLREDUCE_GRADS, B, COMM, F, OPTIMIZER_STEP, RECV_B, RECV_F, SEND_B,
+                                          SEND_F, W, Action, virtual_stage)
+from gridtrain.pipeline.weight_grad import WeightGradStore
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class StageStats:
+    """What a step of this stage did, counted (not timed)."""
+
+    peak_in_flight: int = 0  # micro-batch chunks with forward done and backward not
+    peak_held: int = 0  # ... and whose weight gradients are not yet computed either
+    sent_bytes: int = 0
+    trace: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end)
+
+
+class PipelineStage:
+    def __init__(self, model: nn.Module, actions: list[Action], *, stage: int, num_stages: int,
+                 chunks: int, pp: CommGroup, activation_shape: tuple[int, ...],
+                 activation_dtype: torch.dtype, device: torch.device,
+                 weight_grads: WeightGradStore | None = None,
+                 forward_step: Callable[[nn.Module, Batch], torch.Tensor] | None = None,
+                 trace: bool = False):
+        self.model, self.actions = model, actions
+        self.stage, self.p, self.v = stage, num_stages, chunks
+        self.pp, self.device = pp, device
+        self.shape, self.dtype = activation_shape, activation_dtype
+        self.weight_grads = weight_grads
+        self.forward_step = forward_step
+        self.tracing = trace
+
+    # ---- one optimizer step -------------------------------------------------------------
+
+    def run(self, batches: list[Batch] | None, loss_scale: float, autocast,
+            reduce_grads: Callable[[], None]) -> tuple[torch.Tensor | None, StageStats]:
+        """Execute the action list; returns the summed (unscaled) loss on the last stage."""
+        self.batches, self.loss_scale, self.autocast = batches, loss_scale, autocast
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.loss_sum: torch.Tensor | None = None
+        self.stats = StageStats()
+        self.in_flight = self.held = 0
+        i = 0
+        while i < len(self.actions):
+            if self.actions[i].kind in COMM:
+                j = i
+                while j < len(self.actions) and self.actions[j].kind in COMM:
+                    j += 1
+                self._timed("P2P", self._communicate, self.actions[i:j])
+                i = j
+                continue
+            a = self.actions[i]
+            if a.kind == F:
+                self._timed(str(a), self._forward, a.mb, a.chunk)
+            elif a.kind == B:
+                self._timed(str(a), self._backward, a.mb, a.chunk)
+            elif a.kind == W:
+                self._timed(str(a), self._weight_grad, a.mb, a.chunk)
+            elif a.kind == ALLREDUCE_GRADS:
+                self._timed(str(a), reduce_grads)
+            elif a.kind != OPTIMIZER_STEP:  # the caller steps after clipping
+                raise ValueError(f"unknown pipeline action {a}")
+            i += 1
+        return self.loss_sum, self.stats
+
+    def _timed(self, name: str, fn, *args) -> None:
+        if not self.tracing:
+            fn(*args)
+            return
+        import time
+
+        began = time.perf_counter()
+        fn(*args)
+        self.stats.trace.append((name, began, time.perf_counter()))
+
+    def forward_only(self, batches: list[Batch] | None, autocast) -> torch.Tensor | None:
+        """Run only the forwards (and their sends/receives), without autograd; returns the
+        summed loss on the last stage. Used for validation."""
+        actions = [a for a in self.actions if a.kind in (F, RECV_F, SEND_F)]
+        saved = self.actions
+        self.actions = actions
+        try:
+            with torch.no_grad():
+                loss, _ = self.run(batches, 1.0, autocast, lambda: None)
+        finally:
+            self.actions = saved
+        return loss
+
+    # ---- compute -------------------------------------------------------------------------
+
+    def _virtual(self, chunk: int) -> int:
+        return virtual_stage(self.stage, chunk, self.p)
+
+    def _is_first(self, chunk: int) -> bool:
+        return self._virtual(chunk) == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return self._virtual(chunk) == self.p * self.v - 1
+
+    def _forward(self, mb: int, chunk: int) -> None:
+        batch = self.batches[mb] if self.batches is not None else None
+        first, last = self._is_first(chunk), self._is_last(chunk)
+        if first and last:  # the whole model here: the user's forward_step defines the loss
+            with self.autocast():
+                loss_sum = self.forward_step(self.model, batch)
+            out = loss_sum * self.loss_scale
+        else:
+            x = batch["tokens"] if first else self.inputs[(mb, chunk)]
+            with self.autocast():
+                out = self.model(x, batch["labels"] if last else None, chunk=chunk)
+            if last:
+                loss_sum = out.sum()
+                out = loss_sum * self.loss_scale
+        if last:
+            detached = loss_sum.detach().to(torch.float64)
+            self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
+        self.outputs[(mb, chunk)] = out
+        self.in_flight += 1
+        self.held += 1
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.in_flight)
+        self.stats.peak_held = max(self.stats.peak_held, self.held)
+
+    def _backward(self, mb: int, chunk: int) -> None:
+        out = self.outputs.pop((mb, chunk))
+        grad = None if self._is_last(chunk) else self.grads.pop((mb, chunk))
+        key = (mb, chunk)
+        if self.weight_grads is not None:
+            with self.weight_grads.defer(key):
+                _run_backward(out, grad)
+        else:
+            _run_backward(out, grad)
+            self.held -= 1
+        self.in_flight -= 1
+
+    def _weight_grad(self, mb: int, chunk: int) -> None:
+        self.weight_grads.flush((mb, chunk))
+        self.held -= 1
+
+    # ---- communication ---------------------------------------------------------------------
+
+    def _tag(self, mb: int, dst_virtual: int, backward: bool) -> int:
+        return (mb * self.p * self.v + dst_virtual) * 2 + int(backward)
+
+    def _communicate(self, actions: list[Action]) -> None:
+        ops, received = [], []
+        for a in actions:
+            v = self._virtual(a.chunk)
+            if a.kind == SEND_F:
+                out = self.outputs[(a.mb, a.chunk)]
+                ops.append(self._p2p(dist.isend, out.detach(), self.stage + 1, self._tag(a.mb, v + 1, False)))
+            elif a.kind == SEND_B:
+                grad = self.inputs.pop((a.mb, a.chunk)).grad
+                ops.append(self._p2p(dist.isend, grad, self.stage - 1, self._tag(a.mb, v - 1, True)))
+            else:
+                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                backward = a.kind == RECV_B
+                peer = self.stage + 1 if backward else self.stage - 1
+                ops.append(self._p2p(dist.irecv, buffer, peer, self._tag(a.mb, v, backward)))
+                received.append((a, buffer))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for a in actions:  # free what has been sent: only the graph is needed now
+            if a.kind == SEND_F:
+                _free_data(self.outputs[(a.mb, a.chunk)])
+        for a, buffer in received:
+            if a.kind == RECV_F:
+                self.inputs[(a.mb, a.chunk)] = buffer.requires_grad_()
+            else:
+                self.grads[(a.mb, a.chunk)] = buffer
+
+    def _p2p(self, op, tensor: torch.Tensor, peer_stage: int, tag: int) -> dist.P2POp:
+        if op is dist.isend:
+            tensor = tensor.contiguous()
+            if tensor.dtype != self.dtype or tuple(tensor.shape) != self.shape:
+                raise RuntimeError(f"pipeline stage {self.stage}: sending {tuple(tensor.shape)} "
+                                   f"{tensor.dtype}, expected {self.shape} {self.dtype}")
+            self.pp.counter.add("send", self.pp.name, tensor)
+            self.stats.sent_bytes += tensor.numel() * tensor.element_size()
+        return dist.P2POp(op, tensor, self.pp.global_rank(peer_stage % self.p), self.pp.group, tag)
+
+
+def _free_data(out: torch.Tensor) -> None:
+    """Drop a sent activation's storage but keep its graph (Megatron's trick)."""
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def _run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """``out.backward(grad)`` without the shape check, which a freed ``out`` would fail."""
+    if grad is None:  # the scaled loss: a scalar that was never sent
+        out.backward()
+        return
+    Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
+
+
+def sum_tied_embedding_grads(model: nn.Module, embedding: CommGroup | None) -> None:
+    """The first stage's token embedding and the last stage's copy of it as the output
+    head are one parameter in the model: sum their gradients over the embedding group
+    (first and last stage) so that both copies take the same step and stay equal."""
+    if embedding is None or embedding.size == 1:
+        return
+    tied = getattr(model, "head", None)
+    if tied is None or not getattr(tied, "tied_copy", False):
+        tied = model.embedding.word.weight
+    if tied.grad is None:
+        tied.grad = torch.zeros_like(tied)
+    embedding.all_reduce(tied.grad)

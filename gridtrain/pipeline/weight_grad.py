@@ -1,0 +1,83 @@
+"""Split backward for zero-bubble schedules: input gradients now, weight gradients later.
+
+A linear layer's backward has two independent products: ``grad_input = grad_out @ W``
+(needed at once by the previous layer, and by the previous pipeline stage) and
+``grad_W = grad_out^T @ input`` (needed only by the optimizer). ZB-H1 runs the first in
+its B action and defers the second to a W action that fills pipeline bubbles.
+
+While a :class:`WeightGradStore` is *deferring*, every linear layer built on
+:func:`linear` computes its input gradient and queues a closure for its weight gradient
+under the current micro-batch key; ``flush(key)`` runs them later. Parameters that are
+not linear weights (LayerNorm, biases, embeddings) get their gradients in B as usual:
+they are cheap. Gradients are identical to a plain backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Hashable
+
+import torch
+import torch.nn.functional as F
+
+
+class WeightGradStore:
+    def __init__(self) -> None:
+        self.key: Hashable | None = None  # deferring while set
+        self.pending: dict[Hashable, list[Callable[[], None]]] = defaultdict(list)
+
+    @contextlib.contextmanager
+    def defer(self, key: Hashable):
+        """Within this block, linear weight gradients are queued under ``key``."""
+        self.key = key
+        try:
+            yield
+        finally:
+            self.key = None
+
+    def add(self, fn: Callable[[], None]) -> None:
+        self.pending[self.key].append(fn)
+
+    def flush(self, key: Hashable) -> None:
+        for fn in self.pending.pop(key, []):
+            fn()
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad += grad
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, store):
+        ctx.save_for_backward(x, weight)
+        ctx.store = store
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out @ weight.to(grad_out.dtype)
+
+        def weight_grad() -> None:
+            g = grad_out.reshape(-1, grad_out.shape[-1]).transpose(0, 1) @ x.reshape(-1, x.shape[-1]).to(grad_out.dtype)
+            _accumulate(weight, g.to(weight.dtype))
+
+        if ctx.store.key is None:
+            weight_grad()
+        else:
+            ctx.store.add(weight_grad)
+        return grad_x, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           store: WeightGradStore | None) -> torch.Tensor:
+    """``F.linear``, with a weight gradient that ``store`` may defer."""
+    if store is None or not torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    y = _DeferrableLinear.apply(x, weight, store)
+    return y if bias is None else y + bias
