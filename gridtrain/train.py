@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from gridtrain.distributed import DistributedContext, setup_distributed
 from gridtrain.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.model import IGNORE_INDEX
 from gridtrain.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
-from gridtrain.pipeline.runtime import PipelineStage, StageStats, sum_tied_embedding_grads
+from gridtrain.pipeline.runtime import PipelineStage, StageStats, sum_tied_embedding_grads, write_chrome_trace
 from gridtrain.pipeline.schedules import build_schedule, uses_split_backward
 from gridtrain.pipeline.weight_grad import WeightGradStore
 from gridtrain.tensor_parallel import allreduce_sequence_parallel_grads, broadcast_batches, is_tp_duplicate
@@ -66,6 +67,8 @@ class TrainResult:
     model: nn.Module | None = None
     step_bytes: list[dict[str, int]] = field(default_factory=list)  # "kind/group" -> bytes
     peak_in_flight: int = 0  # most micro-batch chunks whose activations this stage held
+    stage_busy_s: float = 0.0  # time this stage spent computing (F, B, W) ...
+    stage_wall_s: float = 0.0  # ... out of the time its schedule took
     ctx: DistributedContext | None = None
 
 
@@ -90,6 +93,7 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
               f"device {ctx.device.type}, dtype {t.dtype}")
     result = TrainResult(model=model, ctx=ctx)
     tokens_seen = start * t.global_batch_size * _sample_tokens(data.train)
+    trace_events: list[tuple[int, str, float, float]] = []
     for step in range(start, t.steps):
         lr = lr_at(step, t)
         set_lr(optimizer, lr)
@@ -98,6 +102,9 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         batches = read_micro_batches(data.train, sampler, step, ctx)
         loss, grad_norm, stage_stats = train_step(model, optimizer, pipeline, batches, ctx, t.grad_clip)
         result.peak_in_flight = max(result.peak_in_flight, stage_stats.peak_in_flight)
+        result.stage_busy_s += stage_stats.busy_s
+        result.stage_wall_s += stage_stats.wall_s
+        trace_events += [(step + 1, *event) for event in stage_stats.trace]
         step_tokens = t.global_batch_size * _sample_tokens(data.train)
         elapsed = time.perf_counter() - began
         moved = {f"{k}/{g}": n - bytes_before.get((k, g), 0) for (k, g), n in ctx.bytes.bytes.items()}
@@ -123,7 +130,15 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     if t.save and not (t.save_interval and t.steps % t.save_interval == 0):
         checkpoint.save_checkpoint(t.save, t.steps, model, optimizer, cfg, ctx)
     result.tokens_per_s = stats.tokens_per_s()
+    if t.trace:
+        Path(t.trace).mkdir(parents=True, exist_ok=True)
+        write_chrome_trace(Path(t.trace) / f"rank{ctx.rank:03d}.json", trace_events, ctx.rank, ctx.coords.pp)
+    idle = _stage_idle_fractions(result, ctx)
     _print_summary(log, stats, result, data, ctx, t.peak_tflops)
+    if ctx.grid.pp > 1:
+        log.print("pipeline: measured idle fraction per stage " +
+                  ", ".join(f"{s}: {f:.3f}" for s, f in enumerate(idle)) +
+                  f"; peak micro-batches held on this stage {result.peak_in_flight}")
     return result
 
 
@@ -232,6 +247,15 @@ def _bytes_by_group(moved: dict[str, int]) -> dict[str, int]:
         group = key.split("/", 1)[1]
         out[group] = out.get(group, 0) + n
     return out
+
+
+def _stage_idle_fractions(result: TrainResult, ctx: DistributedContext) -> list[float]:
+    """Each pipeline stage's share of schedule time spent not computing (waiting for
+    activations or gradients, or communicating), gathered over the pipeline group."""
+    mine = 1.0 - result.stage_busy_s / result.stage_wall_s if result.stage_wall_s else 0.0
+    if ctx.grid.pp == 1:
+        return [mine]
+    return [float(x) for x in ctx.pp.all_gather(torch.tensor([mine], dtype=torch.float64, device=ctx.device), 0)]
 
 
 def _format_bytes(n: int) -> str:

@@ -24,6 +24,7 @@ The peak number of micro-batches whose activations the stage holds is counted.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from gridtrain.comm import CommGroup
-from gridtrain.pipeline.schedules import (ALLREDUCE_GRADS, B, COMM, F, OPTIMIZER_STEP, RECV_B, RECV_F, SEND_B,
+from gridtrain.pipeline.schedules import (ALLREDUCE_GRADS, B, COMM, COMPUTE, F, OPTIMIZER_STEP, RECV_B, RECV_F, SEND_B,
                                           SEND_F, W, Action, virtual_stage)
 from gridtrain.pipeline.weight_grad import WeightGradStore
 
@@ -47,6 +48,8 @@ class StageStats:
     peak_in_flight: int = 0  # micro-batch chunks with forward done and backward not
     peak_held: int = 0  # ... and whose weight gradients are not yet computed either
     sent_bytes: int = 0
+    busy_s: float = 0.0  # time in F, B, W (compute); the rest of the step is waiting
+    wall_s: float = 0.0
     trace: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end)
 
 
@@ -77,6 +80,7 @@ class PipelineStage:
         self.loss_sum: torch.Tensor | None = None
         self.stats = StageStats()
         self.in_flight = self.held = 0
+        began = time.perf_counter()
         i = 0
         while i < len(self.actions):
             if self.actions[i].kind in COMM:
@@ -98,17 +102,17 @@ class PipelineStage:
             elif a.kind != OPTIMIZER_STEP:  # the caller steps after clipping
                 raise ValueError(f"unknown pipeline action {a}")
             i += 1
+        self.stats.wall_s = time.perf_counter() - began
         return self.loss_sum, self.stats
 
     def _timed(self, name: str, fn, *args) -> None:
-        if not self.tracing:
-            fn(*args)
-            return
-        import time
-
         began = time.perf_counter()
         fn(*args)
-        self.stats.trace.append((name, began, time.perf_counter()))
+        ended = time.perf_counter()
+        if name[0] in COMPUTE:
+            self.stats.busy_s += ended - began
+        if self.tracing:
+            self.stats.trace.append((name, began, ended))
 
     def forward_only(self, batches: list[Batch] | None, autocast) -> torch.Tensor | None:
         """Run only the forwards (and their sends/receives), without autograd; returns the
@@ -241,3 +245,17 @@ def sum_tied_embedding_grads(model: nn.Module, embedding: CommGroup | None) -> N
     if tied.grad is None:
         tied.grad = torch.zeros_like(tied)
     embedding.all_reduce(tied.grad)
+
+
+def write_chrome_trace(path, events: list[tuple[int, str, float, float]], rank: int, stage: int) -> None:
+    """``events`` (step, action, start, end in perf_counter seconds) as a Chrome trace
+    (chrome://tracing, Perfetto): one row per rank, one box per action."""
+    import json
+
+    origin = min((e[2] for e in events), default=0.0)
+    rows = [{"name": name, "cat": name.rstrip("0123456789.") or name, "ph": "X", "pid": rank,
+             "tid": stage, "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6, "args": {"step": step}}
+            for step, name, start, end in events]
+    rows.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} (stage {stage})"}})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": rows, "displayTimeUnit": "ms"}, f)
