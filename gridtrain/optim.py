@@ -46,14 +46,14 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def grad_norm_squared(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Sum of squared gradient entries, accumulated in at least fp32."""
+def grad_norm_squared(params: Iterable[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sum of squared gradient entries as an fp64 scalar (the same dtype on every rank, so
+    it can be summed across ranks; a rank with no gradients contributes 0)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    acc_dtype = torch.float64 if grads[0].dtype == torch.float64 else torch.float32
-    norms = torch._foreach_norm([g.to(acc_dtype) for g in grads])
-    return torch.stack(norms).square().sum()
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm([g.to(torch.promote_types(g.dtype, torch.float32)) for g in grads])
+    return torch.stack([n.double() for n in norms]).square().sum()
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group: CommGroup | None = None,
@@ -65,11 +65,13 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group: CommGroup
     once the model is split). A parameter replicated over that group must appear in
     ``norm_params`` on one rank only, so that nothing is counted twice.
     """
-    total_sq = grad_norm_squared(params if norm_params is None else norm_params)
+    device = params[0].device if params else "cpu"
+    total_sq = grad_norm_squared(params if norm_params is None else norm_params, device)
     if group is not None:
         group.all_reduce(total_sq)
     norm = float(total_sq.sqrt())
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+        if grads:
+            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
     return norm

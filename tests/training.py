@@ -30,7 +30,8 @@ def summarize(result: TrainResult) -> dict:
     """Picklable record of a run: per-step losses and grad norms, final weights in fp64."""
     state = {k: v.detach().double().cpu().numpy() for k, v in result.model.state_dict().items()}
     return {"losses": result.losses, "grad_norms": result.grad_norms,
-            "valid_loss": result.valid_loss, "state": state, "step_bytes": result.step_bytes}
+            "valid_loss": result.valid_loss, "state": state, "step_bytes": result.step_bytes,
+            "peak_in_flight": result.peak_in_flight}
 
 
 def _train_worker(rank: int, world_size: int, cfg: Config) -> dict:

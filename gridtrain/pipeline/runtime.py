@@ -149,6 +149,8 @@ class PipelineStage:
             x = batch["tokens"] if first else self.inputs[(mb, chunk)]
             with self.autocast():
                 out = self.model(x, batch["labels"] if last else None, chunk=chunk)
+            if out is x:  # a chunk with no blocks: its output must own its storage (it is freed)
+                out = x.clone()
             if last:
                 loss_sum = out.sum()
                 out = loss_sum * self.loss_scale
