@@ -54,7 +54,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
+import subprocess
 import statistics
 import sys
 import time
@@ -123,6 +125,22 @@ class BusyClock:
         return timed
 
 
+# ---- the gridtrain side -----------------------------------------------------------------------
+
+def gridtrain_train_step(model: nn.Module, optimizer, pipeline, ctx, cfg: Config, n_mb: int):
+    """``batches -> gridtrain.train.train_step(...)`` for this model, whichever form of
+    train_step this checkout has: older ones take (model, optimizer, pipeline, batches,
+    ctx, grad_clip), newer ones also a ``GradientReducer`` (data-parallel buckets) built
+    as ``pretrain`` builds it."""
+    if "reducer" not in inspect.signature(train_step).parameters:
+        return lambda batches: train_step(model, optimizer, pipeline, batches, ctx, cfg.training.grad_clip)
+    from gridtrain.data_parallel import GradientReducer
+
+    reducer = GradientReducer(model, ctx.dp, accumulations=n_mb,
+                              bucket_mb=getattr(cfg.parallel, "bucket_mb", 25.0))
+    return lambda batches: train_step(model, optimizer, pipeline, reducer, batches, ctx, cfg.training.grad_clip)
+
+
 # ---- setups ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -161,13 +179,14 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
     gt_model = gpt_model_provider(cfg, ctx)
     gt_opt = build_optimizer(gt_model, cfg.training)
     gt_pipe = build_pipeline(gt_model, cfg, ctx, gpt_forward_step, n_mb)
+    gt_train_step = gridtrain_train_step(gt_model, gt_opt, gt_pipe, ctx, cfg, n_mb)
     spec = gt_model.chunks[0]  # this rank's blocks, and whether it embeds / ends
     gt_bytes: dict = {}
 
     def gridtrain_step() -> tuple[float | None, StepTimes]:
         before = dict(ctx.bytes.bytes)
         began = time.perf_counter()
-        loss, _, stats = train_step(gt_model, gt_opt, gt_pipe, batches, ctx, cfg.training.grad_clip)
+        loss, _, stats = gt_train_step(batches)
         total = time.perf_counter() - began
         gt_bytes.clear()
         gt_bytes.update({f"{k}/{g}": n - before.get((k, g), 0) for (k, g), n in ctx.bytes.bytes.items()
@@ -210,12 +229,19 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
 
         return Setup(name, step)
 
-    try:
-        setups.append(torch_setup("torch 1F1B (untied head)", tie=False))
+    torch_setups: list[Setup] = []
+    try:  # building the stages communicates nothing; their first step infers the shapes
+        torch_setups.append(torch_setup("torch 1F1B (untied head)", tie=False))
         if opts["tied_variant"]:
-            setups.append(torch_setup("torch 1F1B + tied all-reduce", tie=True))
+            torch_setups.append(torch_setup("torch 1F1B + tied all-reduce", tie=True))
     except Exception:  # noqa: BLE001 -- record it; the report says so
-        notes.append("torch.distributed.pipelining setup failed:\n" + traceback.format_exc(limit=4))
+        notes.append(f"rank {rank}: torch.distributed.pipelining setup failed, its setups are skipped:\n"
+                     + traceback.format_exc(limit=4))
+        torch_setups = []
+    built = torch.tensor([int(bool(torch_setups))])
+    dist.all_reduce(built, op=dist.ReduceOp.MIN)  # both ranks keep the same list of setups
+    if int(built):
+        setups += torch_setups
 
     # (c) one-process reference: gridtrain's train_step with pp=1 on rank 0, every core
     if opts["reference"]:
@@ -227,10 +253,11 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
         ref_model = gpt_model_provider(cfg1, ctx1)
         ref_opt = build_optimizer(ref_model, cfg1.training)
         ref_pipe = build_pipeline(ref_model, cfg1, ctx1, gpt_forward_step, n_mb)
+        ref_train_step = gridtrain_train_step(ref_model, ref_opt, ref_pipe, ctx1, cfg1, n_mb)
 
         def reference_step() -> tuple[float | None, StepTimes]:
             began = time.perf_counter()
-            loss, _, stats = train_step(ref_model, ref_opt, ref_pipe, batches, ctx1, cfg1.training.grad_clip)
+            loss, _, stats = ref_train_step(batches)
             return loss, StepTimes(time.perf_counter() - began, stats.wall_s, stats.busy_s)
 
         cores = opts["ref_threads"] or os.cpu_count() or 1
@@ -316,6 +343,20 @@ def _merge(results: list[dict]) -> list[dict]:
     return rows
 
 
+def gridtrain_version() -> str:
+    """The commit of the gridtrain being measured, and whether its files have local edits
+    (read-only git queries; "unknown" outside a checkout)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "gridtrain"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" with uncommitted changes under gridtrain/" if dirty else "")
+
+
 def report(results: list[dict], opts: dict, wall_s: float, load: tuple[float, float]) -> str:
     r0 = results[0]
     rows = _merge(results)
@@ -330,6 +371,7 @@ def report(results: list[dict], opts: dict, wall_s: float, load: tuple[float, fl
         f"machine: {os.cpu_count()} CPU cores, gloo, torch {torch.__version__}; pipeline ranks use "
         f"{r0['threads_per_rank']} thread(s) each, the one-process reference "
         f"{opts['ref_threads'] or os.cpu_count()}; 1-min load average at start / end {load[0]:.1f} / {load[1]:.1f}",
+        f"gridtrain: {gridtrain_version()}; train_step{inspect.signature(train_step)}",
         f"timing: {opts['warmup']} warm-up steps, then {opts['repeats']} repeats x {opts['steps']} steps per "
         "setup, interleaved (order reversed every other repeat); medians over repeats",
         "",
@@ -350,6 +392,12 @@ def report(results: list[dict], opts: dict, wall_s: float, load: tuple[float, fl
         lines.append(f"| {r['name']} | {tokens / t:,.0f} | {t * 1e3:.1f} | {min(r['times']) * 1e3:.1f} | "
                      f"{cells[0]} | {cells[1]} | {ratio:.2f}x |")
     lines.append("")
+    for r in rows:
+        if r["name"].startswith("torch"):
+            gt = rows[0]
+            paired = statistics.median(x / g for g, x in zip(gt["times"], r["times"]))
+            lines.append(f"ratio {gt['name']} / {r['name']} (tokens/s): {paired:.2f}x median of the per-round "
+                         f"ratios, {min(r['times']) / min(gt['times']):.2f}x best round vs best round")
     lines.append("schedule = inside pipeline.run / schedule.step; compute = forwards, loss and backwards in "
                  "it (the rest of the schedule is waiting and transfers); rest = the step outside the "
                  "schedule (zero_grad, token count, tied all-reduce where done by hand, grad norm, AdamW, "
@@ -382,8 +430,8 @@ def report(results: list[dict], opts: dict, wall_s: float, load: tuple[float, fl
         if pairs:
             parts.append(f"{r['name']} {r['losses'][0]:.6f} (diff {abs(pairs[0][0] - pairs[0][1]):.1e}; "
                          f"largest over {len(pairs)} steps {max(abs(a - b) for a, b in pairs):.1e})")
-    lines.append(f"loss check, step 1 from the same weights and batch: {rows[0]['name']} {ref[0]:.6f}; "
-                 + "; ".join(parts) + f"; last step {ref[-1]:.4f}")
+    lines.append("; ".join([f"loss check, step 1 from the same weights and batch: {rows[0]['name']} {ref[0]:.6f}",
+                            *parts, f"last step {ref[-1]:.4f}"]))
     for note in (n for res in results for n in res["notes"]):
         lines.append("NOTE " + note.rstrip())
     lines.append(f"wall time {wall_s:.0f} s")

@@ -25,6 +25,7 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
     ("--pp-layers", "parallel", "pp_layers", lambda text: [int(x) for x in text.split(",")],
      "blocks per virtual stage, e.g. 3,4,4,3"),
     ("--pp-partition", "parallel", "pp_partition", str, "uniform | parameters | time"),
+    ("--bucket-mb", "parallel", "bucket_mb", float, "gradient all-reduce bucket size in MiB"),
     ("--n-layer", "model", "n_layer", int, "transformer blocks"),
     ("--n-head", "model", "n_head", int, "attention heads"),
     ("--d-model", "model", "d_model", int, "hidden size"),

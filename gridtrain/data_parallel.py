@@ -1,16 +1,34 @@
-"""Data parallelism: keep the DP replicas identical.
+"""Data parallelism: gradients averaged over the DP group, overlapped with backward.
 
-This is the plain, synchronous version: parameters are broadcast from the DP group's
-first rank at start, and after the last micro-batch's backward all gradients are
-flattened into one buffer and averaged with a single all-reduce. It is correct for any
-model and is the baseline that a bucketed reducer overlapped with backward replaces.
+The reducer is the one PyTorch DDP describes (Li et al., 2020), built to compose with
+pipeline micro-batches and tensor parallelism:
+
+* every parameter's gradient lives in one contiguous buffer (``param.main_grad`` is a
+  view into it), in fp32 for 16-bit parameters, so accumulation over micro-batches never
+  loses precision;
+* the buffer is cut into buckets of about ``--bucket-mb`` in *reverse registration
+  order*, roughly the order in which backward produces gradients;
+* a hook on each parameter moves each new gradient into the buffer; when a parameter
+  has received all of its step's contributions (one per micro-batch through its chunk,
+  whatever the schedule: the last B, or the last W of a split backward), it is ready,
+  and a bucket whose parameters are all ready starts its asynchronous all-reduce at
+  once, while backward goes on. Earlier micro-batches never trigger a reduction: that is
+  DDP's ``no_sync`` without a context manager to forget;
+* :meth:`finish` (the schedule's ALLREDUCE_GRADS) launches what never became ready
+  (parameters that got no gradient this step take part with zeros), waits for all
+  buckets and divides by the DP size.
+
+It also measures how much of the all-reduce time was hidden behind backward.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gridtrain.comm import CommGroup
 
@@ -24,21 +42,123 @@ def broadcast_parameters(model: nn.Module, dp: CommGroup) -> None:
             dp.broadcast(tensor)
 
 
-def allreduce_gradients(params: list[torch.Tensor], dp: CommGroup) -> None:
-    """Average gradients over the DP group in one coalesced all-reduce.
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    start: int
+    end: int
+    ready: int = 0
+    work: object | None = None
+    launched_at: float = 0.0
+    done_at: float | None = None
 
-    A parameter without a gradient takes part with zeros, so every rank reduces the same
-    buffer layout (a rank-dependent layout would mismatch the collective).
-    """
-    if dp.size == 1:
-        return
-    grads = []
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    flat = _flatten_dense_tensors(grads)
-    dp.all_reduce(flat)
-    flat.div_(dp.size)
-    for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        grad.copy_(reduced)
+
+@dataclass
+class OverlapStats:
+    """Seconds of all-reduce in flight, and how many of them passed before the step
+    started waiting (hidden behind backward) rather than while it waited (exposed)."""
+
+    in_flight_s: float = 0.0
+    hidden_s: float = 0.0
+    unused: list[str] = field(default_factory=list)  # parameters that got no gradient
+
+    @property
+    def fraction(self) -> float:
+        return self.hidden_s / self.in_flight_s if self.in_flight_s > 0 else 0.0
+
+
+class GradientReducer:
+    def __init__(self, model: nn.Module, dp: CommGroup, *, accumulations: int, bucket_mb: float = 25.0,
+                 grad_dtype: torch.dtype | None = None):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names = {p: n for n, p in named}
+        self.dp, self.accumulations = dp, accumulations
+        params = [p for _, p in reversed(named)]
+        dtype = grad_dtype or _grad_dtype(params)
+        device = params[0].device if params else torch.device("cpu")
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        self.buckets = self._make_buckets(params, bucket_mb * 2 ** 20 / self.buffer.element_size())
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
+        self.counts = {p: 0 for p in params}
+        self.stats = OverlapStats()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            p.grad_ready_hook = self._on_grad  # for gradients accumulated outside autograd (ZB's W)
+
+    def _make_buckets(self, params: list[nn.Parameter], bucket_elems: float) -> list[Bucket]:
+        buckets, offset = [], 0
+        for p in params:
+            p.main_grad = self.buffer[offset: offset + p.numel()].view_as(p)
+            if not buckets or (buckets[-1].end - buckets[-1].start) + p.numel() > bucket_elems and buckets[-1].params:
+                buckets.append(Bucket([], offset, offset))
+            buckets[-1].params.append(p)
+            buckets[-1].end = offset = offset + p.numel()
+        return buckets
+
+    # ---- during backward ------------------------------------------------------------------
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if p.grad is None:  # a backward that deferred this weight's gradient (ZB's B)
+            return
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        self.counts[p] += 1
+        if self.counts[p] == self.accumulations and self.dp.size > 1:
+            bucket = self.bucket_of[p]
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._launch(bucket)
+        self._poll()
+
+    def _launch(self, bucket: Bucket) -> None:
+        view = self.buffer[bucket.start: bucket.end]
+        self.dp.counter.add("all_reduce", self.dp.name, view)
+        bucket.work = dist.all_reduce(view, group=self.dp.group, async_op=True)
+        bucket.launched_at = time.perf_counter()
+
+    def _poll(self) -> None:
+        """Note when in-flight buckets complete (for the overlap measurement)."""
+        now = None
+        for b in self.buckets:
+            if b.work is not None and b.done_at is None and b.work.is_completed():
+                b.done_at = now = now or time.perf_counter()
+
+    # ---- after the last backward ------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Wait for every bucket, average, and point ``param.grad`` at the reduced buffer."""
+        if self.dp.size > 1:
+            self._poll()
+            waiting_from = time.perf_counter()
+            for b in self.buckets:
+                if b.work is None:
+                    self._launch(b)
+            for b in self.buckets:
+                b.work.wait()
+                if b.done_at is None:
+                    b.done_at = time.perf_counter()
+                self.stats.in_flight_s += b.done_at - b.launched_at
+                self.stats.hidden_s += max(0.0, min(b.done_at, waiting_from) - b.launched_at)
+            self.buffer.div_(self.dp.size)
+        self.stats.unused = [self.names[p] for p, n in self.counts.items() if n == 0]
+        for p in self.counts:
+            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else None
+
+    def zero(self) -> None:
+        """Start a step: empty buffer, no counts, no bucket in flight."""
+        self.buffer.zero_()
+        for p in self.counts:
+            self.counts[p] = 0
+            p.grad = None
+        for b in self.buckets:
+            b.ready, b.work, b.done_at = 0, None, None
+
+    def bytes_per_step(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size() if self.dp.size > 1 else 0
+
+
+def _grad_dtype(params: list[nn.Parameter]) -> torch.dtype:
+    """fp32 accumulation for 16-bit parameters; fp64 stays fp64."""
+    if params and params[0].dtype == torch.float64:
+        return torch.float64
+    return torch.float32

@@ -313,8 +313,8 @@ def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel) -> N
     """
     if not tp.sequence_parallel or tp.size == 1:
         return
-    grads = [p.grad for p in model.parameters()
-             if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [_grad_of(p) for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    grads = [g for g in grads if g is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -323,6 +323,11 @@ def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel) -> N
     for g in grads:
         g.copy_(flat[offset: offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient being accumulated: the reducer's fp32 buffer view when there is one."""
+    return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
 
 
 # ---- data ------------------------------------------------------------------------------------

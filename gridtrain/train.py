@@ -26,7 +26,7 @@ from torch import nn
 from gridtrain import checkpoint
 from gridtrain.config import Config
 from gridtrain.data import GlobalBatchSampler, collate
-from gridtrain.data_parallel import allreduce_gradients, broadcast_parameters
+from gridtrain.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.distributed import DistributedContext, setup_distributed
 from gridtrain.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.model import IGNORE_INDEX
@@ -69,6 +69,7 @@ class TrainResult:
     peak_in_flight: int = 0  # most micro-batch chunks whose activations this stage held
     stage_busy_s: float = 0.0  # time this stage spent computing (F, B, W) ...
     stage_wall_s: float = 0.0  # ... out of the time its schedule took
+    overlap: list[float] = field(default_factory=list)  # DP all-reduce hidden behind backward, per step
     ctx: DistributedContext | None = None
 
 
@@ -85,6 +86,8 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.micro_batch_size,
                                  dp, ctx.coords.dp, t.seed)
     pipeline = build_pipeline(model, cfg, ctx, forward_step, sampler.num_micro_batches)
+    reducer = GradientReducer(model, ctx.dp, accumulations=sampler.num_micro_batches,
+                              bucket_mb=cfg.parallel.bucket_mb)
     start = checkpoint.load_checkpoint(t.load, model, optimizer, ctx) if t.load else 0
     stats = RunStats(flops_per_token=_flops_per_token(model), world_size=ctx.grid.world_size)
     log = MetricsLogger(ctx.is_logging_rank, t.metrics_file, t.steps, start, t.progress)
@@ -100,7 +103,8 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         began = time.perf_counter()
         bytes_before = dict(ctx.bytes.bytes)
         batches = read_micro_batches(data.train, sampler, step, ctx)
-        loss, grad_norm, stage_stats = train_step(model, optimizer, pipeline, batches, ctx, t.grad_clip)
+        loss, grad_norm, stage_stats = train_step(model, optimizer, pipeline, reducer, batches, ctx, t.grad_clip)
+        result.overlap.append(reducer.stats.fraction)
         result.peak_in_flight = max(result.peak_in_flight, stage_stats.peak_in_flight)
         result.stage_busy_s += stage_stats.busy_s
         result.stage_wall_s += stage_stats.wall_s
@@ -158,16 +162,16 @@ def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forwa
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, pipeline: PipelineStage,
-               batches: list[Batch] | None, ctx: DistributedContext, grad_clip: float
-               ) -> tuple[float, float, StageStats]:
+               reducer: GradientReducer, batches: list[Batch] | None, ctx: DistributedContext,
+               grad_clip: float) -> tuple[float, float, StageStats]:
     """One optimizer step: the stage's schedule (forward, backward and gradient reduction
     of every micro-batch), clipping, the optimizer. Returns the global batch's mean token
     loss (the same on every rank), the gradient norm and what the stage did."""
-    optimizer.zero_grad(set_to_none=True)
+    reducer.zero()
     holds_loss = ctx.grid.is_last_stage(ctx.rank)
     global_tokens = _global_token_count(batches, ctx) if holds_loss else 1
     loss_sum, stats = pipeline.run(batches, ctx.grid.dp / global_tokens, ctx.autocast,
-                                   lambda: reduce_gradients(model, ctx))
+                                   lambda: reduce_gradients(model, reducer, ctx))
     params = [p for p in model.parameters() if p.requires_grad]
     counted_once = [p for p in params if not is_tp_duplicate(p, ctx.tp.rank)
                     and not getattr(p, "tied_copy", False)]
@@ -176,13 +180,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, pipeline: Pip
     return _mean_loss(loss_sum, global_tokens, holds_loss, ctx), grad_norm, stats
 
 
-def reduce_gradients(model: nn.Module, ctx: DistributedContext) -> None:
-    """A stage's gradients are complete: sum the partial ones over TP (sequence
-    parallelism), the tied embedding copies over the first and last stage, and average
-    over data parallel."""
+def reduce_gradients(model: nn.Module, reducer: GradientReducer, ctx: DistributedContext) -> None:
+    """A stage's gradients are complete: finish averaging over data parallel (most of it
+    already ran during backward), then sum the partial ones over TP (sequence
+    parallelism) and the tied embedding copies over the first and last stage. The sums
+    and the average commute."""
+    reducer.finish()
     allreduce_sequence_parallel_grads(model, ctx.tp)
     sum_tied_embedding_grads(model, ctx.embedding)
-    allreduce_gradients([p for p in model.parameters() if p.requires_grad], ctx.dp)
 
 
 def _mean_loss(loss_sum: torch.Tensor | None, global_tokens: int, holds_loss: bool,
@@ -297,6 +302,10 @@ def _print_summary(log: MetricsLogger, stats: RunStats, result: TrainResult, dat
         f"MFU n/a (no known peak for {ctx.device.type}; pass --peak-tflops)"
     log.print(f"throughput: {tps:,.0f} tokens/s, {tflops:.4f} TFLOP/s per device "
               f"({stats.flops_per_token / 1e6:.2f} MFLOP per token), {mfu}")
+    if ctx.grid.dp > 1 and len(result.overlap) > 1:
+        steady = result.overlap[1:]
+        log.print(f"data parallel: {100 * sum(steady) / len(steady):.0f}% of gradient all-reduce time "
+                  "hidden behind backward (mean over steps after the first)")
     moved = _bytes_by_group(result.step_bytes[-1]) if result.step_bytes else {}
     if moved:
         log.print("communication per step (payload bytes, this rank): " +

@@ -244,9 +244,12 @@ def sum_tied_embedding_grads(model: nn.Module, embedding: CommGroup | None) -> N
     tied = getattr(model, "head", None)
     if tied is None or not getattr(tied, "tied_copy", False):
         tied = model.embedding.word.weight
-    if tied.grad is None:
-        tied.grad = torch.zeros_like(tied)
-    embedding.all_reduce(tied.grad)
+    grad = getattr(tied, "main_grad", None)
+    if grad is None:
+        if tied.grad is None:
+            tied.grad = torch.zeros_like(tied)
+        grad = tied.grad
+    embedding.all_reduce(grad)
 
 
 def write_chrome_trace(path, events: list[tuple[int, str, float, float]], rank: int, stage: int) -> None:

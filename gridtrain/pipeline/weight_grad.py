@@ -39,16 +39,22 @@ class WeightGradStore:
     def add(self, fn: Callable[[], None]) -> None:
         self.pending[self.key].append(fn)
 
+    @torch.no_grad()
     def flush(self, key: Hashable) -> None:
         for fn in self.pending.pop(key, []):
             fn()
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add a deferred weight gradient, and tell the gradient reducer, as autograd's own
+    post-accumulate hooks would."""
     if param.grad is None:
         param.grad = grad
     else:
         param.grad += grad
+    hook = getattr(param, "grad_ready_hook", None)
+    if hook is not None:
+        hook(param)
 
 
 class _DeferrableLinear(torch.autograd.Function):
