@@ -140,7 +140,7 @@ class GradientReducer:
                 self.stats.in_flight_s += b.done_at - b.launched_at
                 self.stats.hidden_s += max(0.0, min(b.done_at, waiting_from) - b.launched_at)
             self.buffer.div_(self.dp.size)
-        self.stats.unused = [self.names[p] for p, n in self.counts.items() if n == 0]
+        self.stats.unused = [name for p, name in self.names.items() if self.counts[p] == 0]
         for p in self.counts:
             p.grad = p.main_grad if p.main_grad.dtype == p.dtype else None
 

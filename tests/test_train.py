@@ -11,7 +11,7 @@ import torch
 from gridtrain import checkpoint
 from gridtrain.config import TrainingConfig
 from gridtrain.optim import clip_grad_norm, lr_at
-from tests.training import (assert_same_training, tiny_config, train_in_process, train_layout)
+from tests.training import tiny_config, train_in_process
 
 
 def test_fp64_training_is_deterministic(tmp_path):
@@ -80,12 +80,3 @@ def test_clip_grad_norm_matches_torch():
     assert norm == pytest.approx(float(expected), rel=1e-6)
     for c, p in zip(copies, params):
         torch.testing.assert_close(p.grad, c.grad)
-
-
-@pytest.mark.parametrize("dp", [2, 4])
-def test_data_parallel_trains_the_single_process_model(dp):
-    """DESIGN.md invariant for dp in {2, 4} with gradient accumulation (2 or 1 micro-batches)."""
-    reference = train_in_process(tiny_config())
-    runs = train_layout(tiny_config(), dp)
-    for run in runs:
-        assert_same_training(run, reference, rtol=1e-9)
