@@ -291,11 +291,15 @@ def _validate_data(d: DataConfig, vocab_size: int) -> None:
                                    f"{vocab_size}; pass --vocab-size {tokens}")
 
 
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def world_size_of(cfg: Config) -> int:
-    """The world the run will have: --nproc, else torchrun's WORLD_SIZE, else 1."""
-    if cfg.parallel.nproc is not None:
-        return cfg.parallel.nproc
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """The world the run will have: torchrun's WORLD_SIZE, else --nproc, else 1."""
+    if under_torchrun() or cfg.parallel.nproc is None:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return cfg.parallel.nproc
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
@@ -304,8 +308,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         world_size = world_size_of(cfg)
     p, t, m = cfg.parallel, cfg.training, cfg.model
     _require(p.nproc is None or p.nproc >= 1, f"--nproc must be >= 1, got {p.nproc}")
-    _require(p.nproc is None or "TORCHELASTIC_RUN_ID" not in os.environ,
-             "--nproc cannot be used under torchrun; torchrun already started the workers")
+    _require(p.nproc is None or not under_torchrun() or p.nproc == world_size,
+             f"--nproc {p.nproc} differs from torchrun's {world_size} workers; drop --nproc under torchrun")
     _validate_model(m)
     _validate_training(t)
     _validate_parallel(p, world_size)

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from gridtrain import checkpoint
-from gridtrain.config import Config
+from gridtrain.config import Config, under_torchrun
 from gridtrain.data import load_tokenizer
 from gridtrain.distributed import resolve_device_type, shutdown
 from gridtrain.model import GPT, generate
@@ -25,14 +25,14 @@ def train_worker(rank: int, world_size: int, cfg: Config) -> dict:
     result = pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg)
     if cfg.training.sample_tokens > 0:
         weights = checkpoint.gather_model(result.model, result.ctx)  # whatever the layout
-        if rank == 0:
+        if result.ctx.rank == 0:
             print_sample(whole_model(cfg, weights), cfg)
     return {"losses": result.losses, "valid_loss": result.valid_loss}
 
 
 def train_command(cfg: Config) -> int:
     nproc = cfg.parallel.nproc
-    if nproc is None:
+    if nproc is None or under_torchrun():  # this process is the (only, or torchrun's) worker
         try:
             train_worker(0, 1, cfg)
         finally:

@@ -123,10 +123,14 @@ def test_generate_without_a_checkpoint_is_one_line(tmp_path, capsys):
 
 def test_under_torchrun_the_world_comes_from_the_environment(tmp_path):
     metrics = tmp_path / "m.jsonl"
+    config = tmp_path / "run.yaml"
+    config.write_text("parallel:\n  nproc: 2\n")  # a config's nproc equal to the world is fine
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "gridtrain", "train", "--model", "tiny", "--steps", "2", "--global-batch-size", "4",
-                           "--micro-batch-size", "2", "--metrics-file", str(metrics), "--no-progress"],
+                           "--micro-batch-size", "2", "--metrics-file", str(metrics), "--no-progress",
+                           "--config", str(config), "--sample-tokens", "5"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 ranks = dp 2 x pp 1 x tp 1" in proc.stdout + proc.stderr
+    assert proc.stdout.count("--- sample") == 1  # printed by rank 0 only
     assert len(metrics.read_text().splitlines()) == 2
