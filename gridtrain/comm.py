@@ -121,93 +121,42 @@ def single(name: str = "single") -> CommGroup:
 
 # ---- autograd mappings --------------------------------------------------------------
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
+def _mapping(name: str, forward, backward):
+    """An autograd function doing ``forward(comm, x)`` and, for the gradient,
+    ``backward(comm, grad)``; the identity (no function at all) on a one-rank group."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad.contiguous().clone()), None
+    class Mapping(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, comm):
+            ctx.comm = comm
+            return forward(comm, x)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(ctx.comm, grad), None
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        return comm.all_reduce(x.contiguous().clone())
+    Mapping.__name__ = Mapping.__qualname__ = name
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _SplitLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.own_slice(x, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_gather(grad, -1), None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.all_gather(x, -1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.own_slice(grad, -1), None
-
-
-class _ScatterToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.own_slice(x, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_gather(grad, 1), None
-
-
-class _GatherFromSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.all_gather(x, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.reduce_scatter(grad, 1), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return comm.reduce_scatter(x, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.comm.all_gather(grad, 1), None
-
-
-def _mapped(fn):
     def apply(x: torch.Tensor, comm: CommGroup) -> torch.Tensor:
-        return x if comm.size == 1 else fn.apply(x, comm)
-    apply.__doc__ = fn.__doc__
+        return x if comm.size == 1 else Mapping.apply(x, comm)
+
+    apply.__name__ = name
     return apply
 
 
-copy_to_tp = _mapped(_CopyToTP)
-reduce_from_tp = _mapped(_ReduceFromTP)
-split_last_dim = _mapped(_SplitLastDim)
-gather_last_dim = _mapped(_GatherLastDim)
-scatter_to_seq = _mapped(_ScatterToSeq)
-gather_from_seq = _mapped(_GatherFromSeq)
-reduce_scatter_seq = _mapped(_ReduceScatterSeq)
+def _identity(comm: CommGroup, x: torch.Tensor) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _sum(comm: CommGroup, x: torch.Tensor) -> torch.Tensor:
+    return comm.all_reduce(x.contiguous().clone())  # a fresh buffer: autograd may hold x
+
+
+# name                  forward                                   backward
+copy_to_tp = _mapping("copy_to_tp", _identity, _sum)
+reduce_from_tp = _mapping("reduce_from_tp", _sum, lambda c, g: g)
+split_last_dim = _mapping("split_last_dim", lambda c, x: c.own_slice(x, -1), lambda c, g: c.all_gather(g, -1))
+gather_last_dim = _mapping("gather_last_dim", lambda c, x: c.all_gather(x, -1), lambda c, g: c.own_slice(g, -1))
+scatter_to_seq = _mapping("scatter_to_seq", lambda c, x: c.own_slice(x, 1), lambda c, g: c.all_gather(g, 1))
+gather_from_seq = _mapping("gather_from_seq", lambda c, x: c.all_gather(x, 1), lambda c, g: c.reduce_scatter(g, 1))
+reduce_scatter_seq = _mapping("reduce_scatter_seq", lambda c, x: c.reduce_scatter(x, 1), lambda c, g: c.all_gather(g, 1))
