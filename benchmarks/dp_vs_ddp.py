@@ -113,7 +113,7 @@ def gridtrain_setup(cfg: Config, ctx, batches: list[dict], n_mb: int, bucket_mb:
     clock = {"finish_s": 0.0}
 
     def timed_finish() -> None:  # the wait for the buckets still in flight when backward ends
-        began = time.perf_counter()
+        clock["finish_at"] = began = time.perf_counter()
         finish()
         clock["finish_s"] = time.perf_counter() - began
 
@@ -130,9 +130,16 @@ def gridtrain_setup(cfg: Config, ctx, batches: list[dict], n_mb: int, bucket_mb:
                  if n - before.get((k, g), 0)}
         calls = {f"{k}/{g}": n - calls_before.get((k, g), 0) for (k, g), n in ctx.bytes.calls.items()
                  if n - calls_before.get((k, g), 0)}
+        # wall clock, from the buckets' own timestamps: the window from the first launch to the
+        # last completion, and how much of it passed before backward ended (finish was called)
+        first = min(b.launched_at for b in reducer.buckets)
+        last = max(b.done_at for b in reducer.buckets)
+        window = last - first
+        before_finish = max(0.0, min(clock["finish_at"], last) - first)
         return loss, {"fraction": d_hid / d_in if d_in > 0 else 0.0, "in_flight_s": d_in, "hidden_s": d_hid,
                       "finish_s": clock["finish_s"], "bytes": moved, "calls": calls,
-                      "cumulative_fraction": reducer.stats.fraction}
+                      "cumulative_fraction": reducer.stats.fraction, "window_s": window,
+                      "wall_fraction": before_finish / window if window > 0 else 0.0}
 
     s = Setup(f"gridtrain dp={DP}, {bucket_mb:g} MiB", step, "gridtrain", bucket_mb)
     s.info["buckets"] = [(b.end - b.start) * reducer.buffer.element_size() for b in reducer.buckets]
@@ -395,19 +402,26 @@ def report(results: list[dict], opts: dict, wall_s: float, load: tuple[float, fl
         if r["kind"] != "gridtrain":
             continue
         per_rank = [res["setups"][idx]["extras"] for res in results]
-        fr = " / ".join(f"{100 * _med(e['fraction'] for e in ex):.0f}%" for ex in per_rank)
-        fin = " / ".join(f"{_med(e['finish_s'] for e in ex) * 1e3:.1f}" for ex in per_rank)
-        inf = " / ".join(f"{_med(e['in_flight_s'] for e in ex) * 1e3:.1f}" for ex in per_rank)
-        cum = " / ".join(f"{100 * ex[-1]['cumulative_fraction']:.0f}%" for ex in per_rank)
-        lines.append(f"{r['name']}: all-reduce time hidden behind backward (reducer.stats, per timed step, "
-                     f"median, rank 0 / 1) {fr}; in-flight time summed over buckets {inf} ms; time in "
-                     f"reducer.finish {fin} ms; reducer.stats.fraction as the reducer reports it "
-                     f"(accumulated since it was built) {cum}")
+
+        def both(key: str, fmt: Callable[[float], str], agg=_med) -> str:
+            return " / ".join(fmt(agg(e[key] for e in ex)) for ex in per_rank)
+
+        pct, ms = (lambda x: f"{100 * x:.0f}%"), (lambda x: f"{x * 1e3:.1f}")
+        ratio = " / ".join(f"{100 * sum(e['hidden_s'] for e in ex) / sum(e['in_flight_s'] for e in ex):.0f}%"
+                           for ex in per_rank)
+        lines.append(f"{r['name']} (per timed step, median; rank 0 / rank 1):")
+        lines.append(f"  reducer.stats hidden fraction of this step {both('fraction', pct)} (over all timed "
+                     f"steps: {ratio}; reducer.stats.fraction as the reducer reports it, accumulated since it "
+                     f"was built: {both('cumulative_fraction', pct, lambda v: list(v)[-1])}); bucket in-flight "
+                     f"time summed over buckets {both('in_flight_s', ms)} ms, max {both('in_flight_s', ms, max)} ms")
+        lines.append(f"  wall clock: all-reduce window (first launch to last completion) {both('window_s', ms)} ms, "
+                     f"{both('wall_fraction', pct)} of it before backward ended; time in reducer.finish "
+                     f"(exposed wait) {both('finish_s', ms)} ms, max {both('finish_s', ms, max)} ms")
         firsts = [res["setups"][idx]["first_step"] for res in results]
-        lines.append("  its first (warm-up) step: hidden " +
-                     " / ".join(f"{100 * f['fraction']:.0f}%" for f in firsts) + ", in flight " +
-                     " / ".join(f"{f['in_flight_s'] * 1e3:.1f}" for f in firsts) + " ms, finish " +
-                     " / ".join(f"{f['finish_s'] * 1e3:.1f}" for f in firsts) + " ms (rank 0 / 1)")
+        lines.append("  its first (warm-up) step: reducer.stats hidden " +
+                     " / ".join(pct(f["fraction"]) for f in firsts) + ", in flight summed " +
+                     " / ".join(ms(f["in_flight_s"]) for f in firsts) + " ms, finish " +
+                     " / ".join(ms(f["finish_s"]) for f in firsts) + " ms")
         last = per_rank[0][-1]
         moved = ", ".join(f"{k} {v:,} in {last['calls'].get(k, 0)} call(s)" for k, v in sorted(last["bytes"].items()))
         dp_bytes = sum(v for k, v in last["bytes"].items() if k.endswith("/dp"))

@@ -108,21 +108,49 @@ def mean_token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torc
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-class BusyClock:
-    """Time spent in a stage's compute (forward, loss, backward), measured by wrapping the
-    pipelining stage's ``forward_one_chunk`` / ``backward_one_chunk`` and the loss."""
+class ActionClock:
+    """What a torch pipelining stage does in a step, timed: its compute (``forward_one_chunk``,
+    ``backward_one_chunk``, the loss) and its waits for point-to-point transfers."""
+
+    current: "ActionClock | None" = None  # the clock of the schedule now stepping (for P2P waits)
 
     def __init__(self):
-        self.seconds = 0.0
+        self.busy = 0.0
+        self.actions: list[tuple[str, float]] = []
 
-    def wrap(self, fn: Callable) -> Callable:
+    def reset(self) -> None:
+        self.busy, self.actions = 0.0, []
+
+    def wrap(self, kind: str, fn: Callable, busy: bool = True) -> Callable:
         def timed(*args, **kwargs):
             began = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - began
+                took = time.perf_counter() - began
+                self.actions.append((kind, took))
+                self.busy += took if busy else 0.0
         return timed
+
+
+def _time_p2p_waits() -> None:
+    """Route pipelining's waits on batched P2P work through the stepping stage's clock.
+    ``_wait_batch_p2p`` is private to torch.distributed.pipelining.schedules (torch 2.13);
+    if it is not there, the P2P line is simply missing from the report."""
+    from torch.distributed.pipelining import schedules
+
+    original = getattr(schedules, "_wait_batch_p2p", None)
+    if original is None or getattr(original, "_timed", False):
+        return
+
+    def timed(work):
+        clock = ActionClock.current
+        if clock is None or not work:
+            return original(work)
+        return clock.wrap("P2P", original, busy=False)(work)
+
+    timed._timed = True
+    schedules._wait_batch_p2p = timed
 
 
 # ---- the gridtrain side -----------------------------------------------------------------------
@@ -148,6 +176,7 @@ class StepTimes:
     total: float  # this rank's whole step
     schedule: float  # inside the pipeline schedule (pipeline.run / schedule.step)
     busy: float  # of which forward, loss and backward compute
+    actions: list[tuple[str, float]]  # (kind, seconds): F, B, loss, P2P waits, gradient reduction
 
 
 class Setup:
@@ -157,6 +186,7 @@ class Setup:
         self.times: list[float] = []  # per round: seconds per step between barriers (rank 0)
         self.rank_phases: list[tuple[float, float, float]] = []  # per round: this rank's means
         self.losses: list[float | None] = []
+        self.actions: dict[str, list[float]] = {}  # kind -> durations over the timed steps
 
 
 def _worker(rank: int, world: int, opts: dict) -> dict:
@@ -179,6 +209,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
     gt_model = gpt_model_provider(cfg, ctx)
     gt_opt = build_optimizer(gt_model, cfg.training)
     gt_pipe = build_pipeline(gt_model, cfg, ctx, gpt_forward_step, n_mb)
+    gt_pipe.tracing = True  # StageStats.trace: (action, start, end) of every action, cheap
     gt_train_step = gridtrain_train_step(gt_model, gt_opt, gt_pipe, ctx, cfg, n_mb)
     spec = gt_model.chunks[0]  # this rank's blocks, and whether it embeds / ends
     gt_bytes: dict = {}
@@ -191,7 +222,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
         gt_bytes.clear()
         gt_bytes.update({f"{k}/{g}": n - before.get((k, g), 0) for (k, g), n in ctx.bytes.bytes.items()
                          if n - before.get((k, g), 0)})
-        return loss, StepTimes(total, stats.wall_s, stats.busy_s)
+        return loss, StepTimes(total, stats.wall_s, stats.busy_s, _gridtrain_actions(stats.trace))
 
     setups.append(Setup(f"gridtrain pp={PP} 1f1b", gridtrain_step))
 
@@ -202,34 +233,40 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
         module = OneTensorStage(gpt)
         opt = build_optimizer(module, cfg.training)
         stage = PipelineStage(module, rank, PP, torch.device("cpu"))
-        clock = BusyClock()
-        stage.forward_one_chunk = clock.wrap(stage.forward_one_chunk)
-        stage.backward_one_chunk = clock.wrap(stage.backward_one_chunk)
-        schedule = Schedule1F1B(stage, n_mb, loss_fn=clock.wrap(mean_token_cross_entropy))
+        clock = ActionClock()
+        stage.forward_one_chunk = clock.wrap("F", stage.forward_one_chunk)
+        stage.backward_one_chunk = clock.wrap("B", stage.backward_one_chunk)
+        schedule = Schedule1F1B(stage, n_mb, loss_fn=clock.wrap("loss", mean_token_cross_entropy))
         tied = gpt.embedding.word.weight if spec.pre_process else gpt.head
         first, last = spec.pre_process, spec.post_process
 
         def step() -> tuple[float | None, StepTimes]:
             began = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            clock.seconds = 0.0
+            clock.reset()
             losses: list[torch.Tensor] = []
+            ActionClock.current = clock
             t0 = time.perf_counter()
-            if first:
-                schedule.step(tokens, return_outputs=False)
-            else:
-                schedule.step(target=labels, losses=losses, return_outputs=False)
+            try:
+                if first:
+                    schedule.step(tokens, return_outputs=False)
+                else:
+                    schedule.step(target=labels, losses=losses, return_outputs=False)
+            finally:
+                ActionClock.current = None
             t1 = time.perf_counter()
             if tie:  # gridtrain's tied embedding: sum the two copies' gradients
                 dist.all_reduce(tied.grad)
+                clock.actions.append(("tied all-reduce", time.perf_counter() - t1))
             opt.step()
             total = time.perf_counter() - began
             loss = float(torch.stack(losses).detach().mean()) if last else None
-            return loss, StepTimes(total, t1 - t0, clock.seconds)
+            return loss, StepTimes(total, t1 - t0, clock.busy, clock.actions)
 
         return Setup(name, step)
 
     torch_setups: list[Setup] = []
+    _time_p2p_waits()
     try:  # building the stages communicates nothing; their first step infers the shapes
         torch_setups.append(torch_setup("torch 1F1B (untied head)", tie=False))
         if opts["tied_variant"]:
@@ -258,12 +295,12 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
         def reference_step() -> tuple[float | None, StepTimes]:
             began = time.perf_counter()
             loss, _, stats = ref_train_step(batches)
-            return loss, StepTimes(time.perf_counter() - began, stats.wall_s, stats.busy_s)
+            return loss, StepTimes(time.perf_counter() - began, stats.wall_s, stats.busy_s, [])
 
         cores = opts["ref_threads"] or os.cpu_count() or 1
         setups.append(Setup("gridtrain 1 process", reference_step, active=rank == 0, threads=cores))
 
-    def run_block(s: Setup, steps: int) -> tuple[float, tuple[float, float, float]]:
+    def run_block(s: Setup, steps: int, timed: bool = True) -> tuple[float, tuple[float, float, float]]:
         torch.set_num_threads(s.threads or base_threads)
         sums = [0.0, 0.0, 0.0]
         dist.barrier()
@@ -275,13 +312,15 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
                 sums[0] += t.total
                 sums[1] += t.schedule
                 sums[2] += t.busy
+                for kind, took in t.actions if timed else ():
+                    s.actions.setdefault(kind, []).append(took)
         dist.barrier()
         elapsed = time.perf_counter() - start
         torch.set_num_threads(base_threads)
         return elapsed, (sums[0] / steps, sums[1] / steps, sums[2] / steps)
 
     for s in setups:
-        run_block(s, opts["warmup"])
+        run_block(s, opts["warmup"], timed=False)
     warm_bytes = dict(gt_bytes)  # gridtrain's counted payload of its last warm-up step
 
     # the cost of one activation-sized point-to-point message, for the reading
@@ -307,7 +346,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
 
     return {
         "setups": [{"name": s.name, "times": s.times, "phases": s.rank_phases, "losses": s.losses,
-                    "active": s.active} for s in setups],
+                    "active": s.active, "actions": s.actions} for s in setups],
         "notes": notes,
         "threads_per_rank": base_threads,
         "p2p_s": p2p_s,
@@ -315,6 +354,16 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
         "layers": list(spec.layer_ids),
         "padded_vocab": gt_model.padded_vocab,
     }
+
+
+def _gridtrain_actions(trace: list[tuple[str, float, float]]) -> list[tuple[str, float]]:
+    """gridtrain's trace as (kind, seconds): F, B, W, P2P (a batch of sends and receives,
+    waited for as a whole), ALLREDUCE_GRADS (here: the tied-embedding all-reduce)."""
+    out = []
+    for name, began, ended in trace:
+        kind = name if name in ("P2P", "ALLREDUCE_GRADS") else name[0]
+        out.append((kind, ended - began))
+    return out
 
 
 # ---- parent: configuration and report ---------------------------------------------------------
@@ -339,7 +388,8 @@ def _merge(results: list[dict]) -> list[dict]:
         losses = [next((x[i] for x in (p["losses"] for p in per_rank) if i < len(x) and x[i] is not None),
                        None) for i in range(max(len(p["losses"]) for p in per_rank))]
         rows.append({"name": r0["name"], "times": r0["times"], "losses": losses,
-                     "phases": [p["phases"] for p in per_rank if p["active"]]})
+                     "phases": [p["phases"] for p in per_rank if p["active"]],
+                     "actions": [p["actions"] for p in per_rank if p["active"]]})
     return rows
 
 
@@ -416,6 +466,16 @@ def report(results: list[dict], opts: dict, wall_s: float, load: tuple[float, fl
             lines.append(f"{r['name']}: idle share of the schedule per stage {' / '.join(idle)} "
                          f"(1F1B's bubble alone: (p-1)/(m+p-1) = {100 * (PP - 1) / (n_mb + PP - 1):.0f}% "
                          "with equal stages)")
+    timed_steps = opts["repeats"] * opts["steps"]
+    lines.append("per stage and step (timed steps): count x median ms = total ms of each kind of action")
+    order = ("F", "loss", "B", "W", "P2P", "ALLREDUCE_GRADS", "tied all-reduce")
+    for r in rows:
+        for stage, acts in enumerate(r["actions"]):
+            if not acts:
+                continue
+            cells = [f"{k} {len(acts[k]) / timed_steps:.0f} x {statistics.median(acts[k]) * 1e3:.2f} = "
+                     f"{sum(acts[k]) / timed_steps * 1e3:.1f}" for k in sorted(acts, key=order.index)]
+            lines.append(f"  {r['name']}, stage {stage}: " + "; ".join(cells))
     act = mbs * seq * opts["d_model"] * 4
     moved = ", ".join(f"{k} {v:,}" for k, v in sorted(r0["gridtrain_bytes"].items()))
     lines.append(f"gridtrain payload bytes/step on rank 0 (ByteCounter): {moved}; expected pp sends "

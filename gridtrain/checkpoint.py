@@ -104,8 +104,9 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                          tp: TensorParallel) -> dict[str, dict[str, Any]]:
     """Per-parameter optimizer state by name, with shards made whole; collective over TP."""
     out = {}
+    states = optimizer.state_by_param() if hasattr(optimizer, "state_by_param") else optimizer.state
     for name, p in model.named_parameters():
-        state = optimizer.state.get(p, {})
+        state = states.get(p, {})
         out[name] = {k: _full(v, p, tp) if torch.is_tensor(v) and v.shape == p.shape else v
                      for k, v in state.items()}
     return out
@@ -232,15 +233,21 @@ def load_checkpoint(directory: str | Path, model: nn.Module,
             raise CheckpointError(f"--load {path}: {name} has shape {tuple(saved.shape)}, "
                                   "which does not fit this model; use the same model flags as the saved run")
         p.copy_(local)
-    if optimizer is not None and any(path.glob("trainer-pp*.pt")):
-        trainers = [torch.load(f, weights_only=False) for f in sorted(path.glob("trainer-pp*.pt"))]
+    trainers = [torch.load(f, weights_only=False) for f in sorted(path.glob("trainer-pp*.pt"))]
+    if optimizer is not None:
         state_by_name = {k: v for t in trainers for k, v in t["state"].items()}
+        states = {}
         for name, p in params.items():
             state = state_by_name.get(_source_name(name, p))
             if state:
-                optimizer.state[p] = {k: _local(v, p, tp).to(p.device) if torch.is_tensor(v) and v.dim() else v
-                                      for k, v in state.items()}
-        for group, saved_group in zip(optimizer.param_groups, trainers[0]["param_groups"]):
-            group.update(saved_group)
-        _restore_rng(trainers[0].get("rng"), ctx)
+                states[p] = {k: _local(v, p, tp).to(p.device) if torch.is_tensor(v) and v.dim() else v
+                             for k, v in state.items()}
+        if hasattr(optimizer, "load_state_by_param"):
+            optimizer.load_state_by_param(states)  # also restarts master weights from the loaded ones
+        else:
+            optimizer.state.update(states)
+        if trainers:
+            for group, saved_group in zip(optimizer.param_groups, trainers[0]["param_groups"]):
+                group.update(saved_group)
+            _restore_rng(trainers[0].get("rng"), ctx)
     return int(read_meta(path)["step"])

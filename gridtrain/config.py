@@ -92,6 +92,7 @@ class TrainingConfig:
     seed: int = 1234
     dtype: str = "fp32"
     recompute: str = "none"
+    zero: int = 0  # 1: shard master weights and Adam state over data parallel (ZeRO-1)
     device: str | None = None  # cuda when available, else cpu
     eval_interval: int = 50
     eval_iters: int = 4
@@ -223,6 +224,7 @@ def _validate_training(t: TrainingConfig) -> None:
     _require(t.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {t.micro_batch_size}")
     _require(t.dtype in DTYPES, f"--dtype {t.dtype!r} is not one of {', '.join(DTYPES)}")
     _require(t.recompute in RECOMPUTE, f"--recompute {t.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    _require(t.zero in (0, 1), f"--zero {t.zero} is not supported; use 0 or 1 (ZeRO-1)")
     _require(t.recompute == "none",
              f"--recompute {t.recompute} is not implemented yet; use --recompute none")
     _require(t.device in (None, *DEVICES), f"--device {t.device!r} is not one of cpu, cuda")

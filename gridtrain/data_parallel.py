@@ -68,15 +68,24 @@ class OverlapStats:
 
 
 class GradientReducer:
+    """See the module docstring. With ``shard=True`` (ZeRO-1) the buffer is padded to a
+    multiple of the DP size and :meth:`finish` reduce-scatters it instead: each DP rank
+    receives the average of its own 1/dp slice (``shard_grad``), which is all its
+    optimizer shard needs."""
+
     def __init__(self, model: nn.Module, dp: CommGroup, *, accumulations: int, bucket_mb: float = 25.0,
-                 grad_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, shard: bool = False):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
-        self.dp, self.accumulations = dp, accumulations
-        params = [p for _, p in reversed(named)]
+        self.dp, self.accumulations, self.shard = dp, accumulations, shard
+        self.params = [p for _, p in reversed(named)]  # the buffer's order
+        params = self.params
         dtype = grad_dtype or _grad_dtype(params)
         device = params[0].device if params else torch.device("cpu")
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        numel = sum(p.numel() for p in params)
+        self.padded = -(-numel // dp.size) * dp.size if shard else numel
+        self.buffer = torch.zeros(self.padded, dtype=dtype, device=device)
+        self.shard_grad: torch.Tensor | None = None
         self.buckets = self._make_buckets(params, bucket_mb * 2 ** 20 / self.buffer.element_size())
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.counts = {p: 0 for p in params}
@@ -103,7 +112,7 @@ class GradientReducer:
         p.main_grad.add_(p.grad)
         p.grad = None
         self.counts[p] += 1
-        if self.counts[p] == self.accumulations and self.dp.size > 1:
+        if self.counts[p] == self.accumulations and self.dp.size > 1 and not self.shard:
             bucket = self.bucket_of[p]
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
@@ -126,7 +135,12 @@ class GradientReducer:
     # ---- after the last backward ------------------------------------------------------------
 
     def finish(self) -> None:
-        """Wait for every bucket, average, and point ``param.grad`` at the reduced buffer."""
+        """Wait for every bucket, average, and point ``param.grad`` at the reduced buffer
+        (or, sharded, reduce-scatter the buffer into this rank's averaged slice)."""
+        self.stats.unused = [name for p, name in self.names.items() if self.counts[p] == 0]
+        if self.shard:
+            self.shard_grad = self.dp.reduce_scatter(self.buffer, 0).div_(self.dp.size)
+            return
         if self.dp.size > 1:
             self._poll()
             waiting_from = time.perf_counter()
@@ -140,7 +154,6 @@ class GradientReducer:
                 self.stats.in_flight_s += b.done_at - b.launched_at
                 self.stats.hidden_s += max(0.0, min(b.done_at, waiting_from) - b.launched_at)
             self.buffer.div_(self.dp.size)
-        self.stats.unused = [name for p, name in self.names.items() if self.counts[p] == 0]
         for p in self.counts:
             p.grad = p.main_grad if p.main_grad.dtype == p.dtype else None
 

@@ -42,12 +42,12 @@ class DistributedContext:
 
     @property
     def param_dtype(self) -> torch.dtype:
-        """Parameters are fp32 under bf16 (autocast computes in bf16), else the run's dtype."""
-        return torch.float64 if self.dtype == "fp64" else torch.float32
+        """The parameters' and the computation's dtype; bf16 runs keep fp32 master weights
+        in the optimizer and accumulate gradients in fp32 (data_parallel.py)."""
+        return TORCH_DTYPES[self.dtype]
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        """Mixed precision is done with 16-bit parameters, not autocast: nothing to enter."""
         return contextlib.nullcontext()
 
     @property

@@ -27,6 +27,7 @@ from gridtrain import checkpoint
 from gridtrain.config import Config
 from gridtrain.data import GlobalBatchSampler, collate
 from gridtrain.data_parallel import GradientReducer, broadcast_parameters
+from gridtrain.distributed_optimizer import DistributedOptimizer
 from gridtrain.distributed import DistributedContext, setup_distributed
 from gridtrain.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.model import IGNORE_INDEX
@@ -80,14 +81,14 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     t = cfg.training
     model = model_provider(cfg, ctx)
     broadcast_parameters(model, ctx.dp)
-    optimizer = build_optimizer(model, t)
     data = datasets_provider(cfg)
     dp = ctx.grid.dp
     sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.micro_batch_size,
                                  dp, ctx.coords.dp, t.seed)
     pipeline = build_pipeline(model, cfg, ctx, forward_step, sampler.num_micro_batches)
     reducer = GradientReducer(model, ctx.dp, accumulations=sampler.num_micro_batches,
-                              bucket_mb=cfg.parallel.bucket_mb)
+                              bucket_mb=cfg.parallel.bucket_mb, shard=t.zero == 1)
+    optimizer = make_optimizer(model, reducer, cfg, ctx)
     start = checkpoint.load_checkpoint(t.load, model, optimizer, ctx) if t.load else 0
     stats = RunStats(flops_per_token=_flops_per_token(model), world_size=ctx.grid.world_size)
     log = MetricsLogger(ctx.is_logging_rank, t.metrics_file, t.steps, start, t.progress)
@@ -172,12 +173,25 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, pipeline: Pip
     global_tokens = _global_token_count(batches, ctx) if holds_loss else 1
     loss_sum, stats = pipeline.run(batches, ctx.grid.dp / global_tokens, ctx.autocast,
                                    lambda: reduce_gradients(model, reducer, ctx))
-    params = [p for p in model.parameters() if p.requires_grad]
-    counted_once = [p for p in params if not is_tp_duplicate(p, ctx.tp.rank)
-                    and not getattr(p, "tied_copy", False)]
-    grad_norm = clip_grad_norm(params, grad_clip, ctx.mp, norm_params=counted_once)
+    if isinstance(optimizer, DistributedOptimizer):
+        grad_norm = optimizer.clip_grad_norm(grad_clip)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        counted_once = [p for p in params if not is_tp_duplicate(p, ctx.tp.rank)
+                        and not getattr(p, "tied_copy", False)]
+        grad_norm = clip_grad_norm(params, grad_clip, ctx.mp, norm_params=counted_once)
     optimizer.step()
     return _mean_loss(loss_sum, global_tokens, holds_loss, ctx), grad_norm, stats
+
+
+def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext):
+    """torch's AdamW on the parameters for fp32/fp64 without sharding; otherwise AdamW on
+    flat master weights, sharded over DP with ZeRO-1 (distributed_optimizer.py)."""
+    t = cfg.training
+    if t.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64):
+        return build_optimizer(model, t)
+    master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
+    return DistributedOptimizer(reducer, t, dp=ctx.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master)
 
 
 def reduce_gradients(model: nn.Module, reducer: GradientReducer, ctx: DistributedContext) -> None:
@@ -185,7 +199,12 @@ def reduce_gradients(model: nn.Module, reducer: GradientReducer, ctx: Distribute
     already ran during backward), then sum the partial ones over TP (sequence
     parallelism) and the tied embedding copies over the first and last stage. The sums
     and the average commute."""
-    reducer.finish()
+    if reducer.shard:  # ZeRO-1: the buffer is reduce-scattered, so sum over TP/PP first
+        allreduce_sequence_parallel_grads(model, ctx.tp)
+        sum_tied_embedding_grads(model, ctx.embedding)
+        reducer.finish()
+        return
+    reducer.finish()  # waits for the buckets in flight before touching the buffer
     allreduce_sequence_parallel_grads(model, ctx.tp)
     sum_tied_embedding_grads(model, ctx.embedding)
 
