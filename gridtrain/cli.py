@@ -37,6 +37,7 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
     ("--recompute", "training", "recompute", str, " | ".join(RECOMPUTE)),
     ("--dtype", "training", "dtype", str, " | ".join(DTYPES)),
     ("--zero", "training", "zero", int, "1: shard optimizer state over data parallel (ZeRO-1)"),
+    ("--loss-scale", "training", "loss_scale", float, "fp16: initial dynamic loss scale"),
     ("--steps", "training", "steps", int, "optimizer steps"),
     ("--lr", "training", "lr", float, "peak learning rate"),
     ("--warmup-steps", "training", "warmup_steps", int, "linear warm-up steps (default 5%% of steps)"),

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-DTYPES = ("fp32", "bf16", "fp64")
+DTYPES = ("fp32", "bf16", "fp16", "fp64")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
 DEVICES = ("cpu", "cuda")
@@ -93,6 +93,8 @@ class TrainingConfig:
     dtype: str = "fp32"
     recompute: str = "none"
     zero: int = 0  # 1: shard master weights and Adam state over data parallel (ZeRO-1)
+    loss_scale: float = 2.0 ** 16  # fp16: initial dynamic loss scale
+    loss_scale_window: int = 1000  # fp16: good steps before the scale doubles
     device: str | None = None  # cuda when available, else cpu
     eval_interval: int = 50
     eval_iters: int = 4

@@ -23,7 +23,7 @@ from gridtrain.launch import init_from_env
 from gridtrain.tensor_parallel import (MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker,
                                        TensorParallel)
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 @dataclass

@@ -13,6 +13,9 @@ moments:
   rank updates only its slice of master weights and moments (1/dp of the optimizer
   memory), and the updated slices are all-gathered back into every rank's parameters.
 
+For fp16 a :class:`LossScaler` scales the loss and this optimizer unscales the gradients
+and skips steps whose gradients overflowed anywhere on the grid.
+
 The update is AdamW exactly as ``torch.optim.AdamW`` computes it (decoupled weight decay
 on matrices and embeddings only, bias-corrected moments), so a sharded run trains the
 same model as an unsharded one. Clipping takes one norm over the owned slices of all DP
@@ -67,6 +70,18 @@ class DistributedOptimizer:
         if self.reducer.shard:
             return self.reducer.shard_grad
         return self.reducer.buffer[self.start:self.end]
+
+    def unscale_and_check(self, scale: float) -> bool:
+        """Divide this rank's gradient slice by the loss scale; True when every rank's
+        gradients are finite (an fp16 overflow anywhere makes every rank skip the step)."""
+        grad = self._grad()
+        if scale != 1.0:
+            grad.div_(scale)
+        bad = torch.tensor(0.0 if bool(torch.isfinite(grad).all()) else 1.0, dtype=torch.float64,
+                           device=grad.device)
+        self.dp.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        self.mp.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return float(bad) == 0.0
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """One global norm (DP shards x model-parallel ranks); clip this rank's slice."""
@@ -123,3 +138,24 @@ class DistributedOptimizer:
                     flat[o: o + p.numel()] = state[key].reshape(-1).to(flat.dtype)
         self.exp_avg, self.exp_avg_sq = (f[self.start:self.end].clone() for f in full)
         self.master = self._flat(lambda p: p.detach(), self.master.dtype, self.master.device)[self.start:self.end].clone()
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (Micikevicius et al., 2018): multiply the loss by S so
+    that small gradients survive fp16's narrow range; on an overflow skip the step and
+    halve S; after ``growth_interval`` good steps in a row double it."""
+
+    def __init__(self, initial: float = 2.0 ** 16, growth_interval: int = 1000, min_scale: float = 1.0):
+        self.scale, self.growth_interval, self.min_scale = initial, growth_interval, min_scale
+        self.good_steps = 0
+        self.skipped = 0
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.scale = max(self.min_scale, self.scale / 2)
+            self.good_steps = 0
+            self.skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2

@@ -27,7 +27,7 @@ from gridtrain import checkpoint
 from gridtrain.config import Config
 from gridtrain.data import GlobalBatchSampler, collate
 from gridtrain.data_parallel import GradientReducer, broadcast_parameters
-from gridtrain.distributed_optimizer import DistributedOptimizer
+from gridtrain.distributed_optimizer import DistributedOptimizer, LossScaler
 from gridtrain.distributed import DistributedContext, setup_distributed
 from gridtrain.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.model import IGNORE_INDEX
@@ -71,6 +71,7 @@ class TrainResult:
     stage_busy_s: float = 0.0  # time this stage spent computing (F, B, W) ...
     stage_wall_s: float = 0.0  # ... out of the time its schedule took
     overlap: list[float] = field(default_factory=list)  # DP all-reduce hidden behind backward, per step
+    skipped_steps: int = 0  # fp16 steps skipped on gradient overflow
     ctx: DistributedContext | None = None
 
 
@@ -89,6 +90,7 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     reducer = GradientReducer(model, ctx.dp, accumulations=sampler.num_micro_batches,
                               bucket_mb=cfg.parallel.bucket_mb, shard=t.zero == 1)
     optimizer = make_optimizer(model, reducer, cfg, ctx)
+    scaler = LossScaler(t.loss_scale, t.loss_scale_window) if t.dtype == "fp16" else None
     start = checkpoint.load_checkpoint(t.load, model, optimizer, ctx) if t.load else 0
     stats = RunStats(flops_per_token=_flops_per_token(model), world_size=ctx.grid.world_size)
     log = MetricsLogger(ctx.is_logging_rank, t.metrics_file, t.steps, start, t.progress)
@@ -104,7 +106,8 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         began = time.perf_counter()
         bytes_before = dict(ctx.bytes.bytes)
         batches = read_micro_batches(data.train, sampler, step, ctx)
-        loss, grad_norm, stage_stats = train_step(model, optimizer, pipeline, reducer, batches, ctx, t.grad_clip)
+        loss, grad_norm, stage_stats = train_step(model, optimizer, pipeline, reducer, batches, ctx, t.grad_clip,
+                                                  scaler)
         result.overlap.append(reducer.stats.fraction)
         result.peak_in_flight = max(result.peak_in_flight, stage_stats.peak_in_flight)
         result.stage_busy_s += stage_stats.busy_s
@@ -122,6 +125,9 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         result.losses.append(loss)
         result.grad_norms.append(grad_norm)
         extra = {"comm_bytes": _bytes_by_group(result.step_bytes[-1])}
+        if scaler is not None:
+            extra["loss_scale"] = scaler.scale
+            result.skipped_steps = scaler.skipped
         if data.valid is not None and t.eval_interval and (step + 1) % t.eval_interval == 0:
             result.valid_loss = evaluate(pipeline, data.valid, ctx, cfg)
             extra["valid_loss"] = result.valid_loss
@@ -164,15 +170,23 @@ def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forwa
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, pipeline: PipelineStage,
                reducer: GradientReducer, batches: list[Batch] | None, ctx: DistributedContext,
-               grad_clip: float) -> tuple[float, float, StageStats]:
+               grad_clip: float, scaler: LossScaler | None = None) -> tuple[float, float, StageStats]:
     """One optimizer step: the stage's schedule (forward, backward and gradient reduction
     of every micro-batch), clipping, the optimizer. Returns the global batch's mean token
-    loss (the same on every rank), the gradient norm and what the stage did."""
+    loss (the same on every rank), the gradient norm (inf for a step skipped on fp16
+    overflow) and what the stage did."""
     reducer.zero()
     holds_loss = ctx.grid.is_last_stage(ctx.rank)
     global_tokens = _global_token_count(batches, ctx) if holds_loss else 1
-    loss_sum, stats = pipeline.run(batches, ctx.grid.dp / global_tokens, ctx.autocast,
+    scale = scaler.scale if scaler is not None else 1.0
+    loss_sum, stats = pipeline.run(batches, ctx.grid.dp / global_tokens * scale, ctx.autocast,
                                    lambda: reduce_gradients(model, reducer, ctx))
+    loss = _mean_loss(loss_sum, global_tokens, holds_loss, ctx)
+    if scaler is not None:
+        finite = optimizer.unscale_and_check(scale)
+        scaler.update(finite)
+        if not finite:
+            return loss, float("inf"), stats
     if isinstance(optimizer, DistributedOptimizer):
         grad_norm = optimizer.clip_grad_norm(grad_clip)
     else:
@@ -181,7 +195,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, pipeline: Pip
                         and not getattr(p, "tied_copy", False)]
         grad_norm = clip_grad_norm(params, grad_clip, ctx.mp, norm_params=counted_once)
     optimizer.step()
-    return _mean_loss(loss_sum, global_tokens, holds_loss, ctx), grad_norm, stats
+    return loss, grad_norm, stats
 
 
 def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext):
@@ -329,6 +343,8 @@ def _print_summary(log: MetricsLogger, stats: RunStats, result: TrainResult, dat
     if moved:
         log.print("communication per step (payload bytes, this rank): " +
                   ", ".join(f"{g} {_format_bytes(n)}" for g, n in sorted(moved.items())))
+    if ctx.dtype == "fp16":
+        log.print(f"fp16: {result.skipped_steps} step(s) skipped on gradient overflow")
     log.print(f"final train loss {result.losses[-1]:.4f} {data.loss_unit}")
     if result.valid_loss is not None:
         ref = "" if data.reference_loss is None else \

@@ -215,3 +215,29 @@ def _fp32_reference():
     cfg = _config()
     cfg.training.dtype = "fp32"
     return cfg
+
+
+def test_fp16_dynamic_loss_scaling_skips_overflowing_steps():
+    """fp16 parameters and compute: a scale far too large overflows the gradients, every
+    rank skips the step (weights untouched) and the scale halves until gradients fit;
+    training then goes on (the following test compares fp16 with fp32 step by step)."""
+    cfg = _config(dp=2)
+    cfg.training.dtype, cfg.training.zero, cfg.training.loss_scale = "fp16", 1, 2.0 ** 40
+    cfg.training.steps = 30
+    runs = train_layout(cfg, 2)
+    norms = runs[0]["grad_norms"]
+    skipped = [n == float("inf") for n in norms]
+    assert skipped[0] and not skipped[-1] and 0 < sum(skipped) < 30
+    assert skipped == sorted(skipped, reverse=True)  # skips only at the start, until the scale fits
+    assert runs[0]["losses"] == runs[1]["losses"]
+    assert runs[0]["losses"][-1] < runs[0]["losses"][0] - 0.2  # and then it trains
+
+
+def test_fp16_without_overflow_follows_fp32():
+    fp32 = train_in_process(_fp32_reference())
+    cfg = _config()
+    cfg.training.dtype = "fp16"
+    fp16 = train_in_process(cfg)
+    assert not any(n == float("inf") for n in fp16["grad_norms"])
+    for a, b in zip(fp32["losses"], fp16["losses"]):
+        assert abs(a - b) <= 0.02 * a
