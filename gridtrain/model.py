@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.config import ModelConfig
-from gridtrain.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, ShardSpec,
+from gridtrain.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: F401
                                        TensorParallel, VocabParallelEmbedding, gather_logits,
                                        parallel_lm_logits, shard, shard_spec,
                                        vocab_parallel_cross_entropy)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gridtrain import checkpoint
@@ -41,7 +40,6 @@ Batch = dict[str, torch.Tensor]
 ModelProvider = Callable[[Config, DistributedContext], nn.Module]
 ForwardStep = Callable[[nn.Module, Batch], torch.Tensor]
 
-
 @dataclass
 class Datasets:
     """What a datasets provider returns.
@@ -58,7 +56,6 @@ class Datasets:
     reference_loss: float | None = None
     loss_unit: str = "nats/token"
 
-
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)
@@ -73,7 +70,6 @@ class TrainResult:
     overlap: list[float] = field(default_factory=list)  # DP all-reduce hidden behind backward, per step
     skipped_steps: int = 0  # fp16 steps skipped on gradient overflow
     ctx: DistributedContext | None = None
-
 
 def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config], Datasets],
              forward_step: ForwardStep, cfg: Config) -> TrainResult:
@@ -152,7 +148,6 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
                   f"; peak micro-batches held on this stage {result.peak_in_flight}")
     return result
 
-
 def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forward_step: ForwardStep,
                    num_micro_batches: int) -> PipelineStage:
     """This rank's stage of the schedule; with one stage, a plain gradient-accumulation loop."""
@@ -166,7 +161,6 @@ def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forwa
                          activation_dtype=ctx.param_dtype, device=ctx.device,
                          weight_grads=ctx.tp.weight_grads, forward_step=forward_step,
                          trace=cfg.training.trace is not None)
-
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, pipeline: PipelineStage,
                reducer: GradientReducer, batches: list[Batch] | None, ctx: DistributedContext,
@@ -197,7 +191,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, pipeline: Pip
     optimizer.step()
     return loss, grad_norm, stats
 
-
 def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext):
     """torch's AdamW on the parameters for fp32/fp64 without sharding; otherwise AdamW on
     flat master weights, sharded over DP with ZeRO-1 (distributed_optimizer.py)."""
@@ -206,7 +199,6 @@ def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx:
         return build_optimizer(model, t)
     master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
     return DistributedOptimizer(reducer, t, dp=ctx.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master)
-
 
 def reduce_gradients(model: nn.Module, reducer: GradientReducer, ctx: DistributedContext) -> None:
     """A stage's gradients are complete: finish averaging over data parallel (most of it
@@ -222,7 +214,6 @@ def reduce_gradients(model: nn.Module, reducer: GradientReducer, ctx: Distribute
     allreduce_sequence_parallel_grads(model, ctx.tp)
     sum_tied_embedding_grads(model, ctx.embedding)
 
-
 def _mean_loss(loss_sum: torch.Tensor | None, global_tokens: int, holds_loss: bool,
                ctx: DistributedContext) -> float:
     """The last stage sums its DP group's losses; every stage then receives the mean."""
@@ -230,7 +221,6 @@ def _mean_loss(loss_sum: torch.Tensor | None, global_tokens: int, holds_loss: bo
     if holds_loss:
         value = ctx.dp.all_reduce(loss_sum) / global_tokens
     return float(ctx.pp.broadcast(value, src_index=ctx.grid.pp - 1))
-
 
 @torch.no_grad()
 def evaluate(pipeline: PipelineStage, dataset, ctx: DistributedContext, cfg: Config) -> float:
@@ -254,7 +244,6 @@ def evaluate(pipeline: PipelineStage, dataset, ctx: DistributedContext, cfg: Con
         ctx.dp.all_reduce(totals)
     return float(ctx.pp.broadcast(totals[0] / totals[1].clamp(min=1), src_index=ctx.grid.pp - 1))
 
-
 def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int,
                        ctx: DistributedContext) -> list[Batch] | None:
     """This rank's micro-batches of ``step``, on the stages that embed tokens or compute
@@ -267,7 +256,6 @@ def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int,
         batches = [_to_device(collate(dataset, i), ctx.device) for i in ids]
     return broadcast_batches(batches, len(ids), ctx.tp, ctx.device)
 
-
 def _global_token_count(batches: list[Batch], ctx: DistributedContext) -> int:
     """Loss-bearing tokens in the whole global batch (all DP ranks), known before backward."""
     local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
@@ -277,7 +265,6 @@ def _global_token_count(batches: list[Batch], ctx: DistributedContext) -> int:
         raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
     return int(count)
 
-
 def _bytes_by_group(moved: dict[str, int]) -> dict[str, int]:
     """Payload bytes this step per group (tp, dp, ...), summed over collective kinds."""
     out: dict[str, int] = {}
@@ -285,7 +272,6 @@ def _bytes_by_group(moved: dict[str, int]) -> dict[str, int]:
         group = key.split("/", 1)[1]
         out[group] = out.get(group, 0) + n
     return out
-
 
 def _stage_idle_fractions(result: TrainResult, ctx: DistributedContext) -> list[float]:
     """Each pipeline stage's share of schedule time spent not computing (waiting for
@@ -295,25 +281,20 @@ def _stage_idle_fractions(result: TrainResult, ctx: DistributedContext) -> list[
         return [mine]
     return [float(x) for x in ctx.pp.all_gather(torch.tensor([mine], dtype=torch.float64, device=ctx.device), 0)]
 
-
 def _format_bytes(n: int) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
 
-
 def _to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
 
 def _count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
-
 def _sample_tokens(dataset) -> int:
     return int(dataset[0]["labels"].numel())
-
 
 def _flops_per_token(model: nn.Module) -> float:
     """The GPT formula for the built-in model; 6 x parameters for anyone else's."""
@@ -322,7 +303,6 @@ def _flops_per_token(model: nn.Module) -> float:
 
     cfg = getattr(model, "cfg", None)
     return training_flops_per_token(cfg) if isinstance(cfg, ModelConfig) else 6.0 * _count(model)
-
 
 def _print_summary(log: MetricsLogger, stats: RunStats, result: TrainResult, data: Datasets,
                    ctx: DistributedContext, peak_override: float | None) -> None:
