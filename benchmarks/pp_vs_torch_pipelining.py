@@ -22,7 +22,7 @@ same two processes:
   stage 1, then AdamW (gridtrain's parameter groups) on each stage. pipelining has no
   notion of weights shared between stages, so here the LM head is *untied*: it starts
   equal to the token table but is never summed with it (no all-reduce). The losses agree
-  with gridtrain at step 1 and drift apart slowly after that.
+  with gridtrain at step 1 and drift apart after that (a different model is trained).
 * ``torch 1F1B + tied all-reduce``: the same, plus gridtrain's tie done by hand after
   ``schedule.step``: the token-table gradient on stage 0 and the head gradient on stage 1
   are summed with one ``all_reduce``. This is exactly gridtrain's math (the losses must
@@ -42,12 +42,14 @@ the stage shapes); then ``--repeats`` rounds, each timing ``--steps`` steps of e
 setup in turn (the order reversed every other round), between two barriers, with
 ``time.perf_counter`` on rank 0. Reported: medians over rounds, the best round, per
 stage the time inside the schedule, the compute part of it (forwards, loss, backwards)
-and the rest of the step, and the tokens/s ratio to ``torch 1F1B`` paired per round.
+and the rest of the step, the tokens/s ratio to ``torch 1F1B`` paired per round, and per
+stage the count, median and total time of each kind of action (F, B, loss, waits on
+batched P2P, the tied-embedding all-reduce).
 
 Run from the repository root::
 
-    python3 benchmarks/pp_vs_torch_pipelining.py        # `small` shape: ~1 min on 2 idle cores
-    python3 benchmarks/pp_vs_torch_pipelining.py --d-model 256 --n-layer 8 --steps 3 --repeats 4
+    python3 benchmarks/pp_vs_torch_pipelining.py        # `small` shape: ~30 s on 2 quiet cores
+    python3 benchmarks/pp_vs_torch_pipelining.py --d-model 256 --n-layer 8 --steps 2 --repeats 6
 """
 
 from __future__ import annotations
@@ -56,13 +58,13 @@ import argparse
 import dataclasses
 import inspect
 import os
-import subprocess
 import statistics
+import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -112,7 +114,7 @@ class ActionClock:
     """What a torch pipelining stage does in a step, timed: its compute (``forward_one_chunk``,
     ``backward_one_chunk``, the loss) and its waits for point-to-point transfers."""
 
-    current: "ActionClock | None" = None  # the clock of the schedule now stepping (for P2P waits)
+    current: ActionClock | None = None  # the clock of the schedule now stepping (for P2P waits)
 
     def __init__(self):
         self.busy = 0.0
@@ -156,16 +158,11 @@ def _time_p2p_waits() -> None:
 # ---- the gridtrain side -----------------------------------------------------------------------
 
 def gridtrain_train_step(model: nn.Module, optimizer, pipeline, ctx, cfg: Config, n_mb: int):
-    """``batches -> gridtrain.train.train_step(...)`` for this model, whichever form of
-    train_step this checkout has: older ones take (model, optimizer, pipeline, batches,
-    ctx, grad_clip), newer ones also a ``GradientReducer`` (data-parallel buckets) built
-    as ``pretrain`` builds it."""
-    if "reducer" not in inspect.signature(train_step).parameters:
-        return lambda batches: train_step(model, optimizer, pipeline, batches, ctx, cfg.training.grad_clip)
+    """``batches -> gridtrain.train.train_step(...)`` for this model, with the gradient
+    reducer built as ``pretrain`` builds it."""
     from gridtrain.data_parallel import GradientReducer
 
-    reducer = GradientReducer(model, ctx.dp, accumulations=n_mb,
-                              bucket_mb=getattr(cfg.parallel, "bucket_mb", 25.0))
+    reducer = GradientReducer(model, ctx.dp, accumulations=n_mb, bucket_mb=cfg.parallel.bucket_mb)
     return lambda batches: train_step(model, optimizer, pipeline, reducer, batches, ctx, cfg.training.grad_clip)
 
 
