@@ -41,9 +41,11 @@ def assert_matches_reference(run: dict, rtol: float = 1e-9) -> None:
     assert abs(run["valid_loss"] - ref["valid_loss"]) <= rtol * ref["valid_loss"]
 
 
-def test_dp8_with_gradient_accumulation_trains_the_single_process_model():
-    """dp 8 x 1 micro-batch of 2 each; weights equal the one-process weights everywhere."""
-    runs = train_layout(_config(dp=8), 8)
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_data_parallel_trains_the_single_process_model(dp):
+    """16 sequences in micro-batches of 2: 4, 2 and 1 micro-batches accumulated per rank;
+    weights equal the one-process weights on every rank."""
+    runs = train_layout(_config(dp=dp), dp)
     for run in runs:
         assert_matches_reference(run)
         for name, value in run["state"].items():
