@@ -89,16 +89,19 @@ class GradientReducer:
         self.buckets = self._make_buckets(params, bucket_mb * 2 ** 20 / self.buffer.element_size())
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.counts = {p: 0 for p in params}
+        self.next_bucket = 0
         self.stats = OverlapStats()
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
             p.grad_ready_hook = self._on_grad  # for gradients accumulated outside autograd (ZB's W)
 
     def _make_buckets(self, params: list[nn.Parameter], bucket_elems: float) -> list[Bucket]:
+        """Consecutive parameters until a bucket reaches the cap (the parameter that
+        fills it closes it, as in DDP, so small biases do not get buckets of their own)."""
         buckets, offset = [], 0
         for p in params:
             p.main_grad = self.buffer[offset: offset + p.numel()].view_as(p)
-            if not buckets or (buckets[-1].end - buckets[-1].start) + p.numel() > bucket_elems and buckets[-1].params:
+            if not buckets or buckets[-1].end - buckets[-1].start >= bucket_elems:
                 buckets.append(Bucket([], offset, offset))
             buckets[-1].params.append(p)
             buckets[-1].end = offset = offset + p.numel()
@@ -113,11 +116,20 @@ class GradientReducer:
         p.grad = None
         self.counts[p] += 1
         if self.counts[p] == self.accumulations and self.dp.size > 1 and not self.shard:
-            bucket = self.bucket_of[p]
-            bucket.ready += 1
-            if bucket.ready == len(bucket.params):
-                self._launch(bucket)
+            self.bucket_of[p].ready += 1
+            self._launch_ready()
         self._poll()
+
+    def _launch_ready(self) -> None:
+        """Launch complete buckets strictly in bucket order: collectives pair up by issue
+        order, so every DP rank must issue them in the same order whatever order its
+        hooks fired in."""
+        while self.next_bucket < len(self.buckets):
+            bucket = self.buckets[self.next_bucket]
+            if bucket.ready < len(bucket.params):
+                return
+            self._launch(bucket)
+            self.next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
         view = self.buffer[bucket.start: bucket.end]
@@ -144,9 +156,9 @@ class GradientReducer:
         if self.dp.size > 1:
             self._poll()
             waiting_from = time.perf_counter()
-            for b in self.buckets:
-                if b.work is None:
-                    self._launch(b)
+            for b in self.buckets[self.next_bucket:]:
+                self._launch(b)
+            self.next_bucket = len(self.buckets)
             for b in self.buckets:
                 b.work.wait()
                 if b.done_at is None:
@@ -165,6 +177,8 @@ class GradientReducer:
             p.grad = None
         for b in self.buckets:
             b.ready, b.work, b.done_at = 0, None, None
+        self.next_bucket = 0
+        self.stats = OverlapStats()  # per step
 
     def bytes_per_step(self) -> int:
         return self.buffer.numel() * self.buffer.element_size() if self.dp.size > 1 else 0
