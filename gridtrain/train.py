@@ -69,6 +69,25 @@ class TrainResult:
     stage_wall_s: float = 0.0  # ... out of the time its schedule took
     overlap: list[float] = field(default_factory=list)  # DP all-reduce hidden behind backward, per step
     skipped_steps: int = 0  # fp16 steps skipped on gradient overflow
+    trace_events: list[tuple[int, str, float, float]] = field(default_factory=list)  # (step, action, start, end)
+
+    def add_step(self, record: StepRecord, stage: StageStats, reducer: GradientReducer, counter,
+                 bytes_before: dict, scaler: LossScaler | None) -> dict:
+        """Keep one step's numbers; returns the extra fields of its metrics line."""
+        self.losses.append(record.loss)
+        self.grad_norms.append(record.grad_norm)
+        self.overlap.append(reducer.stats.fraction)
+        self.peak_in_flight = max(self.peak_in_flight, stage.peak_in_flight)
+        self.stage_busy_s += stage.busy_s
+        self.stage_wall_s += stage.wall_s
+        self.trace_events += [(record.step, *event) for event in stage.trace]
+        moved = {f"{k}/{g}": n - bytes_before.get((k, g), 0) for (k, g), n in counter.bytes.items()}
+        self.step_bytes.append({k: n for k, n in moved.items() if n})
+        extra = {"comm_bytes": _bytes_by_group(self.step_bytes[-1])}
+        if scaler is not None:
+            extra["loss_scale"] = scaler.scale
+            self.skipped_steps = scaler.skipped
+        return extra
     ctx: DistributedContext | None = None
 
 def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config], Datasets],
@@ -94,39 +113,23 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
               f"{sampler.num_micro_batches} micro-batches of {t.micro_batch_size} per step, "
               f"device {ctx.device.type}, dtype {t.dtype}")
     result = TrainResult(model=model, ctx=ctx)
-    tokens_seen = start * t.global_batch_size * _sample_tokens(data.train)
-    trace_events: list[tuple[int, str, float, float]] = []
+    step_tokens = t.global_batch_size * _sample_tokens(data.train)
+    tokens_seen = start * step_tokens
     for step in range(start, t.steps):
         lr = lr_at(step, t)
         set_lr(optimizer, lr)
-        began = time.perf_counter()
-        bytes_before = dict(ctx.bytes.bytes)
+        began, bytes_before = time.perf_counter(), dict(ctx.bytes.bytes)
         batches = read_micro_batches(data.train, sampler, step, ctx)
-        loss, grad_norm, stage_stats = train_step(model, optimizer, pipeline, reducer, batches, ctx, t.grad_clip,
-                                                  scaler)
-        result.overlap.append(reducer.stats.fraction)
-        result.peak_in_flight = max(result.peak_in_flight, stage_stats.peak_in_flight)
-        result.stage_busy_s += stage_stats.busy_s
-        result.stage_wall_s += stage_stats.wall_s
-        trace_events += [(step + 1, *event) for event in stage_stats.trace]
-        step_tokens = t.global_batch_size * _sample_tokens(data.train)
+        loss, grad_norm, stage_stats = train_step(model, optimizer, pipeline, reducer, batches, ctx,
+                                                  t.grad_clip, scaler)
         elapsed = time.perf_counter() - began
-        moved = {f"{k}/{g}": n - bytes_before.get((k, g), 0) for (k, g), n in ctx.bytes.bytes.items()}
-        result.step_bytes.append({k: n for k, n in moved.items() if n})
         tokens_seen += step_tokens
-        record = StepRecord(step=step + 1, loss=loss, grad_norm=grad_norm, lr=lr,
-                            tokens=tokens_seen, step_time_s=elapsed,
-                            tokens_per_s=step_tokens / elapsed)
+        record = StepRecord(step=step + 1, loss=loss, grad_norm=grad_norm, lr=lr, tokens=tokens_seen,
+                            step_time_s=elapsed, tokens_per_s=step_tokens / elapsed)
+        extra = result.add_step(record, stage_stats, reducer, ctx.bytes, bytes_before, scaler)
         stats.records.append(record)
-        result.losses.append(loss)
-        result.grad_norms.append(grad_norm)
-        extra = {"comm_bytes": _bytes_by_group(result.step_bytes[-1])}
-        if scaler is not None:
-            extra["loss_scale"] = scaler.scale
-            result.skipped_steps = scaler.skipped
         if data.valid is not None and t.eval_interval and (step + 1) % t.eval_interval == 0:
-            result.valid_loss = evaluate(pipeline, data.valid, ctx, cfg)
-            extra["valid_loss"] = result.valid_loss
+            result.valid_loss = extra["valid_loss"] = evaluate(pipeline, data.valid, ctx, cfg)
             log.print(f"step {step + 1}: train loss {loss:.4f}, valid loss {result.valid_loss:.4f}")
         log.step(record, extra)
         if t.save and t.save_interval and (step + 1) % t.save_interval == 0:
@@ -139,7 +142,8 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     result.tokens_per_s = stats.tokens_per_s()
     if t.trace:
         Path(t.trace).mkdir(parents=True, exist_ok=True)
-        write_chrome_trace(Path(t.trace) / f"rank{ctx.rank:03d}.json", trace_events, ctx.rank, ctx.coords.pp)
+        write_chrome_trace(Path(t.trace) / f"rank{ctx.rank:03d}.json", result.trace_events, ctx.rank,
+                           ctx.coords.pp)
     idle = _stage_idle_fractions(result, ctx)
     _print_summary(log, stats, result, data, ctx, t.peak_tflops)
     if ctx.grid.pp > 1:

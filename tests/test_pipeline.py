@@ -166,3 +166,19 @@ def test_pipeline_checkpoint_resumes_in_another_layout_and_generates(tmp_path):
                           "--prompt", "def ", "--max-new-tokens", "8"], capture_output=True, text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("def ")
+
+
+def test_trace_records_every_action_the_schedule_ran(tmp_path):
+    """--trace writes one Chrome trace per rank whose F/B boxes are the schedule's, per step."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-m", "gridtrain", "train", "--model", "tiny", "--n-layer", "4",
+                           "--nproc", "2", "--pp", "2", "--steps", "2", "--global-batch-size", "8",
+                           "--micro-batch-size", "2", "--trace", str(tmp_path), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "measured idle fraction per stage 0:" in proc.stdout + proc.stderr
+    for rank in (0, 1):
+        events = json.load(open(tmp_path / f"rank{rank:03d}.json"))["traceEvents"]
+        boxes = [e["name"] for e in events if e.get("ph") == "X" and e["name"][0] in "FB"]
+        assert sorted(boxes) == sorted([f"{k}{mb}" for k in "FB" for mb in range(4)] * 2)
