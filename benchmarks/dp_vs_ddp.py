@@ -123,10 +123,8 @@ def gridtrain_setup(cfg: Config, ctx, batches: list[dict], n_mb: int, bucket_mb:
     def step() -> tuple[float, dict]:
         before = dict(ctx.bytes.bytes)
         calls_before = dict(ctx.bytes.calls)
-        in_flight, hidden = reducer.stats.in_flight_s, reducer.stats.hidden_s
         loss, _, _ = train_step(model, opt, pipe, reducer, batches, ctx, cfg.training.grad_clip)
-        d_in = reducer.stats.in_flight_s - in_flight
-        d_hid = reducer.stats.hidden_s - hidden
+        d_in, d_hid = reducer.stats.in_flight_s, reducer.stats.hidden_s  # the reducer's stats are per step
         moved = {f"{k}/{g}": n - before.get((k, g), 0) for (k, g), n in ctx.bytes.bytes.items()
                  if n - before.get((k, g), 0)}
         calls = {f"{k}/{g}": n - calls_before.get((k, g), 0) for (k, g), n in ctx.bytes.calls.items()
@@ -139,7 +137,7 @@ def gridtrain_setup(cfg: Config, ctx, batches: list[dict], n_mb: int, bucket_mb:
         before_finish = max(0.0, min(clock["finish_at"], last) - first)
         return loss, {"fraction": d_hid / d_in if d_in > 0 else 0.0, "in_flight_s": d_in, "hidden_s": d_hid,
                       "finish_s": clock["finish_s"], "bytes": moved, "calls": calls,
-                      "cumulative_fraction": reducer.stats.fraction, "window_s": window,
+                      "window_s": window,
                       "wall_fraction": before_finish / window if window > 0 else 0.0}
 
     s = Setup(f"gridtrain dp={DP}, {bucket_mb:g} MiB", step, "gridtrain", bucket_mb)
@@ -412,9 +410,8 @@ def report(results: list[dict], opts: dict, wall_s: float, load: tuple[float, fl
                            for ex in per_rank)
         lines.append(f"{r['name']} (per timed step, median; rank 0 / rank 1):")
         lines.append(f"  reducer.stats hidden fraction of this step {both('fraction', pct)} (over all timed "
-                     f"steps: {ratio}; reducer.stats.fraction as the reducer reports it, accumulated since it "
-                     f"was built: {both('cumulative_fraction', pct, lambda v: list(v)[-1])}); bucket in-flight "
-                     f"time summed over buckets {both('in_flight_s', ms)} ms, max {both('in_flight_s', ms, max)} ms")
+                     f"steps: {ratio}); bucket in-flight time summed over buckets {both('in_flight_s', ms)} ms, "
+                     f"max {both('in_flight_s', ms, max)} ms")
         lines.append(f"  wall clock: all-reduce window (first launch to last completion) {both('window_s', ms)} ms, "
                      f"{both('wall_fraction', pct)} of it before backward ended; time in reducer.finish "
                      f"(exposed wait) {both('finish_s', ms)} ms, max {both('finish_s', ms, max)} ms")
