@@ -72,6 +72,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from common import add_shape_and_timing_arguments  # benchmarks/common.py: the script's own folder is on sys.path
 from gridtrain.comm import single
 from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config, validate
 from gridtrain.data_parallel import GradientReducer, broadcast_parameters
@@ -465,21 +466,13 @@ def _bucket_list(text: str) -> list[float]:
 
 
 def parse_args(argv: list[str] | None = None) -> dict:
-    small = preset_config("small").model
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n-layer", type=int, default=small.n_layer, help="default: %(default)s (small preset)")
-    p.add_argument("--d-model", type=int, default=small.d_model, help="default: %(default)s")
-    p.add_argument("--n-head", type=int, default=small.n_head, help="default: %(default)s")
-    p.add_argument("--seq-len", type=int, default=small.seq_len, help="default: %(default)s")
+    add_shape_and_timing_arguments(p, steps=3, warmup=3, repeats=8)
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per rank and step (default: %(default)s)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch (default: %(default)s)")
     p.add_argument("--bucket-mb", type=_bucket_list, default=[25.0, 0.25],
                    help="comma-separated bucket sizes in MiB, one gridtrain and one DDP setup each "
                         "(default: 25,0.25)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round and setup (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per setup first (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=8, help="timed rounds (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=1234, help="weights and batch (default: %(default)s)")
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help="skip the no-gradient-sync floor (and the exposed-communication column)")
     p.add_argument("--no-reference", dest="reference", action="store_false",

@@ -71,6 +71,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from common import add_shape_and_timing_arguments  # benchmarks/common.py: the script's own folder is on sys.path
 from gridtrain.comm import single
 from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config, validate
 from gridtrain.distributed import setup_distributed
@@ -496,18 +497,10 @@ def report(results: list[dict], opts: dict, wall_s: float, load: tuple[float, fl
 
 
 def parse_args(argv: list[str] | None = None) -> dict:
-    small = preset_config("small").model
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n-layer", type=int, default=small.n_layer, help="default: %(default)s (small preset)")
-    p.add_argument("--d-model", type=int, default=small.d_model, help="default: %(default)s")
-    p.add_argument("--n-head", type=int, default=small.n_head, help="default: %(default)s")
-    p.add_argument("--seq-len", type=int, default=small.seq_len, help="default: %(default)s")
+    add_shape_and_timing_arguments(p, steps=3, warmup=3, repeats=10)
     p.add_argument("--microbatches", type=int, default=8, help="micro-batches per step (default: %(default)s)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round and setup (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per setup first (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=10, help="timed rounds (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=1234, help="weights and batch (default: %(default)s)")
     p.add_argument("--no-tied-variant", dest="tied_variant", action="store_false",
                    help="skip torch pipelining with the tied-embedding all-reduce done by hand")
     p.add_argument("--no-reference", dest="reference", action="store_false",

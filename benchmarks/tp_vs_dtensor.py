@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from common import add_shape_and_timing_arguments  # benchmarks/common.py: the script's own folder is on sys.path
 from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config, validate
 from gridtrain.distributed import setup_distributed
 from gridtrain.launch import run_workers
@@ -509,17 +510,9 @@ def report(result: dict, opts: dict, wall_s: float) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> dict:
-    small = preset_config("small").model
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--n-layer", type=int, default=small.n_layer, help="default: %(default)s (small preset)")
-    p.add_argument("--d-model", type=int, default=small.d_model, help="default: %(default)s")
-    p.add_argument("--n-head", type=int, default=small.n_head, help="default: %(default)s")
-    p.add_argument("--seq-len", type=int, default=small.seq_len, help="default: %(default)s")
+    add_shape_and_timing_arguments(p, steps=10, warmup=5, repeats=6)
     p.add_argument("--batch", type=int, default=8, help="sequences per step, one micro-batch (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per round and setup (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps per setup first (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=6, help="timed rounds (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=1234, help="weights and batch (default: %(default)s)")
     p.add_argument("--loss", choices=("parallel", "replicated"), default="parallel",
                    help="DTensor loss: loss_parallel() on vocabulary-sharded logits (default), "
                         "or all-gathered logits and a plain cross entropy")
