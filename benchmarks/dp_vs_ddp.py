@@ -72,13 +72,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from common import add_shape_and_timing_arguments  # benchmarks/common.py: the script's own folder is on sys.path
+from common import add_shape_and_timing_arguments, run_benchmark  # benchmarks/common.py: the script's own folder is on sys.path
 from gridtrain.comm import single
-from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config, validate
+from gridtrain.config import Config, ParallelConfig, TrainingConfig, preset_config
 from gridtrain.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.distributed import setup_distributed
 from gridtrain.grid import ProcessGrid
-from gridtrain.launch import run_workers
 from gridtrain.model import GPT, init_parameters
 from gridtrain.optim import build_optimizer
 from gridtrain.providers import gpt_forward_step, gpt_model_provider
@@ -489,15 +488,11 @@ def parse_args(argv: list[str] | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    try:  # one clear line for a bad shape, before any process starts
-        validate(_config(opts, opts["bucket_mb"][0]), world_size=DP)
-    except ConfigError as e:
-        print(f"dp_vs_ddp: error: {e}", file=sys.stderr)
+    ran = run_benchmark("dp_vs_ddp", _config(opts, opts["bucket_mb"][0]), DP, _worker, opts)
+    if ran is None:
         return 2
-    began = time.perf_counter()
-    load_before = os.getloadavg()[0]
-    results = run_workers(_worker, DP, (opts,), collective_timeout_s=opts["timeout"])
-    print(report(results, opts, time.perf_counter() - began, (load_before, os.getloadavg()[0])))
+    results, wall_s, load = ran
+    print(report(results, opts, wall_s, load))
     return 0
 
 

@@ -71,12 +71,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from common import add_shape_and_timing_arguments  # benchmarks/common.py: the script's own folder is on sys.path
+from common import add_shape_and_timing_arguments, run_benchmark  # benchmarks/common.py: the script's own folder is on sys.path
 from gridtrain.comm import single
-from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config, validate
+from gridtrain.config import Config, ParallelConfig, TrainingConfig, preset_config
 from gridtrain.distributed import setup_distributed
 from gridtrain.grid import ProcessGrid
-from gridtrain.launch import run_workers
 from gridtrain.model import GPT, init_parameters
 from gridtrain.optim import build_optimizer
 from gridtrain.providers import gpt_forward_step, gpt_model_provider
@@ -519,15 +518,11 @@ def parse_args(argv: list[str] | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    try:  # one clear line for a bad shape, before any process starts
-        validate(_config(opts), world_size=PP)
-    except ConfigError as e:
-        print(f"pp_vs_torch_pipelining: error: {e}", file=sys.stderr)
+    ran = run_benchmark("pp_vs_torch_pipelining", _config(opts), PP, _worker, opts)
+    if ran is None:
         return 2
-    began = time.perf_counter()
-    load_before = os.getloadavg()[0]
-    results = run_workers(_worker, PP, (opts,), collective_timeout_s=opts["timeout"])
-    print(report(results, opts, time.perf_counter() - began, (load_before, os.getloadavg()[0])))
+    results, wall_s, load = ran
+    print(report(results, opts, wall_s, load))
     return 0
 
 

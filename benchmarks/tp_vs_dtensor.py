@@ -63,10 +63,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import add_shape_and_timing_arguments  # benchmarks/common.py: the script's own folder is on sys.path
-from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config, validate
+from common import add_shape_and_timing_arguments, run_benchmark  # benchmarks/common.py: the script's own folder is on sys.path
+from gridtrain.config import Config, ParallelConfig, TrainingConfig, preset_config
 from gridtrain.distributed import setup_distributed
-from gridtrain.launch import run_workers
 from gridtrain.model import GPT, init_parameters
 from gridtrain.optim import build_optimizer
 
@@ -532,16 +531,12 @@ def parse_args(argv: list[str] | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    try:  # one clear line for a bad shape, before any process starts
-        validate(_config(opts), world_size=TP)
-    except ConfigError as e:
-        print(f"tp_vs_dtensor: error: {e}", file=sys.stderr)
+    ran = run_benchmark("tp_vs_dtensor", _config(opts), TP, _worker, opts)
+    if ran is None:
         return 2
-    began = time.perf_counter()
-    load_before = os.getloadavg()[0]
-    result = run_workers(_worker, TP, (opts,), collective_timeout_s=opts["timeout"])[0]
-    result["load"] = (load_before, os.getloadavg()[0])
-    print(report(result, opts, time.perf_counter() - began))
+    results, wall_s, load = ran
+    result = dict(results[0], load=load)
+    print(report(result, opts, wall_s))
     return 0
 
 
