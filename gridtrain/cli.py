@@ -12,7 +12,8 @@ import sys
 from typing import Any
 
 from gridtrain.pipeline.draw import add_schedule_parser
-from gridtrain.config import DTYPES, PRESETS, RECOMPUTE, SCHEDULES, Config, ConfigError, load_config, validate
+from gridtrain.config import (ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, SCHEDULES, Config, ConfigError,
+                              load_config, validate)
 
 # flag -> (section, field, type, help)
 TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
@@ -32,9 +33,13 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
     ("--seq-len", "model", "seq_len", int, "sequence length"),
     ("--vocab-size", "model", "vocab_size", int, "vocabulary size (before padding)"),
     ("--dropout", "model", "dropout", float, "dropout probability"),
+    ("--attention", "model", "attention", str, " | ".join(ATTENTION) + " (math: op by op, as the memory formula)"),
     ("--micro-batch-size", "training", "micro_batch_size", int, "sequences per micro-batch"),
     ("--global-batch-size", "training", "global_batch_size", int, "sequences per optimizer step"),
     ("--recompute", "training", "recompute", str, " | ".join(RECOMPUTE)),
+    ("--recompute-method", "training", "recompute_method", str,
+     " | ".join(RECOMPUTE_METHODS) + " (full: groups of N blocks | the first N blocks of each chunk)"),
+    ("--recompute-layers", "training", "recompute_layers", int, "the N of --recompute-method (default 1)"),
     ("--dtype", "training", "dtype", str, " | ".join(DTYPES)),
     ("--zero", "training", "zero", int, "1: shard optimizer state over data parallel (ZeRO-1)"),
     ("--loss-scale", "training", "loss_scale", float, "fp16: initial dynamic loss scale"),
@@ -61,6 +66,15 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
 ]
 
 
+# on/off flags of the training section: flag -> help
+SWITCHES: dict[str, str] = {
+    "--recompute-keep-last": "the last micro-batch of a step keeps its activations (GPipe)",
+    "--recompute-early": "with --pp > 1: recompute while the output gradient is on its way",
+    "--offload-activations": "keep saved activations in host memory until backward (GPU)",
+    "--memory-report": "print saved-activation bytes per layer and stage, beside the formula",
+}
+
+
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model", argument_default=argparse.SUPPRESS)
     p.add_argument("--config", help="YAML file with sections model, parallel, training, data")
@@ -70,6 +84,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp > 1: LayerNorm and dropout on sequence shards")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for flag, help_text in SWITCHES.items():
+        p.add_argument(flag, action="store_true", help=help_text)
 
 
 def _generate_parser(sub) -> None:
@@ -110,6 +126,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides.setdefault("parallel", {})["sequence_parallel"] = True
     if getattr(args, "no_progress", False):
         overrides.setdefault("training", {})["progress"] = False
+    for flag in SWITCHES:
+        dest = flag[2:].replace("-", "_")
+        if getattr(args, dest, False):
+            overrides.setdefault("training", {})[dest] = True
     return load_config(getattr(args, "config", None), overrides, getattr(args, "model", None))
 
 

@@ -18,6 +18,8 @@ import yaml
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+ATTENTION = ("sdpa", "math")
 DEVICES = ("cpu", "cuda")
 
 
@@ -36,6 +38,7 @@ class ModelConfig:
     vocab_size: int = 257
     ffn_hidden: int | None = None  # defaults to 4 * d_model
     dropout: float = 0.0
+    attention: str = "sdpa"  # sdpa: torch's fused kernel | math: unfused ops (Megatron's core attention)
     vocab_pad_multiple: int = 64  # padded vocab is a multiple of this times tp
     layernorm_eps: float = 1e-5
     tie_embeddings: bool = True
@@ -91,7 +94,13 @@ class TrainingConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     dtype: str = "fp32"
-    recompute: str = "none"
+    recompute: str = "none"  # none | selective (attention core) | full (whole blocks)
+    recompute_method: str = "uniform"  # full: uniform (groups of N blocks) | block (first N per chunk)
+    recompute_layers: int = 1  # the N of recompute_method
+    recompute_keep_last: bool = False  # the last micro-batch of a step is not recomputed (GPipe)
+    recompute_early: bool = False  # recompute while the output gradient is on its way (pp > 1)
+    offload_activations: bool = False  # saved activations to host memory and back (GPU only)
+    memory_report: bool = False  # print saved-activation bytes per layer and stage
     zero: int = 0  # 1: shard master weights and Adam state over data parallel (ZeRO-1)
     loss_scale: float = 2.0 ** 16  # fp16: initial dynamic loss scale
     loss_scale_window: int = 1000  # fp16: good steps before the scale doubles
@@ -218,6 +227,7 @@ def _validate_model(m: ModelConfig) -> None:
              f"--n-head {m.n_head} does not divide --d-model {m.d_model}; "
              "choose a head count that divides d_model")
     _require(0.0 <= m.dropout < 1.0, f"--dropout must be in [0, 1), got {m.dropout}")
+    _require(m.attention in ATTENTION, f"--attention {m.attention!r} is not one of {', '.join(ATTENTION)}")
 
 
 def _validate_training(t: TrainingConfig) -> None:
@@ -227,11 +237,22 @@ def _validate_training(t: TrainingConfig) -> None:
     _require(t.dtype in DTYPES, f"--dtype {t.dtype!r} is not one of {', '.join(DTYPES)}")
     _require(t.recompute in RECOMPUTE, f"--recompute {t.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     _require(t.zero in (0, 1), f"--zero {t.zero} is not supported; use 0 or 1 (ZeRO-1)")
-    _require(t.recompute == "none",
-             f"--recompute {t.recompute} is not implemented yet; use --recompute none")
+    _validate_recompute(t)
     _require(t.device in (None, *DEVICES), f"--device {t.device!r} is not one of cpu, cuda")
     _require(t.warmup < t.steps or t.steps == 1,
              f"warm-up ({t.warmup} steps) must be shorter than --steps {t.steps}")
+
+
+def _validate_recompute(t: TrainingConfig) -> None:
+    _require(t.recompute_method in RECOMPUTE_METHODS,
+             f"--recompute-method {t.recompute_method!r} is not one of {', '.join(RECOMPUTE_METHODS)}")
+    _require(t.recompute_layers >= 1, f"--recompute-layers must be >= 1, got {t.recompute_layers}")
+    _require(t.recompute == "full" or (t.recompute_method == "uniform" and t.recompute_layers == 1),
+             f"--recompute-method/--recompute-layers choose blocks for --recompute full, "
+             f"not --recompute {t.recompute}; pass --recompute full or drop them")
+    for flag, on in (("--recompute-keep-last", t.recompute_keep_last), ("--recompute-early", t.recompute_early)):
+        _require(not on or t.recompute != "none",
+                 f"{flag} needs recomputation; pass --recompute selective or full")
 
 
 def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
@@ -320,6 +341,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     _validate_tensor_parallel(m, p)
     dp = world_size // (p.tp * p.pp)
     _validate_pipeline(m, p, t, dp)
+    _require(not t.recompute_early or p.pp > 1,
+             "--recompute-early overlaps recomputation with the wait for the next stage's gradient; "
+             "it needs --pp > 1")
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"--global-batch-size {t.global_batch_size} is not divisible by "
              f"--micro-batch-size {t.micro_batch_size} x dp {dp}; make it a multiple of "

@@ -20,6 +20,7 @@ from gridtrain.comm import ByteCounter, CommGroup
 from gridtrain.config import Config
 from gridtrain.grid import ProcessGrid, ProcessGroups, create_process_groups
 from gridtrain.launch import init_from_env
+from gridtrain.recompute import Recomputation, policy_from
 from gridtrain.tensor_parallel import (MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker,
                                        TensorParallel)
 
@@ -34,6 +35,7 @@ class DistributedContext:
     device: torch.device
     dtype: str  # the run's --dtype
     tp: TensorParallel  # the TP group, sequence parallelism, RNG streams
+    recompute: Recomputation  # which activations are recomputed; replays tp's RNG streams
     dp: CommGroup
     mp: CommGroup  # model parallel: TP x PP, over which the gradient norm is summed
     pp: CommGroup
@@ -107,6 +109,7 @@ def setup_distributed(cfg: Config) -> DistributedContext:
                         sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng)
     return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
                               dtype=cfg.training.dtype, tp=tp,
+                              recompute=Recomputation(policy_from(cfg.training), rng),
                               dp=CommGroup.of("dp", groups.dp, counter),
                               mp=CommGroup.of("mp", groups.mp, counter),
                               pp=CommGroup.of("pp", groups.pp, counter),

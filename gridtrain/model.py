@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gridtrain import memory
 from gridtrain.config import ModelConfig
+from gridtrain.recompute import Recomputation
 from gridtrain.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: F401
                                        TensorParallel, VocabParallelEmbedding, gather_logits,
                                        parallel_lm_logits, shard, shard_spec,
@@ -29,14 +31,25 @@ from gridtrain.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowPa
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal self-attention; under TP each rank owns ``n_head / tp`` whole heads."""
+    """Causal self-attention; under TP each rank owns ``n_head / tp`` whole heads.
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    The attention core (scores, softmax, dropout, weighted sum of values) is torch's
+    ``scaled_dot_product_attention`` (``attention="sdpa"``: a fused kernel that keeps no
+    ``s x s`` tensors where one applies) or written out op by op (``"math"``: what
+    Megatron's unfused core attention and the activation-memory formula of Korthikanti
+    et al. assume). Selective recomputation recomputes exactly this core.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation):
         super().__init__()
-        self.tp = tp
+        self.tp, self.recompute = tp, recompute
         self.local_heads = cfg.n_head // tp.size
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
+        self.math = cfg.attention == "math"
+        if self.math:  # added to the scores: -inf above the diagonal (an add saves nothing)
+            bias = torch.full((cfg.seq_len, cfg.seq_len), float("-inf")).triu(1)
+            self.register_buffer("causal_bias", bias, persistent=False)
         self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp, parts=3)
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp)
         self.proj.weight.residual_projection = True  # scaled init, see init_parameters
@@ -45,10 +58,22 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x)
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        with self.tp.rng.fork():  # this rank's heads: its own dropout stream
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
+        if self.recompute.selective:
+            y = self.recompute.checkpoint(self.core, q, k, v)
+        else:
+            y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal) v with dropout on the probabilities, [b, heads, s, d]."""
+        p = self.dropout if self.training else 0.0
+        with self.tp.rng.fork():  # this rank's heads: its own dropout stream
+            if not self.math:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+            s = q.shape[-2]
+            scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+            probs = torch.softmax(scores + self.causal_bias[:s, :s].to(scores.dtype), dim=-1)
+            return torch.matmul(F.dropout(probs, p, self.training), v)
 
 
 class MLP(nn.Module):
@@ -73,11 +98,11 @@ def layer_norm(cfg: ModelConfig, tp: TensorParallel) -> nn.LayerNorm:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation):
         super().__init__()
         self.tp = tp
         self.ln1 = layer_norm(cfg, tp)
-        self.attn = CausalSelfAttention(cfg, tp)
+        self.attn = CausalSelfAttention(cfg, tp, recompute)
         self.ln2 = layer_norm(cfg, tp)
         self.mlp = MLP(cfg, tp)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -128,22 +153,25 @@ class GPT(nn.Module):
     the embedding (``pre_process``) or the final norm, head and loss (``post_process``),
     as Megatron's model_provider flags do. A rank with several chunks (interleaved
     schedule) holds them in one module, so parameter names stay global. ``tp`` says how
-    each layer is split (default: not at all).
+    each layer is split (default: not at all), ``recompute`` which activations are
+    recomputed rather than kept (default: none).
     """
 
     def __init__(self, cfg: ModelConfig, *, layer_ids: Iterable[int] | None = None,
                  pre_process: bool = True, post_process: bool = True,
-                 tp: TensorParallel | None = None, chunks: list[ChunkSpec] | None = None):
+                 tp: TensorParallel | None = None, chunks: list[ChunkSpec] | None = None,
+                 recompute: Recomputation | None = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
+        self.recompute = recompute = recompute or Recomputation(rng=tp.rng)
         ids = tuple(range(cfg.n_layer) if layer_ids is None else layer_ids)
         self.chunks = chunks or [ChunkSpec(ids, pre_process, post_process)]
         has_embedding = any(c.pre_process for c in self.chunks)
         has_head = any(c.post_process for c in self.chunks)
         self.padded_vocab = cfg.padded_vocab_size(tp.size)
         self.embedding = Embedding(cfg, self.padded_vocab, tp) if has_embedding else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp) for c in self.chunks for i in c.layer_ids})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, recompute) for c in self.chunks for i in c.layer_ids})
         self.final_norm = layer_norm(cfg, tp) if has_head else None
         if has_head and not (cfg.tie_embeddings and has_embedding):
             # Untied head, or a last pipeline stage that keeps its own copy of the tied
@@ -164,15 +192,34 @@ class GPT(nn.Module):
         least fp32) when labels are given. A chunk without the embedding takes hidden
         states; a chunk without the head returns them."""
         spec = self.chunks[chunk]
-        x = self.embedding(inputs) if spec.pre_process else inputs
-        for i in spec.layer_ids:
-            x = self.blocks[str(i)](x)
+        if spec.pre_process:
+            with memory.layer_scope("embedding"):
+                x = self.embedding(inputs)
+        else:
+            x = inputs
+        for ids, recomputed in self.recompute.policy.block_runs(spec.layer_ids):
+            if recomputed and self.recompute.full:
+                with memory.layer_scope(f"blocks.{ids[0]}"):
+                    x = self.recompute.checkpoint(self._blocks(ids), x)
+                continue
+            for i in ids:
+                with memory.layer_scope(f"blocks.{i}"):
+                    x = self.blocks[str(i)](x)
         if not spec.post_process:
             return x
-        logits = parallel_lm_logits(self.final_norm(x), self.output_weight(), self.tp)
-        if labels is None:
-            return gather_logits(logits, self.cfg.vocab_size, self.tp)
-        return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
+        with memory.layer_scope("head"):
+            logits = parallel_lm_logits(self.final_norm(x), self.output_weight(), self.tp)
+            if labels is None:
+                return gather_logits(logits, self.cfg.vocab_size, self.tp)
+            return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
+
+    def _blocks(self, ids: tuple[int, ...]):
+        """A function running blocks ``ids`` in turn: one recomputed region."""
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for i in ids:
+                x = self.blocks[str(i)](x)
+            return x
+        return run
 
 
 def parameter_seed(seed: int, name: str) -> int:

@@ -20,7 +20,7 @@ from gridtrain.train import Batch, Datasets
 def gpt_model_provider(cfg: Config, ctx: DistributedContext) -> nn.Module:
     """This rank's chunks of the GPT of ``cfg.model``, split over TP and PP, initialised
     layout-independently, on this rank's device."""
-    model = GPT(cfg.model, tp=ctx.tp, chunks=stage_chunks(cfg, ctx))
+    model = GPT(cfg.model, tp=ctx.tp, chunks=stage_chunks(cfg, ctx), recompute=ctx.recompute)
     init_parameters(model, cfg.training.seed)
     return model.to(device=ctx.device, dtype=ctx.param_dtype)
 

@@ -13,6 +13,7 @@ number of DP ranks and micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gridtrain import checkpoint
+from gridtrain import checkpoint, memory
 from gridtrain.config import Config
 from gridtrain.data import GlobalBatchSampler, collate
 from gridtrain.data_parallel import GradientReducer, broadcast_parameters
@@ -70,6 +71,7 @@ class TrainResult:
     overlap: list[float] = field(default_factory=list)  # DP all-reduce hidden behind backward, per step
     skipped_steps: int = 0  # fp16 steps skipped on gradient overflow
     trace_events: list[tuple[int, str, float, float]] = field(default_factory=list)  # (step, action, start, end)
+    memory: list[memory.StageMemory] = field(default_factory=list)  # every stage's, measured at step 1
 
     def add_step(self, record: StepRecord, stage: StageStats, reducer: GradientReducer, counter,
                  bytes_before: dict, scaler: LossScaler | None) -> dict:
@@ -109,6 +111,9 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     start = checkpoint.load_checkpoint(t.load, model, optimizer, ctx) if t.load else 0
     stats = RunStats(flops_per_token=_flops_per_token(model), world_size=ctx.grid.world_size)
     log = MetricsLogger(ctx.is_logging_rank, t.metrics_file, t.steps, start, t.progress)
+    offload = t.offload_activations and ctx.device.type == "cuda"
+    if t.offload_activations and not offload:
+        log.print("--offload-activations: activations already live in host memory on the CPU; nothing to offload")
     log.print(f"gridtrain: {ctx.grid.describe()}, {_count(model):,} parameters per rank, "
               f"{sampler.num_micro_batches} micro-batches of {t.micro_batch_size} per step, "
               f"device {ctx.device.type}, dtype {t.dtype}")
@@ -120,8 +125,13 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         set_lr(optimizer, lr)
         began, bytes_before = time.perf_counter(), dict(ctx.bytes.bytes)
         batches = read_micro_batches(data.train, sampler, step, ctx)
-        loss, grad_norm, stage_stats = train_step(model, optimizer, pipeline, reducer, batches, ctx,
-                                                  t.grad_clip, scaler)
+        measuring = step == start  # the counts are the same every step: measure the first
+        meter = memory.ActivationMeter.for_model(model) if measuring or offload else None
+        with memory.saved_activations(meter, offload), _device_peak(ctx.device, measuring) as device_peak:
+            loss, grad_norm, stage_stats = train_step(model, optimizer, pipeline, reducer, batches, ctx,
+                                                      t.grad_clip, scaler)
+        if measuring:
+            mine = _stage_memory(meter, device_peak, model, cfg, ctx, sampler.num_micro_batches)
         elapsed = time.perf_counter() - began
         tokens_seen += step_tokens
         record = StepRecord(step=step + 1, loss=loss, grad_norm=grad_norm, lr=lr, tokens=tokens_seen,
@@ -145,7 +155,14 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         write_chrome_trace(Path(t.trace) / f"rank{ctx.rank:03d}.json", result.trace_events, ctx.rank,
                            ctx.coords.pp)
     idle = _stage_idle_fractions(result, ctx)
+    if t.steps > start:
+        result.memory = _gather_stage_memory(mine, ctx)
     _print_summary(log, stats, result, data, ctx, t.peak_tflops)
+    if result.memory:
+        log.print(memory.summary_line(result.memory))
+        if t.memory_report:
+            for line in memory.report_lines(result.memory, _memory_note(cfg, ctx)):
+                log.print(line)
     if ctx.grid.pp > 1:
         log.print("pipeline: measured idle fraction per stage " +
                   ", ".join(f"{s}: {f:.3f}" for s, f in enumerate(idle)) +
@@ -164,7 +181,7 @@ def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forwa
                          activation_shape=(cfg.training.micro_batch_size, seq, cfg.model.d_model),
                          activation_dtype=ctx.param_dtype, device=ctx.device,
                          weight_grads=ctx.tp.weight_grads, forward_step=forward_step,
-                         trace=cfg.training.trace is not None)
+                         trace=cfg.training.trace is not None, recompute=ctx.recompute)
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, pipeline: PipelineStage,
                reducer: GradientReducer, batches: list[Batch] | None, ctx: DistributedContext,
@@ -284,6 +301,54 @@ def _stage_idle_fractions(result: TrainResult, ctx: DistributedContext) -> list[
     if ctx.grid.pp == 1:
         return [mine]
     return [float(x) for x in ctx.pp.all_gather(torch.tensor([mine], dtype=torch.float64, device=ctx.device), 0)]
+
+@contextlib.contextmanager
+def _device_peak(device: torch.device, measuring: bool):
+    """torch.cuda.max_memory_allocated over the block, on a GPU while measuring; yields a
+    one-item list holding it (None elsewhere)."""
+    peak: list[int | None] = [None]
+    if not measuring or device.type != "cuda":
+        yield peak
+        return
+    torch.cuda.reset_peak_memory_stats(device)
+    yield peak
+    peak[0] = torch.cuda.max_memory_allocated(device)
+
+def _stage_memory(meter: memory.ActivationMeter, device_peak: list, model: nn.Module, cfg: Config,
+                  ctx: DistributedContext, micro_batches: int) -> memory.StageMemory:
+    """This stage's measured saved-activation bytes, beside the formula for its blocks
+    (the formula describes the op-by-op attention, so it is given for --attention math)."""
+    expected = {}
+    chunks = getattr(model, "chunks", None)
+    if chunks is not None and cfg.model.attention == "math":
+        e = torch.finfo(ctx.param_dtype).bits // 8
+        m = cfg.model
+        shape = dict(seq=m.seq_len, batch=cfg.training.micro_batch_size, hidden=m.d_model, heads=m.n_head,
+                     ffn=m.ffn_size, tp=ctx.tp.size, sequence_parallel=ctx.tp.sequence_parallel,
+                     element_bytes=e, mask_bytes=memory.dropout_mask_bytes(ctx.device, e),
+                     dropout=m.dropout > 0)
+        policy = ctx.recompute.policy
+        for spec in chunks:
+            expected.update(memory.expected_by_layer(policy.block_runs(spec.layer_ids), policy.mode,
+                                                     micro_batches, policy.keep_last, **shape))
+    return memory.StageMemory(stage=ctx.coords.pp, micro_batches=micro_batches, kept=meter.by_layer(),
+                              recomputed=meter.by_layer("recompute"), peak_bytes=meter.peak_bytes,
+                              expected=expected, device_peak_bytes=device_peak[0])
+
+def _gather_stage_memory(mine: memory.StageMemory, ctx: DistributedContext) -> list[memory.StageMemory]:
+    stages: list = [None] * ctx.grid.pp
+    torch.distributed.all_gather_object(stages, mine, group=ctx.pp.group)
+    return stages
+
+def _memory_note(cfg: Config, ctx: DistributedContext) -> str:
+    t, m = cfg.training, cfg.model
+    e = torch.finfo(ctx.param_dtype).bits // 8
+    mask = memory.dropout_mask_bytes(ctx.device, e)
+    formula = ("formula: Korthikanti et al. adapted, docs/memory.md" if m.attention == "math"
+               else "no formula for --attention sdpa (fused kernel); use --attention math to compare")
+    return (f"recompute {t.recompute}, {e}-byte activations, dropout {m.dropout} "
+            f"({mask}-byte masks), micro-batch {t.micro_batch_size}, tp {ctx.tp.size}"
+            f"{' + SP' if ctx.tp.sequence_parallel else ''}; {formula}")
 
 def _format_bytes(n: int) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from gridtrain import cli, launch
-from gridtrain.config import ConfigError, load_config, validate
+from gridtrain.config import ConfigError, load_config
 
 BAD_CONFIGS = {
     "heads do not divide d_model": (["--n-head", "5", "--d-model", "64"], "--n-head 5 does not divide --d-model 64"),
@@ -80,10 +80,14 @@ def test_flags_map_onto_config_fields():
     assert cfg.training.metrics_file == "m.jsonl" and cfg.training.progress is False
 
 
-def test_features_of_later_issues_are_refused_clearly():
-    cfg = load_config(None, {"training": {"recompute": "full"}})
-    with pytest.raises(ConfigError, match="--recompute full is not implemented yet"):
-        validate(cfg)
+def test_recompute_and_memory_flags_reach_the_config():
+    args = cli.build_parser().parse_args(
+        ["train", "--recompute", "full", "--recompute-method", "block", "--recompute-layers", "2",
+         "--recompute-keep-last", "--offload-activations", "--memory-report", "--attention", "math"])
+    t = cli.config_from_args(args).training
+    assert (t.recompute, t.recompute_method, t.recompute_layers) == ("full", "block", 2)
+    assert t.recompute_keep_last and t.offload_activations and t.memory_report and not t.recompute_early
+    assert cli.config_from_args(args).model.attention == "math"
 
 
 def test_train_two_processes_then_generate(tmp_path):

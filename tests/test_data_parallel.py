@@ -14,7 +14,7 @@ from gridtrain.config import Config, preset_config
 from gridtrain.data_parallel import GradientReducer
 from gridtrain.model import GPT, init_parameters
 from tests.harness import run_on_ranks
-from tests.training import relative_difference, tiny_config, train_in_process, train_layout
+from tests.training import relative_difference, tiny_config, train_in_process, train_layout, train_layouts
 
 
 def _config(**parallel) -> Config:
@@ -65,12 +65,19 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_3d_layout_trains_the_single_process_model(dp, pp, tp, schedule):
     """DESIGN.md invariant over the 3D matrix (fp64, 1e-9, 10 steps), sequence parallel on
-    whenever tp > 1; interleaving uses 2 chunks per rank at pp 2 (at pp 4 the 4 blocks
-    leave one per rank, so one chunk: the schedule without interleaving)."""
+    whenever tp > 1, without recomputation and with selective and full recomputation
+    (the reference recomputes nothing); interleaving uses 2 chunks per rank at pp 2 (at
+    pp 4 the 4 blocks leave one per rank, so one chunk: the schedule without
+    interleaving)."""
     vpp = 2 if schedule == "interleaved-1f1b" and pp > 1 and 4 % (2 * pp) == 0 else 1
-    cfg = _config(dp=dp, pp=pp, tp=tp, vpp=vpp, schedule=schedule, sequence_parallel=tp > 1)
-    for run in train_layout(cfg, dp * pp * tp):
-        assert_matches_reference(run)
+    cfgs = []
+    for mode in ("none", "selective", "full"):
+        cfg = _config(dp=dp, pp=pp, tp=tp, vpp=vpp, schedule=schedule, sequence_parallel=tp > 1)
+        cfg.training.recompute = mode
+        cfgs.append(cfg)
+    for runs in train_layouts(cfgs, dp * pp * tp):
+        for run in runs:
+            assert_matches_reference(run)
 
 
 # ---- the reducer against torch DDP, and its counts --------------------------------------------

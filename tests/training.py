@@ -31,7 +31,8 @@ def summarize(result: TrainResult) -> dict:
     state = {k: v.detach().double().cpu().numpy() for k, v in result.model.state_dict().items()}
     return {"losses": result.losses, "grad_norms": result.grad_norms,
             "valid_loss": result.valid_loss, "state": state, "step_bytes": result.step_bytes,
-            "peak_in_flight": result.peak_in_flight}
+            "peak_in_flight": result.peak_in_flight, "memory": result.memory,
+            "recomputed": result.ctx.recompute.recomputed, "rebuilt_early": result.ctx.recompute.rebuilt_early}
 
 
 def _train_worker(rank: int, world_size: int, cfg: Config) -> dict:
@@ -41,6 +42,17 @@ def _train_worker(rank: int, world_size: int, cfg: Config) -> dict:
 def train_layout(cfg: Config, world_size: int, timeout_s: float = 240) -> list[dict]:
     """Train ``cfg`` on ``world_size`` spawned gloo ranks; one summary per rank."""
     return run_on_ranks(_train_worker, world_size, cfg, timeout_s=timeout_s)
+
+
+def _train_many_worker(rank: int, world_size: int, cfgs: list[Config]) -> list[dict]:
+    return [_train_worker(rank, world_size, cfg) for cfg in cfgs]
+
+
+def train_layouts(cfgs: list[Config], world_size: int, timeout_s: float = 360) -> list[list[dict]]:
+    """Train each config in turn on the same spawned ranks (one spawn, several runs);
+    returns, per config, one summary per rank."""
+    per_rank = run_on_ranks(_train_many_worker, world_size, cfgs, timeout_s=timeout_s)
+    return [[runs[i] for runs in per_rank] for i in range(len(cfgs))]
 
 
 def train_in_process(cfg: Config) -> dict:

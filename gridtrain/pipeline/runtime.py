@@ -17,7 +17,11 @@ schedule decides the order; the runtime only interprets it:
   ``reduce_grads`` runs (tied embeddings, sequence-parallel and data-parallel
   reductions);
 * with a split backward (ZB-H1), B computes input gradients and queues the linear
-  layers' weight gradients, which W computes.
+  layers' weight gradients, which W computes;
+* each forward runs inside ``recompute.micro_batch`` (recompute.py): the policy may keep
+  the step's last micro-batch, and with early recomputation a micro-batch's recomputed
+  regions are rebuilt right after the receive of its output gradient is posted, while
+  that gradient is still travelling.
 
 The peak number of micro-batches whose activations the stage holds is counted.
 """
@@ -37,6 +41,7 @@ from gridtrain.comm import CommGroup
 from gridtrain.pipeline.schedules import (ALLREDUCE_GRADS, B, COMM, COMPUTE, F, OPTIMIZER_STEP, RECV_B, RECV_F, SEND_B,
                                           SEND_F, W, Action, virtual_stage)
 from gridtrain.pipeline.weight_grad import WeightGradStore
+from gridtrain.recompute import Recomputation
 
 Batch = dict[str, torch.Tensor]
 
@@ -59,7 +64,7 @@ class PipelineStage:
                  activation_dtype: torch.dtype, device: torch.device,
                  weight_grads: WeightGradStore | None = None,
                  forward_step: Callable[[nn.Module, Batch], torch.Tensor] | None = None,
-                 trace: bool = False):
+                 trace: bool = False, recompute: Recomputation | None = None):
         self.model, self.actions = model, actions
         self.stage, self.p, self.v = stage, num_stages, chunks
         self.pp, self.device = pp, device
@@ -67,6 +72,8 @@ class PipelineStage:
         self.weight_grads = weight_grads
         self.forward_step = forward_step
         self.tracing = trace
+        self.recompute = recompute or Recomputation()
+        self.num_micro_batches = 1 + max((a.mb for a in actions if a.kind == F), default=-1)
 
     # ---- one optimizer step -------------------------------------------------------------
 
@@ -139,6 +146,14 @@ class PipelineStage:
         return self._virtual(chunk) == self.p * self.v - 1
 
     def _forward(self, mb: int, chunk: int) -> None:
+        with self.recompute.micro_batch((mb, chunk), last=mb == self.num_micro_batches - 1):
+            self._forward_chunk(mb, chunk)
+        self.in_flight += 1
+        self.held += 1
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.in_flight)
+        self.stats.peak_held = max(self.stats.peak_held, self.held)
+
+    def _forward_chunk(self, mb: int, chunk: int) -> None:
         batch = self.batches[mb] if self.batches is not None else None
         first, last = self._is_first(chunk), self._is_last(chunk)
         if first and last:  # the whole model here: the user's forward_step defines the loss
@@ -158,10 +173,6 @@ class PipelineStage:
             detached = loss_sum.detach().to(torch.float64)
             self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
         self.outputs[(mb, chunk)] = out
-        self.in_flight += 1
-        self.held += 1
-        self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.in_flight)
-        self.stats.peak_held = max(self.stats.peak_held, self.held)
 
     def _backward(self, mb: int, chunk: int) -> None:
         out = self.outputs.pop((mb, chunk))
@@ -173,6 +184,7 @@ class PipelineStage:
         else:
             _run_backward(out, grad)
             self.held -= 1
+        self.recompute.forget(key)
         self.in_flight -= 1
 
     def _weight_grad(self, mb: int, chunk: int) -> None:
@@ -200,7 +212,12 @@ class PipelineStage:
                 peer = self.stage + 1 if backward else self.stage - 1
                 ops.append(self._p2p(dist.irecv, buffer, peer, self._tag(a.mb, v, backward)))
                 received.append((a, buffer))
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops)
+        if self.recompute.policy.early:  # rebuild while the gradients are on their way
+            for a in actions:
+                if a.kind == RECV_B:
+                    self.recompute.rebuild((a.mb, a.chunk))
+        for work in works:
             work.wait()
         for a in actions:  # free what has been sent: only the graph is needed now
             if a.kind == SEND_F:

@@ -60,13 +60,15 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, store):
-        ctx.save_for_backward(x, weight)
-        ctx.store = store
+        ctx.save_for_backward(x)
+        # The parameter itself, not a saved copy: its .grad is set later, and a tensor
+        # unpacked through saved-tensor hooks need not be the parameter object.
+        ctx.weight, ctx.store = weight, store
         return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         grad_x = grad_out @ weight.to(grad_out.dtype)
 
         def weight_grad() -> None:

@@ -1,0 +1,218 @@
+"""Activation recomputation and memory accounting: same gradients and dropout masks as
+without recomputation, regions chosen as the policy says, saved bytes counted against
+the formula of Korthikanti et al., and parity on real gloo processes."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from gridtrain import memory, recompute
+from gridtrain.config import ConfigError, load_config, preset_config, validate
+from gridtrain.model import GPT, init_parameters
+from gridtrain.recompute import Recomputation, RecomputePolicy
+from gridtrain.tensor_parallel import RNGStatesTracker, TensorParallel
+from tests.training import relative_difference, tiny_config, train_in_process, train_layout, train_layouts
+
+
+def _model(mode: str = "none", *, dropout: float = 0.1, attention: str = "math", **policy) -> GPT:
+    cfg = preset_config("tiny").model
+    cfg.dropout, cfg.attention = dropout, attention
+    rng = RNGStatesTracker(torch.device("cpu"))
+    rng.add("model-parallel", 77)  # a TP stream, as every distributed run has
+    model = GPT(cfg, tp=TensorParallel(rng=rng), recompute=Recomputation(RecomputePolicy(mode, **policy), rng))
+    init_parameters(model, 0)
+    return model.double()
+
+
+def _step(model: GPT, tokens: torch.Tensor, meter: memory.ActivationMeter | None = None):
+    """One forward and backward from a fixed generator state; loss, grads, meter."""
+    torch.manual_seed(5)
+    meter = meter or memory.ActivationMeter.for_model(model)
+    with memory.SavedActivations(meter):
+        loss = model(tokens, tokens).mean()
+        loss.backward()
+    return loss.item(), [p.grad.clone() for p in model.parameters()], meter
+
+
+TOKENS = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+@pytest.mark.parametrize("mode,policy", [("selective", {}), ("full", {}), ("full", {"layers": 2}),
+                                         ("full", {"method": "block", "layers": 1})])
+def test_recomputation_gives_the_same_loss_and_gradients_with_dropout(attention, mode, policy):
+    loss, grads, _ = _step(_model(attention=attention), TOKENS)
+    model = _model(mode, attention=attention, **policy)
+    loss_r, grads_r, _ = _step(model, TOKENS)
+    assert loss_r == loss
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_r))
+    regions = {"selective": 2, "full": 2 if policy.get("layers", 1) == 1 and "method" not in policy else 1}
+    assert model.recompute.recomputed == regions[mode]
+
+
+def test_without_rng_replay_the_masks_differ(monkeypatch):
+    """The test above can fail: recomputing without restoring the generators draws new
+    dropout masks and the gradients change."""
+    _, grads, _ = _step(_model(), TOKENS)
+    monkeypatch.setattr(recompute, "replaying", lambda *args: contextlib.nullcontext())
+    _, grads_r, _ = _step(_model("full"), TOKENS)
+    assert not all(torch.equal(a, b) for a, b in zip(grads, grads_r))
+
+
+def test_without_the_tensor_parallel_stream_the_attention_masks_differ(monkeypatch):
+    """Attention dropout draws from the TP tracker's stream: replaying only the CPU
+    generator is not enough."""
+    _, grads, _ = _step(_model(), TOKENS)
+    capture = recompute.RNGState.capture
+    monkeypatch.setattr(recompute.RNGState, "capture",
+                        classmethod(lambda cls, tracker, device: capture(None, device)))
+    _, grads_r, _ = _step(_model("selective"), TOKENS)
+    assert not all(torch.equal(a, b) for a, b in zip(grads, grads_r))
+
+
+def test_recomputation_leaves_the_random_streams_where_they_were():
+    """After a step, the CPU generator and the TP stream are where a step without
+    recomputation leaves them: the next step's masks do not depend on the mode."""
+    states = []
+    for mode in ("none", "full"):
+        model = _model(mode)
+        _step(model, TOKENS)
+        states.append((torch.get_rng_state(), model.tp.rng.get_states()["model-parallel"]))
+    assert torch.equal(states[0][0], states[1][0]) and torch.equal(states[0][1], states[1][1])
+
+
+def test_block_runs_follow_megatrons_methods():
+    ids = (4, 5, 6, 7, 8)
+    assert RecomputePolicy("none").block_runs(ids) == [(ids, False)]
+    assert RecomputePolicy("selective").block_runs(ids) == [(ids, False)]
+    assert RecomputePolicy("full").block_runs(ids) == [((i,), True) for i in ids]
+    assert RecomputePolicy("full", "uniform", 2).block_runs(ids) == [((4, 5), True), ((6, 7), True), ((8,), True)]
+    assert RecomputePolicy("full", "block", 2).block_runs(ids) == [((4,), True), ((5,), True), ((6, 7, 8), False)]
+    assert RecomputePolicy("full", "block", 9).block_runs(ids) == [((i,), True) for i in ids]
+    assert RecomputePolicy("full").block_runs(()) == []
+
+
+# ---- counted bytes against the formula ----------------------------------------------------------
+
+def _shape(model: GPT, batch: int, dropout: bool, element_bytes: int) -> dict:
+    c = model.cfg
+    return dict(seq=c.seq_len, batch=batch, hidden=c.d_model, heads=c.n_head, ffn=c.ffn_size,
+                element_bytes=element_bytes, mask_bytes=memory.dropout_mask_bytes("cpu", element_bytes),
+                dropout=dropout)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_saved_bytes_per_layer_match_the_adapted_formula(mode, dropout, dtype):
+    """Counted, not timed: each block's bytes saved for backward are within 10% of
+    Korthikanti et al.'s count adapted to the dtype, CPU dropout masks and this model
+    (the only thing the formula leaves out is LayerNorm's mean and 1/std per token)."""
+    model = _model(mode, dropout=dropout).to(dtype)
+    _, _, meter = _step(model, TOKENS)
+    e = torch.finfo(dtype).bits // 8
+    expected = memory.korthikanti_bytes(recompute=mode, **_shape(model, 2, dropout > 0, e))
+    for layer in ("blocks.0", "blocks.1"):
+        measured = meter.by_layer()[layer]
+        assert abs(measured - expected) <= 0.10 * expected, (layer, measured, expected)
+    if mode == "full":
+        assert measured == expected  # exactly the block's input
+    assert meter.live_bytes == 0  # everything was released by backward
+
+
+def test_formula_reduces_to_the_papers_16_bit_numbers():
+    shape = dict(seq=2048, batch=1, hidden=12288, heads=96, ffn=4 * 12288, element_bytes=2, mask_bytes=1)
+    s, b, h, a = 2048, 1, 12288, 96
+    assert memory.korthikanti_bytes(**shape) == s * b * h * (34 + 5 * a * s / h)
+    assert memory.korthikanti_bytes(tp=8, **shape) == pytest.approx(s * b * h * (10 + 24 / 8 + 5 * a * s / (h * 8)))
+    assert memory.korthikanti_bytes(tp=8, recompute="selective", **shape) == pytest.approx(s * b * h * (10 + 24 / 8))
+    assert memory.korthikanti_bytes(recompute="full", **shape) == 2 * s * b * h
+
+
+def test_recomputation_lowers_the_peak_of_saved_bytes():
+    peaks = {mode: _step(_model(mode), TOKENS)[2].peak_bytes for mode in ("none", "selective", "full")}
+    assert peaks["full"] < peaks["selective"] < peaks["none"]
+
+
+# ---- in a training run ---------------------------------------------------------------------------------
+
+def test_keep_last_recomputes_every_micro_batch_but_the_last():
+    cfg = tiny_config(recompute="full", recompute_keep_last=True, steps=1, global_batch_size=8, micro_batch_size=2)
+    cfg.model.attention = "math"
+    run = train_in_process(cfg)
+    reference = train_in_process(tiny_config(steps=1, global_batch_size=8, micro_batch_size=2))
+    assert run["losses"] == reference["losses"]
+    assert run["recomputed"] == 3 * cfg.model.n_layer  # 4 micro-batches, the last one kept
+    stage = run["memory"][0]
+    for layer, expected in stage.expected.items():
+        assert abs(stage.per_micro_batch(layer) - expected) <= 0.10 * expected
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_dropout_masks_are_replayed_under_tensor_and_pipeline_parallelism(mode):
+    """With dropout 0.1 on pp 2 x tp 2 with sequence parallelism (TP streams in attention
+    and in every dropout), recomputation does not change a single loss."""
+    cfgs = []
+    for recompute_mode in ("none", mode):
+        cfg = tiny_config(recompute=recompute_mode, steps=4)
+        cfg.model.dropout = 0.1
+        cfg.parallel.tp = cfg.parallel.pp = 2
+        cfg.parallel.sequence_parallel = True
+        cfgs.append(cfg)
+    plain, recomputed = train_layouts(cfgs, 4)
+    for a, b in zip(plain, recomputed):
+        assert b["recomputed"] > 0 and a["recomputed"] == 0
+        assert a["losses"] == b["losses"]
+        assert relative_difference(a["grad_norms"], b["grad_norms"]) <= 1e-12
+
+
+def test_early_recomputation_rebuilds_before_the_gradient_arrives():
+    """pp 2, 1F1B: stage 0 rebuilds each micro-batch's blocks while its gradient is in
+    flight; the model is the one process's."""
+    cfg = tiny_config(recompute="full", recompute_early=True, steps=4)
+    cfg.parallel.pp = 2
+    runs = train_layout(cfg, 2)
+    reference = train_in_process(tiny_config(steps=4))
+    for run in runs:
+        assert relative_difference(run["losses"], reference["losses"]) <= 1e-9
+    assert runs[0]["rebuilt_early"] == 4 * 4  # 4 steps x 4 micro-batches, one block each
+    assert runs[1]["rebuilt_early"] == 0  # the last stage receives no gradients
+
+
+def test_pipeline_stage_peak_is_micro_batches_in_flight_times_their_bytes():
+    """GPipe keeps all m micro-batches' activations on a stage, 1F1B at most p - s."""
+    cfgs = []
+    for schedule in ("gpipe", "1f1b"):
+        cfg = tiny_config(steps=1)
+        cfg.model.attention = "math"
+        cfg.parallel.pp, cfg.parallel.schedule = 2, schedule
+        cfgs.append(cfg)
+    gpipe, one_f_one_b = train_layouts(cfgs, 2)
+    for runs, held in ((gpipe, [4, 4]), (one_f_one_b, [2, 1])):
+        for stage in runs[0]["memory"]:
+            per_micro_batch = sum(stage.kept.values()) / stage.micro_batches
+            assert stage.peak_bytes == held[stage.stage] * per_micro_batch, stage.stage
+
+
+def test_offload_on_cpu_says_it_does_nothing(capsys):
+    cfg = tiny_config(offload_activations=True, steps=2)
+    run = train_in_process(cfg)
+    assert "nothing to offload" in capsys.readouterr().out
+    assert run["losses"] == train_in_process(tiny_config(steps=2))["losses"]
+
+
+@pytest.mark.parametrize("training,message", [
+    ({"recompute": "sometimes"}, "--recompute 'sometimes' is not one of"),
+    ({"recompute": "selective", "recompute_layers": 2}, "choose blocks for --recompute full"),
+    ({"recompute": "full", "recompute_method": "zigzag"}, "--recompute-method 'zigzag'"),
+    ({"recompute": "full", "recompute_layers": 0}, "--recompute-layers must be >= 1"),
+    ({"recompute_keep_last": True}, "--recompute-keep-last needs recomputation"),
+    ({"recompute": "full", "recompute_early": True}, "--recompute-early .* needs --pp > 1"),
+])
+def test_bad_recompute_settings_fail_before_anything_starts(training, message):
+    cfg = load_config(None, {"training": training})
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, world_size=1)
