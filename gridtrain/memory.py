@@ -229,7 +229,7 @@ class StageMemory:
 
 
 def _mb(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def summary_line(stages: list[StageMemory]) -> str:
