@@ -33,7 +33,7 @@ setups run next to each other in time), and the measured saved-activation bytes.
 
 Run from the repository root::
 
-    python3 benchmarks/recompute_cost.py                     # `small` shape, math attention
+    python3 benchmarks/recompute_cost.py                     # `small` shape, math attention: ~35 s on 2 idle cores
     python3 benchmarks/recompute_cost.py --attention sdpa
 """
 
@@ -55,6 +55,7 @@ from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig
 from gridtrain.data_parallel import GradientReducer
 from gridtrain.distributed import DistributedContext, setup_distributed, shutdown
 from gridtrain.model import IGNORE_INDEX
+from gridtrain.pipeline.runtime import PipelineStage
 from gridtrain.providers import gpt_forward_step, gpt_model_provider
 from gridtrain.recompute import RNGState
 from gridtrain.train import build_pipeline, make_optimizer, train_step
@@ -72,7 +73,7 @@ class Setup:
     ctx: DistributedContext
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    pipeline: object
+    pipeline: PipelineStage
     reducer: GradientReducer
     rng: RNGState | None = None
     times: list[float] = field(default_factory=list)  # per round: seconds per step
@@ -166,7 +167,8 @@ def run(opts: dict) -> tuple[list[Setup], dict]:
             s.times.append(run_steps(s, batches, opts["steps"]) / opts["steps"])
     tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     info = {"tokens": tokens, "params": sum(p.numel() for p in setups[0].model.parameters()),
-            "micro_batches": len(batches), "threads": torch.get_num_threads()}
+            "micro_batches": len(batches), "threads": torch.get_num_threads(),
+            "sdpa_kernel": sdpa_kernel(setups[0].cfg)}
     return setups, info
 
 
@@ -194,6 +196,21 @@ def formula_bytes(cfg: Config, mode: str) -> float:
         ffn=m.ffn_size, recompute=mode, element_bytes=4,
         mask_bytes=memory.dropout_mask_bytes(torch.device("cpu"), 4), dropout=m.dropout > 0)
     return m.n_layer * per_block
+
+
+def sdpa_kernel(cfg: Config) -> str:
+    """Which kernel torch's ``scaled_dot_product_attention`` picks for this shape, read
+    from the autograd node of one probe call. On the CPU the fused (flash) kernel takes
+    no dropout, so with dropout > 0 torch runs its op-by-op math path, which saves what
+    ``--attention math`` saves; this line says so instead of leaving it to be guessed."""
+    m, b = cfg.model, cfg.training.micro_batch_size
+    qkv = torch.randn(b, m.seq_len, 3, m.n_head, m.head_dim, requires_grad=True)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4)  # the model's layout: views of one fused QKV output
+    with torch.random.fork_rng(devices=[]):  # the probe's dropout draws must not move the run's stream
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=m.dropout)
+    name = type(out.grad_fn).__name__
+    fused = "Attention" in name  # e.g. ScaledDotProductFlashAttentionForCpuBackward0
+    return f"{name} ({'fused kernel' if fused else 'math fallback: unfused ops, s x s tensors kept'})"
 
 
 def gridtrain_version() -> str:
@@ -258,7 +275,9 @@ def report(setups: list[Setup], info: dict, opts: dict, wall_s: float, load: tup
     ]
     if m.attention != "math":
         lines.append("no formula column: Korthikanti et al.'s formula describes the op-by-op attention "
-                     "(--attention math); sdpa's fused kernel keeps no s x s tensors where one applies")
+                     "(--attention math); a fused kernel keeps no s x s tensors")
+        lines.append(f"sdpa kernel for this shape and dropout {m.dropout} (autograd node of a probe call): "
+                     f"{info['sdpa_kernel']}")
     lines.append("regions recomputed per step: " +
                  ", ".join(f"{s.mode} {s.regions_per_step}" for s in setups) +
                  f" ({m.n_layer} blocks x {info['micro_batches']} micro-batches = "
