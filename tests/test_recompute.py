@@ -170,16 +170,47 @@ def test_dropout_masks_are_replayed_under_tensor_and_pipeline_parallelism(mode):
 
 
 def test_early_recomputation_rebuilds_before_the_gradient_arrives():
-    """pp 2, 1F1B: stage 0 rebuilds each micro-batch's blocks while its gradient is in
-    flight; the model is the one process's."""
-    cfg = tiny_config(recompute="full", recompute_early=True, steps=4)
-    cfg.parallel.pp = 2
-    runs = train_layout(cfg, 2)
-    reference = train_in_process(tiny_config(steps=4))
-    for run in runs:
-        assert relative_difference(run["losses"], reference["losses"]) <= 1e-9
-    assert runs[0]["rebuilt_early"] == 4 * 4  # 4 steps x 4 micro-batches, one block each
-    assert runs[1]["rebuilt_early"] == 0  # the last stage receives no gradients
+    """pp 2: a stage rebuilds each micro-batch's recomputed regions while its gradient is
+    in flight, under every schedule, with and without keeping the last micro-batch; the
+    model is the one process's."""
+    cases = [("1f1b", 1, False), ("gpipe", 1, True), ("interleaved-1f1b", 2, False), ("zb-h1", 1, False)]
+    cfgs = []
+    for schedule, vpp, keep_last in cases:
+        cfg = tiny_config(recompute="full", recompute_early=True, recompute_keep_last=keep_last, steps=3)
+        cfg.model.n_layer = 4
+        cfg.parallel.pp, cfg.parallel.vpp, cfg.parallel.schedule = 2, vpp, schedule
+        cfgs.append(cfg)
+    reference_cfg = tiny_config(steps=3)
+    reference_cfg.model.n_layer = 4
+    reference = train_in_process(reference_cfg)
+    for (schedule, vpp, keep_last), runs in zip(cases, train_layouts(cfgs, 2)):
+        for run in runs:
+            assert relative_difference(run["losses"], reference["losses"]) <= 1e-9, schedule
+        # 3 steps x micro-batches recomputed (the last kept or not) x the stage's 2 blocks
+        micro_batches = 4 - keep_last
+        assert runs[0]["rebuilt_early"] == 3 * micro_batches * 2, schedule
+        # the last stage receives gradients only for its first chunk (interleaved)
+        assert runs[1]["rebuilt_early"] == (3 * micro_batches * 1 if vpp == 2 else 0), schedule
+        assert runs[0]["recomputed"] == runs[0]["rebuilt_early"]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_saved_bytes_under_tensor_parallelism_match_the_formula(sequence_parallel):
+    """The TP form of the formula, sbh(10 + 24/t + 5as/(ht)) adapted, per block of each
+    TP rank, in every mode (measured in a training run, as --memory-report shows it)."""
+    cfgs = []
+    for mode in ("none", "selective", "full"):
+        cfg = tiny_config(recompute=mode, steps=1)
+        cfg.model.attention, cfg.model.dropout = "math", 0.1
+        cfg.parallel.tp, cfg.parallel.sequence_parallel = 2, sequence_parallel
+        cfgs.append(cfg)
+    for mode, runs in zip(("none", "selective", "full"), train_layouts(cfgs, 2)):
+        for run in runs:
+            stage = run["memory"][0]
+            assert stage.expected.keys() == {"blocks.0", "blocks.1"}
+            for layer, expected in stage.expected.items():
+                measured = stage.per_micro_batch(layer)
+                assert abs(measured - expected) <= 0.10 * expected, (mode, layer, measured, expected)
 
 
 def test_pipeline_stage_peak_is_micro_batches_in_flight_times_their_bytes():
