@@ -90,6 +90,17 @@ def test_recompute_and_memory_flags_reach_the_config():
     assert cli.config_from_args(args).model.attention == "math"
 
 
+def test_memory_report_prints_each_layer_beside_the_formula(capsys):
+    assert cli.main(["train", "--model", "tiny", "--steps", "1", "--attention", "math", "--recompute", "selective",
+                     "--memory-report", "--no-progress", "--eval-interval", "0", "--global-batch-size", "4",
+                     "--micro-batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "activations saved for backward (step 1): stage 0 peak" in out
+    assert "memory report (step 1; recompute selective, 4-byte activations" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[1:2] in (["blocks.0"], ["blocks.1"])]
+    assert len(rows) == 2 and all(0.9 <= float(row[-1]) <= 1.1 for row in rows), rows
+
+
 def test_train_two_processes_then_generate(tmp_path):
     """`gridtrain train --nproc 2` end to end, then `gridtrain generate` from its checkpoint."""
     metrics, save = tmp_path / "m.jsonl", tmp_path / "ckpt"
