@@ -187,11 +187,9 @@ def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int
     ``sbh (34 + 5as/h)``, with TP ``sbh (10 + 24/t + 5as/(ht))``. Term by term, for
     element size e and mask size m:
 
-    * LayerNorm inputs 2e, and the residual dropout masks 2m: replicated over TP, split
-      by sequence parallelism;
-    * the inputs of QKV and of the first MLP linear, 2e: whole on every TP rank (under
-      sequence parallelism this implementation saves the gathered input, as Megatron does
-      when it does not re-gather in backward);
+    * LayerNorm inputs 2e, the inputs of QKV and of the first MLP linear 2e, and the
+      residual dropout masks 2m: replicated over TP, split by sequence parallelism (a
+      column-parallel layer keeps its input shard and all-gathers it again in backward);
     * Q, K, V 3e, the output projection's input e, GELU's input and output 2e * ffn/h:
       split over TP;
     * attention scores: softmax output e, and with dropout its mask m and its output e,
@@ -205,7 +203,7 @@ def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int
     tokens = seq * batch
     if recompute == "full":
         return tokens * hidden * e / sp
-    per_token = hidden * (2 * e / sp + 2 * e + 4 * e / tp + 2 * m * d / sp) + 2 * e * ffn / tp
+    per_token = hidden * (4 * e / sp + 4 * e / tp + 2 * m * d / sp) + 2 * e * ffn / tp
     scores = 0 if recompute == "selective" else heads * seq * seq * batch / tp * (e + d * (e + m))
     return tokens * per_token + scores
 

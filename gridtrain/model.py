@@ -208,7 +208,8 @@ class GPT(nn.Module):
         if not spec.post_process:
             return x
         with memory.layer_scope("head"):
-            logits = parallel_lm_logits(self.final_norm(x), self.output_weight(), self.tp)
+            logits = parallel_lm_logits(self.final_norm(x), self.output_weight(), self.tp,
+                                        tied_in_place=self.head is None)
             if labels is None:
                 return gather_logits(logits, self.cfg.vocab_size, self.tp)
             return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)

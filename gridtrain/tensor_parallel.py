@@ -14,6 +14,9 @@
   sequence shards: the all-reduce around a column/row pair becomes an all-gather before
   the column layer and a reduce-scatter after the row layer (same bytes), and the
   gradients of weights replicated across TP but fed by shards are all-reduced over TP.
+  A column layer keeps only its input *shard* for backward and all-gathers it again
+  there (Megatron does the same): one more all-gather per column layer buys (t-1)/t of
+  its saved input, which is what makes every saved activation 1/t (Korthikanti et al.).
 * :class:`RNGStatesTracker` gives dropout inside TP regions a per-rank stream.
 
 Every sharded parameter carries a :class:`ShardSpec`, so the whole-tensor initialisation,
@@ -31,7 +34,7 @@ from torch import nn
 
 from gridtrain import comm
 from gridtrain.comm import CommGroup
-from gridtrain.pipeline.weight_grad import WeightGradStore, linear
+from gridtrain.pipeline.weight_grad import WeightGradStore, linear, weight_grad_of
 
 IGNORE_INDEX = -100
 MODEL_PARALLEL_RNG = "model-parallel"
@@ -202,7 +205,38 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param(out_features // tp.size, spec=spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(self.tp.enter(x), self.weight, self.bias, self.tp.weight_grads)
+        return column_linear(x, self.weight, self.bias, self.tp)
+
+
+class _SequenceParallelColumnLinear(torch.autograd.Function):
+    """All-gather a sequence shard and multiply, keeping only the shard for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, comm, store):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.comm, ctx.store = weight, comm, store  # the parameter itself (see weight_grad.py)
+        return F.linear(comm.all_gather(x, 1), weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,), weight, comm = ctx.saved_tensors, ctx.weight, ctx.comm
+        total = comm.all_gather(x, 1)  # again: the price of keeping 1/t of the input
+        grad_weight = weight_grad_of(weight, grad_out, total, ctx.store)
+        return comm.reduce_scatter(grad_out @ weight.to(grad_out.dtype), 1), grad_weight, None, None
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  tp: TensorParallel, defer: bool = True) -> torch.Tensor:
+    """``x A^T + b`` for a column-parallel weight, ``x`` whole (TP) or a sequence shard (SP).
+
+    The same operations with and without autograd recording, so that a recomputed region
+    rebuilds exactly the values its forward produced. ``defer=False`` keeps the weight
+    gradient in B under a split backward (see :func:`parallel_lm_logits`)."""
+    store = tp.weight_grads if defer else None
+    if tp.sequence_parallel and tp.size > 1:
+        y = _SequenceParallelColumnLinear.apply(x, weight, tp.comm, store)
+        return y if bias is None else y + bias
+    return linear(tp.enter(x), weight, bias, store)
 
 
 class RowParallelLinear(nn.Module):
@@ -240,9 +274,15 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.leave(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
-def parallel_lm_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """This rank's vocabulary slice of the logits, ``[b, s, padded_vocab / tp]``."""
-    return linear(tp.enter(x), weight, None, tp.weight_grads)
+def parallel_lm_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, *,
+                       tied_in_place: bool = False) -> torch.Tensor:
+    """This rank's vocabulary slice of the logits, ``[b, s, padded_vocab / tp]``.
+
+    ``tied_in_place``: ``weight`` is this rank's token embedding table, which also gets a
+    gradient from the lookup in the same backward. Its head gradient is then not deferred
+    to W, so both arrive in one autograd accumulation: the gradient reducer counts one
+    contribution per micro-batch and must not see the table ready before the lookup's."""
+    return column_linear(x, weight, None, tp, defer=not tied_in_place)
 
 
 def gather_logits(logits: torch.Tensor, vocab_size: int, tp: TensorParallel) -> torch.Tensor:

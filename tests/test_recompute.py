@@ -14,7 +14,7 @@ from gridtrain.config import ConfigError, load_config, preset_config, validate
 from gridtrain.model import GPT, init_parameters
 from gridtrain.recompute import Recomputation, RecomputePolicy
 from gridtrain.tensor_parallel import RNGStatesTracker, TensorParallel
-from tests.training import relative_difference, tiny_config, train_in_process, train_layout, train_layouts
+from tests.training import relative_difference, tiny_config, train_in_process, train_layouts
 
 
 def _model(mode: str = "none", *, dropout: float = 0.1, attention: str = "math", **policy) -> GPT:
@@ -151,22 +151,24 @@ def test_keep_last_recomputes_every_micro_batch_but_the_last():
         assert abs(stage.per_micro_batch(layer) - expected) <= 0.10 * expected
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_dropout_masks_are_replayed_under_tensor_and_pipeline_parallelism(mode):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_dropout_masks_are_replayed_under_tensor_and_pipeline_parallelism(schedule):
     """With dropout 0.1 on pp 2 x tp 2 with sequence parallelism (TP streams in attention
-    and in every dropout), recomputation does not change a single loss."""
+    and in every dropout), recomputation does not change a single bit of any loss, with
+    a plain or a split (ZB) backward."""
     cfgs = []
-    for recompute_mode in ("none", mode):
-        cfg = tiny_config(recompute=recompute_mode, steps=4)
+    for mode in ("none", "selective", "full"):
+        cfg = tiny_config(recompute=mode, steps=4)
         cfg.model.dropout = 0.1
         cfg.parallel.tp = cfg.parallel.pp = 2
-        cfg.parallel.sequence_parallel = True
+        cfg.parallel.sequence_parallel, cfg.parallel.schedule = True, schedule
         cfgs.append(cfg)
-    plain, recomputed = train_layouts(cfgs, 4)
-    for a, b in zip(plain, recomputed):
-        assert b["recomputed"] > 0 and a["recomputed"] == 0
-        assert a["losses"] == b["losses"]
-        assert relative_difference(a["grad_norms"], b["grad_norms"]) <= 1e-12
+    plain, *recomputed = train_layouts(cfgs, 4)
+    for runs in recomputed:
+        for a, b in zip(plain, runs):
+            assert b["recomputed"] > 0 and a["recomputed"] == 0
+            assert a["losses"] == b["losses"]
+            assert relative_difference(a["grad_norms"], b["grad_norms"]) <= 1e-12
 
 
 def test_early_recomputation_rebuilds_before_the_gradient_arrives():

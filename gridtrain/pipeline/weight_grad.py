@@ -57,6 +57,21 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         hook(param)
 
 
+def weight_grad_of(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor,
+                   store: WeightGradStore | None) -> torch.Tensor | None:
+    """The weight gradient ``grad_out^T x``, returned for autograd to accumulate; or,
+    while ``store`` is deferring (ZB's B), queued for W, which accumulates it itself
+    (returns None then)."""
+    def weight_grad() -> torch.Tensor:
+        g = grad_out.reshape(-1, grad_out.shape[-1]).transpose(0, 1) @ x.reshape(-1, x.shape[-1]).to(grad_out.dtype)
+        return g.to(weight.dtype)
+
+    if store is None or store.key is None:
+        return weight_grad()
+    store.add(lambda: _accumulate(weight, weight_grad()))
+    return None
+
+
 class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, store):
@@ -69,23 +84,14 @@ class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,), weight = ctx.saved_tensors, ctx.weight
-        grad_x = grad_out @ weight.to(grad_out.dtype)
-
-        def weight_grad() -> None:
-            g = grad_out.reshape(-1, grad_out.shape[-1]).transpose(0, 1) @ x.reshape(-1, x.shape[-1]).to(grad_out.dtype)
-            _accumulate(weight, g.to(weight.dtype))
-
-        if ctx.store.key is None:
-            weight_grad()
-        else:
-            ctx.store.add(weight_grad)
-        return grad_x, None, None
+        return grad_out @ weight.to(grad_out.dtype), weight_grad_of(weight, grad_out, x, ctx.store), None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            store: WeightGradStore | None) -> torch.Tensor:
-    """``F.linear``, with a weight gradient that ``store`` may defer."""
-    if store is None or not torch.is_grad_enabled():
+    """``F.linear``, with a weight gradient that ``store`` may defer. The same operations
+    whether or not autograd records, so a recomputed region rebuilds the exact values."""
+    if store is None:
         return F.linear(x, weight, bias)
     y = _DeferrableLinear.apply(x, weight, store)
     return y if bias is None else y + bias
