@@ -12,8 +12,10 @@ import sys
 from typing import Any
 
 from gridtrain.pipeline.draw import add_schedule_parser
-from gridtrain.config import (ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, SCHEDULES, Config, ConfigError,
-                              load_config, validate)
+from gridtrain.plot import PlotError, add_plot_parser
+from gridtrain.config import ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, Config, ConfigError, load_config
+from gridtrain.pipeline.schedules import ORDERS
+from gridtrain.validate_config import validate
 
 # flag -> (section, field, type, help)
 TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
@@ -22,7 +24,7 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
     ("--tp", "parallel", "tp", int, "tensor-parallel size"),
     ("--pp", "parallel", "pp", int, "pipeline-parallel size"),
     ("--vpp", "parallel", "vpp", int, "model chunks per pipeline rank (interleaved schedule)"),
-    ("--schedule", "parallel", "schedule", str, " | ".join(SCHEDULES)),
+    ("--schedule", "parallel", "schedule", str, " | ".join(ORDERS)),
     ("--pp-layers", "parallel", "pp_layers", lambda text: [int(x) for x in text.split(",")],
      "blocks per virtual stage, e.g. 3,4,4,3"),
     ("--pp-partition", "parallel", "pp_partition", str, "uniform | parameters | time"),
@@ -61,6 +63,7 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
     ("--peak-tflops", "training", "peak_tflops", float, "device peak for MFU"),
     ("--timeout", "training", "dist_timeout_s", float, "collective timeout in seconds"),
     ("--trace", "training", "trace", str, "write a Chrome trace of pipeline actions per rank here"),
+    ("--tensorboard", "training", "tensorboard", str, "write per-step metrics as TensorBoard events here"),
     ("--data", "data", "path", str, "text file, folder of text, or token file (default: built-in corpus)"),
     ("--tokenizer", "data", "tokenizer", str, "Hugging Face tokenizer.json (default: bytes)"),
 ]
@@ -113,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _prepare_parser(sub)
     add_schedule_parser(sub)
+    add_plot_parser(sub)
     return parser
 
 
@@ -153,12 +157,16 @@ def main(argv: list[str] | None = None) -> int:
             from gridtrain.pipeline.draw import schedule_command
 
             return schedule_command(args)
+        if args.command == "plot":
+            from gridtrain.plot import plot_command
+
+            return plot_command(args)
         from gridtrain.data import prepare
 
         out = prepare(args.data, args.out, args.tokenizer)
         print(f"wrote {out}")
         return 0
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, PlotError) as e:
         print(f"gridtrain: error: {e}", file=sys.stderr)
         return 2
     except (WorkerError, WorkerTimeout) as e:

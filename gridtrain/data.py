@@ -25,8 +25,9 @@ import json
 import os
 import sysconfig
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -37,8 +38,28 @@ EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
+Batch = dict[str, torch.Tensor]  # a micro-batch: "tokens", "labels", ... each [b, s]
+
+
 class DataError(ValueError):
     """A data or tokenizer problem the user can fix; the message is one line naming both."""
+
+
+@dataclass
+class Datasets:
+    """What a datasets provider returns (see gridtrain.train.pretrain).
+
+    ``train``/``valid`` are map-style datasets whose items are dicts of equal-shape
+    tensors with at least ``labels`` (positions equal to IGNORE_INDEX carry no loss).
+    ``reference_loss`` (e.g. the corpus's unigram entropy) is printed beside the final
+    validation loss; ``tokenizer`` lets the run print a sample at the end.
+    """
+
+    train: Any
+    valid: Any = None
+    tokenizer: Any = None
+    reference_loss: float | None = None
+    loss_unit: str = "nats/token"
 
 
 # ---------------------------------------------------------------------------- tokenizers
@@ -485,7 +506,7 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def collate(dataset: torch.utils.data.Dataset, ids: Sequence[int]) -> dict[str, torch.Tensor]:
+def collate(dataset: torch.utils.data.Dataset, ids: Sequence[int]) -> Batch:
     """Stack the samples ``ids`` into a batch of shape [len(ids), seq_len]."""
     samples = [dataset[int(i)] for i in ids]
     return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels")}

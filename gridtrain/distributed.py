@@ -8,7 +8,6 @@ so that the same code path, collectives included, runs everywhere).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,10 +18,10 @@ import torch.distributed as dist
 from gridtrain.comm import ByteCounter, CommGroup
 from gridtrain.config import Config
 from gridtrain.grid import ProcessGrid, ProcessGroups, create_process_groups
-from gridtrain.launch import init_from_env
+from gridtrain.launch import backend_for, init_from_env, resolve_device_type
 from gridtrain.recompute import Recomputation, policy_from
-from gridtrain.tensor_parallel import (MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker,
-                                       TensorParallel)
+from gridtrain.rng import MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker
+from gridtrain.tensor_parallel import TensorParallel
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -48,10 +47,6 @@ class DistributedContext:
         in the optimizer and accumulate gradients in fp32 (data_parallel.py)."""
         return TORCH_DTYPES[self.dtype]
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """Mixed precision is done with 16-bit parameters, not autocast: nothing to enter."""
-        return contextlib.nullcontext()
-
     @property
     def coords(self):
         return self.grid.coords(self.rank)
@@ -63,18 +58,11 @@ class DistributedContext:
         return self.grid.is_last_stage(self.rank) and c.dp == 0 and c.tp == 0
 
 
-def resolve_device_type(requested: str | None) -> str:
-    if requested is not None:
-        return requested
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def init_default_group(cfg: Config) -> None:
     """Initialise torch.distributed unless a launcher already did."""
     if dist.is_initialized():
         return
-    device_type = resolve_device_type(cfg.training.device)
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = backend_for(resolve_device_type(cfg.training.device))
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
         init_from_env(backend, cfg.training.dist_timeout_s)
     else:

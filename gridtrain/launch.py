@@ -376,6 +376,18 @@ def run_workers(
     return [done[rank] for rank in range(nproc)]
 
 
+def resolve_device_type(requested: str | None) -> str:
+    """``--device``, or by default cuda when a GPU is visible, else cpu."""
+    if requested is not None:
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend_for(device_type: str) -> str:
+    """The collective backend for a device type: NCCL for GPUs, gloo for CPUs."""
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
 def init_from_env(
     backend: str | None = None, collective_timeout_s: float = 600.0
 ) -> tuple[int, int, int]:
@@ -395,7 +407,7 @@ def init_from_env(
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend_for(resolve_device_type(None))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():

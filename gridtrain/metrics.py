@@ -1,7 +1,10 @@
-"""What a run reports: per-step JSON lines, the progress bar and the closing summary.
+"""What a run reports: per-step JSON lines, the progress bar, optional TensorBoard
+scalars and the closing summary.
 
 Only the logging rank (the last pipeline stage's first DP/TP rank, which holds the loss)
 writes; every other rank gets a logger that does nothing, so the loop never branches.
+TensorBoard is optional (the ``tensorboard`` extra): it is imported only when a run asks
+for it, so the package trains without it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+MISSING_TENSORBOARD = ('--tensorboard needs the tensorboard package; '
+                       'pip install tensorboard (or pip install -e ".[tensorboard]")')
 
 # Dense bf16 peak TFLOP/s per device, from vendor data sheets (SXM parts).
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
@@ -64,16 +70,42 @@ class RunStats:
         return self.tokens_per_s() * self.flops_per_token / self.world_size / 1e12
 
 
+def require_tensorboard() -> None:
+    """Raise a one-line ImportError unless the ``tensorboard`` package can be imported."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ImportError(MISSING_TENSORBOARD) from None
+
+
+def tensorboard_scalars(record: StepRecord, extra: dict | None = None) -> dict[str, float]:
+    """The TensorBoard tag -> value pairs of one step's metrics line."""
+    extra = extra or {}
+    scalars = {f"train/{name}": float(getattr(record, name))
+               for name in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tokens")}
+    if extra.get("valid_loss") is not None:
+        scalars["valid/loss"] = float(extra["valid_loss"])
+    if extra.get("loss_scale") is not None:
+        scalars["train/loss_scale"] = float(extra["loss_scale"])
+    for group, n in (extra.get("comm_bytes") or {}).items():
+        scalars[f"comm_bytes/{group}"] = float(n)
+    return scalars
+
+
 class MetricsLogger:
-    """JSON lines file plus a tqdm bar on the logging rank; silent elsewhere."""
+    """JSON lines file, optional TensorBoard scalars and a tqdm bar on the logging rank;
+    silent elsewhere."""
 
     def __init__(self, active: bool, metrics_file: str | None, total_steps: int,
-                 start_step: int, show_progress: bool):
+                 start_step: int, show_progress: bool, tensorboard: str | None = None):
         self.active = active
         self._file = None
         self._bar = None
+        self._writer = None
         if not active:
             return
+        if tensorboard:  # first: a missing package must not truncate the metrics file
+            self._writer = _summary_writer(tensorboard)
         if metrics_file:
             Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(metrics_file, "a" if start_step else "w")
@@ -92,6 +124,9 @@ class MetricsLogger:
         if self._file:
             self._file.write(record.as_json(extra) + "\n")
             self._file.flush()
+        if self._writer is not None:
+            for tag, value in tensorboard_scalars(record, extra).items():
+                self._writer.add_scalar(tag, value, global_step=record.step)
         bar = self._progress()
         bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}", refresh=False)
         bar.update(1)
@@ -105,3 +140,15 @@ class MetricsLogger:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
+
+
+def _summary_writer(logdir: str):
+    """A TensorBoard SummaryWriter for ``logdir``, imported only here."""
+    require_tensorboard()
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=logdir)

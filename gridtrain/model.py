@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -273,6 +274,41 @@ def count_parameters(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> i
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     total = L * per_block + 2 * d + head
     return total if exclude_embeddings else total + embed
+
+
+def parameter_costs(cfg: ModelConfig) -> tuple[list[float], float, float]:
+    """Parameters per block, in the embedding and in the head (untied copy counted): the
+    costs of ``--pp-partition parameters``."""
+    d, L = cfg.d_model, cfg.n_layer
+    per_block = (count_parameters(cfg, exclude_embeddings=True) - 2 * d
+                 - (0 if cfg.tie_embeddings else cfg.vocab_size * d)) / L
+    embedding = (cfg.vocab_size + cfg.seq_len) * d
+    head = cfg.vocab_size * d + 2 * d
+    return [per_block] * L, embedding, head
+
+
+def profile_units(cfg: ModelConfig, micro_batch_size: int, steps: int = 3) -> tuple[list[float], float, float]:
+    """Measured forward+backward seconds of each block, the embedding and the head + loss,
+    on this process's CPU, with random tokens (median of ``steps`` runs): the costs of
+    ``--pp-partition time``."""
+    model = GPT(cfg)
+    init_parameters(model, 0)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len))
+
+    def timed(fn) -> float:
+        runs = []
+        for _ in range(steps):
+            began = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - began)
+        return sorted(runs)[len(runs) // 2]
+
+    hidden = model.embedding(tokens).detach()
+    embedding = timed(lambda: model.embedding(tokens).sum().backward())
+    blocks = [timed(lambda b=b: b(hidden.requires_grad_()).sum().backward()) for b in model.blocks.values()]
+    head_chunk = GPT(cfg, layer_ids=[], pre_process=False)
+    head = timed(lambda: head_chunk(hidden.requires_grad_(), tokens).sum().backward())
+    return blocks, embedding, head
 
 
 def training_flops_per_token(cfg: ModelConfig) -> float:

@@ -10,11 +10,10 @@ import torch
 from torch import nn
 
 from gridtrain.config import Config
-from gridtrain.data import ByteTokenizer, build_datasets, load_tokenizer, unigram_entropy
+from gridtrain.data import Batch, ByteTokenizer, Datasets, build_datasets, load_tokenizer, unigram_entropy
 from gridtrain.distributed import DistributedContext
-from gridtrain.model import GPT, ChunkSpec, init_parameters
-from gridtrain.pipeline.partition import partition
-from gridtrain.train import Batch, Datasets
+from gridtrain.model import GPT, ChunkSpec, init_parameters, parameter_costs, profile_units
+from gridtrain.pipeline.partition import UnitCosts, partition
 
 
 def gpt_model_provider(cfg: Config, ctx: DistributedContext) -> nn.Module:
@@ -32,14 +31,26 @@ def stage_chunks(cfg: Config, ctx: DistributedContext) -> list[ChunkSpec]:
     rank cuts the model at the same places.
     """
     p, v, s = ctx.grid.pp, cfg.parallel.vpp, ctx.coords.pp
+    explicit, method = cfg.parallel.pp_layers, cfg.parallel.pp_partition
+    measured = explicit is None and method == "time"
     layers = [None]
-    if ctx.rank == 0 or cfg.parallel.pp_partition != "time":
-        layers[0] = partition(cfg.model, p * v, cfg.parallel.pp_partition, cfg.parallel.pp_layers,
-                              cfg.training.micro_batch_size)
-    if cfg.parallel.pp_partition == "time" and cfg.parallel.pp_layers is None:
+    if ctx.rank == 0 or not measured:
+        costs = None if explicit is not None else unit_costs(cfg, method)
+        layers[0] = partition(cfg.model.n_layer, p * v, explicit=explicit, costs=costs)
+    if measured:
         torch.distributed.broadcast_object_list(layers, src=0)
     last = p * v - 1
     return [ChunkSpec(tuple(layers[0][c * p + s]), c * p + s == 0, c * p + s == last) for c in range(v)]
+
+
+def unit_costs(cfg: Config, method: str) -> UnitCosts | None:
+    """The costs ``--pp-partition`` balances: none (equal block counts), parameter
+    counts, or forward+backward times measured on this process."""
+    if method == "parameters":
+        return parameter_costs(cfg.model)
+    if method == "time":
+        return profile_units(cfg.model, cfg.training.micro_batch_size)
+    return None
 
 
 def text_datasets_provider(cfg: Config) -> Datasets:

@@ -36,41 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from gridtrain import memory
-from gridtrain.tensor_parallel import RNGStatesTracker
-
-
-# ---- RNG replay --------------------------------------------------------------------------------
-
-@dataclass
-class RNGState:
-    """Every generator a region may draw from, at one moment."""
-
-    cpu: torch.Tensor
-    cuda: torch.Tensor | None
-    tracker: dict[str, torch.Tensor]
-
-    @classmethod
-    def capture(cls, tracker: RNGStatesTracker | None, device: torch.device) -> "RNGState":
-        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        return cls(torch.get_rng_state(), cuda, tracker.get_states() if tracker is not None else {})
-
-    def restore(self, tracker: RNGStatesTracker | None, device: torch.device) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, device)
-        if tracker is not None:
-            tracker.set_states(self.tracker)
-
-
-@contextlib.contextmanager
-def replaying(state: RNGState, tracker: RNGStatesTracker | None, device: torch.device) -> Iterator[None]:
-    """Draw as at ``state`` inside the block; afterwards, as if the block never ran."""
-    now = RNGState.capture(tracker, device)
-    state.restore(tracker, device)
-    try:
-        yield
-    finally:
-        now.restore(tracker, device)
+from gridtrain.rng import RNGState, RNGStatesTracker, replaying
 
 
 # ---- one recomputed region ------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import torch
 from gridtrain import checkpoint
 from gridtrain.config import Config, under_torchrun
 from gridtrain.data import load_tokenizer
-from gridtrain.distributed import resolve_device_type, shutdown
+from gridtrain.distributed import shutdown
+from gridtrain.launch import backend_for, resolve_device_type, run_workers
 from gridtrain.model import GPT, generate
 from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
 from gridtrain.train import pretrain
@@ -38,10 +39,7 @@ def train_command(cfg: Config) -> int:
         finally:
             shutdown()
         return 0
-    from gridtrain.launch import run_workers
-
-    backend = "nccl" if resolve_device_type(cfg.training.device) == "cuda" else "gloo"
-    run_workers(train_worker, nproc, (cfg,), backend=backend,
+    run_workers(train_worker, nproc, (cfg,), backend=backend_for(resolve_device_type(cfg.training.device)),
                 collective_timeout_s=cfg.training.dist_timeout_s)
     return 0
 
@@ -53,8 +51,12 @@ def whole_model(cfg: Config, weights: dict[str, torch.Tensor]) -> GPT:
         for name, p in model.named_parameters():
             saved = weights[name]
             p[: saved.shape[0]].copy_(saved)  # padding rows stay zero
-    dtype = torch.float64 if cfg.training.dtype == "fp64" else torch.float32
-    return model.to(device=resolve_device_type(cfg.training.device), dtype=dtype)
+    return model.to(device=resolve_device_type(cfg.training.device), dtype=sampling_dtype(cfg))
+
+
+def sampling_dtype(cfg: Config) -> torch.dtype:
+    """Samples are drawn in fp32 (fp64 for fp64 runs), whatever the training dtype."""
+    return torch.float64 if cfg.training.dtype == "fp64" else torch.float32
 
 
 def print_sample(model: GPT, cfg: Config) -> None:
@@ -82,8 +84,7 @@ def generate_command(args: argparse.Namespace) -> int:
     cfg = Config.from_dict(meta["config"])
     model = GPT(cfg.model)
     checkpoint.load_checkpoint(args.load, model)
-    dtype = torch.float64 if cfg.training.dtype == "fp64" else torch.float32
-    model.to(device=resolve_device_type(args.device), dtype=dtype)
+    model.to(device=resolve_device_type(args.device), dtype=sampling_dtype(cfg))
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     print(sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
                       args.top_k, args.seed))

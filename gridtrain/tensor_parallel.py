@@ -13,11 +13,13 @@
 * Sequence parallelism (``TensorParallel.sequence_parallel``) runs LayerNorm and dropout on
   sequence shards: the all-reduce around a column/row pair becomes an all-gather before
   the column layer and a reduce-scatter after the row layer (same bytes), and the
-  gradients of weights replicated across TP but fed by shards are all-reduced over TP.
+  gradients of weights replicated across TP but fed by shards are summed over TP
+  after backward (``grads.allreduce_sequence_parallel_grads``).
   A column layer keeps only its input *shard* for backward and all-gathers it again
   there (Megatron does the same): one more all-gather per column layer buys (t-1)/t of
   its saved input, which is what makes every saved activation 1/t (Korthikanti et al.).
-* :class:`RNGStatesTracker` gives dropout inside TP regions a per-rank stream.
+* dropout inside TP regions draws from this rank's own stream of the RNG tracker
+  (:mod:`gridtrain.rng`).
 
 Every sharded parameter carries a :class:`ShardSpec`, so the whole-tensor initialisation,
 checkpoints and tests can move between the full tensor and any rank's shard.
@@ -34,11 +36,10 @@ from torch import nn
 
 from gridtrain import comm
 from gridtrain.comm import CommGroup
-from gridtrain.pipeline.weight_grad import WeightGradStore, linear, weight_grad_of
+from gridtrain.rng import RNGStatesTracker
+from gridtrain.split_backward import WeightGradStore, linear, weight_grad_of
 
 IGNORE_INDEX = -100
-MODEL_PARALLEL_RNG = "model-parallel"
-MODEL_PARALLEL_SEED_OFFSET = 2718  # Megatron's offset between the default and TP streams
 
 
 # ---- shards ---------------------------------------------------------------------------
@@ -80,64 +81,6 @@ def shard_spec(param: torch.Tensor) -> ShardSpec | None:
 def is_tp_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
     """True for a replicated parameter on any TP rank but the first: count it only once."""
     return shard_spec(param) is None and tp_rank != 0
-
-
-# ---- RNG ------------------------------------------------------------------------------
-
-class RNGStatesTracker:
-    """Named RNG streams for regions that must draw differently per TP rank.
-
-    Dropout outside TP regions uses the default generator, seeded alike on every TP
-    rank, so replicated activations get the same mask. Inside a TP region (attention
-    probabilities of this rank's heads, or anything under sequence parallelism) ``fork``
-    swaps in this rank's own stream and swaps it back after. ``get_states``/``set_states``
-    let activation recomputation replay the exact masks.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.states: dict[str, torch.Tensor] = {}
-
-    def _get(self) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.cuda.get_rng_state(self.device)
-        return torch.get_rng_state()
-
-    def _set(self, state: torch.Tensor) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            torch.set_rng_state(state)
-
-    def add(self, name: str, seed: int) -> None:
-        if name in self.states:
-            raise ValueError(f"RNG state {name!r} already exists")
-        saved = self._get()
-        if self.device.type == "cuda":
-            torch.cuda.manual_seed(seed)
-        else:
-            torch.manual_seed(seed)
-        self.states[name] = self._get()
-        self._set(saved)
-
-    def get_states(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.states.items()}
-
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = {k: v.clone() for k, v in states.items()}
-
-    @contextlib.contextmanager
-    def fork(self, name: str = MODEL_PARALLEL_RNG):
-        if name not in self.states:
-            yield  # no tracker stream set up (single process): the default generator
-            return
-        saved = self._get()
-        self._set(self.states[name])
-        try:
-            yield
-        finally:
-            self.states[name] = self._get()
-            self._set(saved)
 
 
 # ---- the TP context a model is built with ------------------------------------------------
@@ -340,34 +283,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, voc
                                  ignore_index=IGNORE_INDEX, reduction="none")
         return losses.view_as(labels)
     return _VocabParallelCrossEntropy.apply(logits, labels, vocab_size, tp.comm)
-
-
-# ---- after backward ------------------------------------------------------------------------
-
-def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel) -> None:
-    """Sum over TP the gradients of replicated weights that saw only a sequence shard.
-
-    Under sequence parallelism LayerNorm, the row-parallel biases and the position
-    embedding each see 1/tp of the tokens on each rank, so each rank holds a partial
-    gradient; their sum is the gradient of the whole sequence.
-    """
-    if not tp.sequence_parallel or tp.size == 1:
-        return
-    grads = [_grad_of(p) for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-    grads = [g for g in grads if g is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    tp.comm.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    """The gradient being accumulated: the reducer's fp32 buffer view when there is one."""
-    return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
 
 
 # ---- data ------------------------------------------------------------------------------------

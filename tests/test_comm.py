@@ -11,8 +11,9 @@ from gridtrain import comm
 from gridtrain.comm import ByteCounter, CommGroup
 from gridtrain.config import preset_config
 from gridtrain.model import GPT, init_parameters
-from gridtrain.tensor_parallel import (IGNORE_INDEX, MODEL_PARALLEL_RNG, RNGStatesTracker, TensorParallel,
-                                       broadcast_batches, vocab_parallel_cross_entropy)
+from gridtrain.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
+from gridtrain.tensor_parallel import (IGNORE_INDEX, TensorParallel, broadcast_batches,
+                                       vocab_parallel_cross_entropy)
 from tests.harness import run_on_ranks
 
 

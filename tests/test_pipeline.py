@@ -15,7 +15,8 @@ from gridtrain.config import Config, preset_config
 from gridtrain.model import GPT, init_parameters
 from gridtrain.pipeline.partition import PartitionError, balanced, partition, uniform
 from gridtrain.pipeline.validate import in_flight_bound
-from gridtrain.pipeline.weight_grad import WeightGradStore
+from gridtrain.providers import unit_costs
+from gridtrain.split_backward import WeightGradStore
 from gridtrain.tensor_parallel import TensorParallel
 from tests.training import relative_difference, tiny_config, train_in_process, train_layout
 
@@ -119,15 +120,15 @@ def test_split_backward_gives_the_plain_gradients():
 
 
 def test_partitions_place_every_block_once():
-    cfg = preset_config("tiny").model
-    cfg.n_layer = 10
+    cfg = preset_config("tiny")
+    cfg.model.n_layer, cfg.training.micro_batch_size = 10, 1
     assert uniform(10, 4) == [3, 3, 2, 2]
     for method in ("uniform", "parameters", "time"):
-        stages = partition(cfg, 4, method, micro_batch_size=1)
+        stages = partition(10, 4, costs=unit_costs(cfg, method))
         assert [b for stage in stages for b in stage] == list(range(10)), method
-    assert partition(cfg, 3, explicit=[2, 0, 8]) == [[0, 1], [], list(range(2, 10))]
+    assert partition(10, 3, explicit=[2, 0, 8]) == [[0, 1], [], list(range(2, 10))]
     with pytest.raises(PartitionError, match="add up to --n-layer 10"):
-        partition(cfg, 3, explicit=[2, 2, 2])
+        partition(10, 3, explicit=[2, 2, 2])
 
 
 def test_balanced_partition_is_optimal():

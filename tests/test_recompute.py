@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from gridtrain import memory, recompute
-from gridtrain.config import ConfigError, load_config, preset_config, validate
+from gridtrain.config import ConfigError, load_config, preset_config
+from gridtrain.validate_config import validate
 from gridtrain.model import GPT, init_parameters
 from gridtrain.recompute import Recomputation, RecomputePolicy
-from gridtrain.tensor_parallel import RNGStatesTracker, TensorParallel
+from gridtrain.rng import RNGStatesTracker
+from gridtrain.tensor_parallel import TensorParallel
 from tests.training import relative_difference, tiny_config, train_in_process, train_layouts
 
 

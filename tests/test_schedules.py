@@ -167,10 +167,35 @@ def test_rejects_sends_and_receives_in_different_orders() -> None:
     """Stage 0 computes and sends micro-batch 1 first; stage 1 expects 0 first."""
     schedule = build_schedule("gpipe", 2, 2)
     schedule[0][0:4] = schedule[0][2:4] + schedule[0][0:2]  # F1 SEND_F1 F0 SEND_F0
-    with pytest.raises(InvalidSchedule, match=r"^stage 0, action 1 \(SEND_F1\): the 1st activation sent to "
+    with pytest.raises(InvalidSchedule, match=r"^stage 0, action 1 \(SEND_F1\): the 1st message sent to "
                                               r"stage 1 .* \(RECV_F0\), which expects RECV_F1: sends and "
                                               r"receives are in different orders$"):
         validate_schedule(schedule, 2)
+
+
+def test_rejects_an_activation_and_a_gradient_swapped_between_the_same_two_ranks() -> None:
+    """Interleaved, pp 2: stage 1 sends stage 0 both activations (its chunk 0 feeds stage
+    0's chunk 1) and gradients. NCCL pairs the messages of one pair of ranks by order,
+    whatever their direction, so sending gradient 0 before activation 2 while stage 0
+    receives them the other way round would swap two equal-shaped tensors silently."""
+    schedule = build_schedule("interleaved-1f1b", 2, 4, 2)
+    stage1 = [str(a) for a in schedule[1]]
+    i = stage1.index("SEND_F2")
+    assert stage1[i + 1] == "SEND_B0"
+    validate_schedule(schedule, 4, 2)  # as built: in order
+    schedule[1][i], schedule[1][i + 1] = schedule[1][i + 1], schedule[1][i]
+    with pytest.raises(InvalidSchedule, match=rf"^stage 1, action {i} \(SEND_B0\): the \d+(st|nd|rd|th) message "
+                                              r"sent to stage 0 meets .* \(RECV_F2\.1\), which expects RECV_B0: "
+                                              r"sends and receives are in different orders$"):
+        validate_schedule(schedule, 4, 2)
+
+
+def test_rejects_a_rank_sending_to_itself() -> None:
+    """Two chunks on one rank would hand activations to themselves; torch.distributed
+    cannot, and the runtime does not pretend to (check_sizes refuses --vpp with --pp 1)."""
+    schedule = [with_communication(interleaved_order(1, 2, 2, 0), 0, 1, 2)]
+    with pytest.raises(InvalidSchedule, match=r"^stage 0, action \d+ \(SEND_F0\): a rank cannot send to itself"):
+        validate_schedule(schedule, 2, 2)
 
 
 def test_rejects_an_order_that_deadlocks() -> None:

@@ -9,8 +9,8 @@ import torch
 from gridtrain.comm import CommGroup
 from gridtrain.config import Config
 from gridtrain.model import GPT
-from gridtrain.tensor_parallel import (MODEL_PARALLEL_RNG, RNGStatesTracker, ShardSpec, TensorParallel, shard,
-                                       shard_spec, unshard)
+from gridtrain.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
+from gridtrain.tensor_parallel import ShardSpec, TensorParallel, shard, shard_spec, unshard
 from tests.training import FP32_WEIGHT_RTOL, assert_same_training, tiny_config, train_in_process, train_layout
 
 # ---- shards and RNG as data (no processes) -------------------------------------------------

@@ -6,8 +6,11 @@ the last one; the blocks are cut into ``p * v`` contiguous runs, one per virtual
 
 * ``uniform``: equal block counts (the remainder goes to the first stages);
 * ``parameters``: balance parameter counts, embedding and head included;
-* ``time``: balance measured forward+backward times of each unit (see ``profile_units``);
+* ``time``: balance measured forward+backward times of each unit;
 * an explicit list of block counts (``--pp-layers 3,4,4,3``).
+
+The costs of the units come from the model (``gridtrain.model.parameter_costs`` and
+``profile_units``); this module only cuts a chain of costs, so it knows no model.
 
 Balancing is the classic linear partition problem: minimise the largest stage cost
 over contiguous cuts, solved exactly by dynamic programming. Every block is placed
@@ -16,14 +19,11 @@ exactly once; a list that drops or repeats a block is an error.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
-import torch
-
-from gridtrain.config import ModelConfig
-
 METHODS = ("uniform", "parameters", "time")
+
+UnitCosts = tuple[Sequence[float], float, float]  # (each block, the embedding, the head and loss)
 
 
 class PartitionError(ValueError):
@@ -69,60 +69,28 @@ def balanced(block_costs: Sequence[float], stages: int, first_extra: float = 0.0
     return counts[::-1]
 
 
-def parameter_costs(cfg: ModelConfig) -> tuple[list[float], float, float]:
-    """Parameters per block, in the embedding and in the head (untied copy counted)."""
-    from gridtrain.model import count_parameters
-
-    d, L = cfg.d_model, cfg.n_layer
-    per_block = (count_parameters(cfg, exclude_embeddings=True) - 2 * d
-                 - (0 if cfg.tie_embeddings else cfg.vocab_size * d)) / L
-    embedding = (cfg.vocab_size + cfg.seq_len) * d
-    head = cfg.vocab_size * d + 2 * d
-    return [per_block] * L, embedding, head
+def check_counts(counts: Sequence[int], stages: int, n_layer: int) -> None:
+    """An explicit split (``--pp-layers``) must place every block exactly once."""
+    if len(counts) != stages or any(c < 0 for c in counts) or sum(counts) != n_layer:
+        raise PartitionError(
+            f"--pp-layers {','.join(map(str, counts))} must give {stages} non-negative block counts "
+            f"(pp x vpp) that add up to --n-layer {n_layer}")
 
 
-def profile_units(cfg: ModelConfig, micro_batch_size: int, steps: int = 3) -> tuple[list[float], float, float]:
-    """Measured forward+backward seconds of the embedding, each block and the head + loss,
-    on this process's CPU, with random tokens (median of ``steps`` runs)."""
-    from gridtrain.model import GPT, init_parameters
-
-    model = GPT(cfg)
-    init_parameters(model, 0)
-    tokens = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len))
-
-    def timed(fn) -> float:
-        runs = []
-        for _ in range(steps):
-            began = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - began)
-        return sorted(runs)[len(runs) // 2]
-
-    hidden = model.embedding(tokens).detach()
-    embedding = timed(lambda: model.embedding(tokens).sum().backward())
-    blocks = [timed(lambda b=b: b(hidden.requires_grad_()).sum().backward()) for b in model.blocks.values()]
-    head_chunk = GPT(cfg, layer_ids=[], pre_process=False)
-    head = timed(lambda: head_chunk(hidden.requires_grad_(), tokens).sum().backward())
-    return blocks, embedding, head
-
-
-def partition(cfg: ModelConfig, stages: int, method: str = "uniform", explicit: Sequence[int] | None = None,
-              micro_batch_size: int = 1) -> list[list[int]]:
-    """Global block ids of each virtual stage, in pipeline order."""
+def partition(n_layer: int, stages: int, *, explicit: Sequence[int] | None = None,
+              costs: UnitCosts | None = None) -> list[list[int]]:
+    """Global block ids of each virtual stage, in pipeline order: the ``explicit`` counts,
+    else the split balancing ``costs``, else equal counts."""
     if explicit is not None:
+        check_counts(explicit, stages, n_layer)
         counts = list(explicit)
-        if len(counts) != stages or any(c < 0 for c in counts) or sum(counts) != cfg.n_layer:
-            raise PartitionError(
-                f"--pp-layers {','.join(map(str, counts))} must give {stages} non-negative block counts "
-                f"(pp x vpp) that add up to --n-layer {cfg.n_layer}")
-    elif method == "uniform":
-        counts = uniform(cfg.n_layer, stages)
-    elif method in ("parameters", "time"):
-        blocks, embedding, head = (parameter_costs(cfg) if method == "parameters"
-                                   else profile_units(cfg, micro_batch_size))
+    elif costs is not None:
+        blocks, embedding, head = costs
+        if len(blocks) != n_layer:
+            raise PartitionError(f"{len(blocks)} block costs given for {n_layer} blocks")
         counts = balanced(blocks, stages, first_extra=embedding, last_extra=head)
     else:
-        raise PartitionError(f"--pp-partition {method!r} is not one of {', '.join(METHODS)}")
+        counts = uniform(n_layer, stages)
     out, start = [], 0
     for c in counts:
         out.append(list(range(start, start + c)))

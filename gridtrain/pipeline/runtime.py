@@ -7,15 +7,16 @@ schedule decides the order; the runtime only interprets it:
 * a run of consecutive SEND/RECV actions is posted as one ``batch_isend_irecv`` and
   waited for as a whole (the validator proves this cannot deadlock); shapes are known in
   advance (``[micro-batch, seq (/ tp under SP), hidden]``), so nothing is exchanged but
-  the tensors; every message carries a tag naming (micro-batch, virtual stage,
-  direction), so messages between the same two ranks cannot be confused;
+  the tensors. Messages carry no tags: NCCL ignores them and pairs the messages between
+  two ranks by the order in which they are posted, whatever their direction, so the
+  runtime relies, on gloo too, on what the validator proves: on every pair of ranks the
+  sends and the receives name the same (micro-batch, chunk, direction) in the same order;
 * once an output has been sent, its data is freed (only its autograd graph is kept,
   which is all backward needs), as Megatron's ``deallocate_output_tensor`` does;
 * the last virtual stage turns per-token losses into ``sum * loss_scale``, so that the
   gradient is that of the mean over the global batch;
-* gradients accumulate over micro-batches in ``.grad``; at ALLREDUCE_GRADS the caller's
-  ``reduce_grads`` runs (tied embeddings, sequence-parallel and data-parallel
-  reductions);
+* gradients accumulate over micro-batches (the reducer's buffer, data_parallel.py); at
+  ALLREDUCE_GRADS the caller's ``reduce_grads`` runs (grads.py);
 * with a split backward (ZB-H1), B computes input gradients and queues the linear
   layers' weight gradients, which W computes;
 * each forward runs inside ``recompute.micro_batch`` (recompute.py): the policy may keep
@@ -23,7 +24,8 @@ schedule decides the order; the runtime only interprets it:
   regions are rebuilt right after the receive of its output gradient is posted, while
   that gradient is still travelling.
 
-The peak number of micro-batches whose activations the stage holds is counted.
+Per step the stage counts the most micro-batches whose activations it held, and times
+its compute actions (for the idle fraction and, with ``trace``, the Chrome trace).
 """
 
 from __future__ import annotations
@@ -38,21 +40,18 @@ from torch import nn
 from torch.autograd import Variable
 
 from gridtrain.comm import CommGroup
+from gridtrain.data import Batch
 from gridtrain.pipeline.schedules import (ALLREDUCE_GRADS, B, COMM, COMPUTE, F, OPTIMIZER_STEP, RECV_B, RECV_F, SEND_B,
                                           SEND_F, W, Action, virtual_stage)
-from gridtrain.pipeline.weight_grad import WeightGradStore
 from gridtrain.recompute import Recomputation
-
-Batch = dict[str, torch.Tensor]
+from gridtrain.split_backward import WeightGradStore
 
 
 @dataclass
 class StageStats:
-    """What a step of this stage did, counted (not timed)."""
+    """What one step of this stage did: a count, and host-side timings."""
 
     peak_in_flight: int = 0  # micro-batch chunks with forward done and backward not
-    peak_held: int = 0  # ... and whose weight gradients are not yet computed either
-    sent_bytes: int = 0
     busy_s: float = 0.0  # time in F, B, W (compute); the rest of the step is waiting
     wall_s: float = 0.0
     trace: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end)
@@ -77,16 +76,16 @@ class PipelineStage:
 
     # ---- one optimizer step -------------------------------------------------------------
 
-    def run(self, batches: list[Batch] | None, loss_scale: float, autocast,
+    def run(self, batches: list[Batch] | None, loss_scale: float,
             reduce_grads: Callable[[], None]) -> tuple[torch.Tensor | None, StageStats]:
         """Execute the action list; returns the summed (unscaled) loss on the last stage."""
-        self.batches, self.loss_scale, self.autocast = batches, loss_scale, autocast
+        self.batches, self.loss_scale = batches, loss_scale
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.loss_sum: torch.Tensor | None = None
         self.stats = StageStats()
-        self.in_flight = self.held = 0
+        self.in_flight = 0
         began = time.perf_counter()
         i = 0
         while i < len(self.actions):
@@ -121,7 +120,7 @@ class PipelineStage:
         if self.tracing:
             self.stats.trace.append((name, began, ended))
 
-    def forward_only(self, batches: list[Batch] | None, autocast) -> torch.Tensor | None:
+    def forward_only(self, batches: list[Batch] | None) -> torch.Tensor | None:
         """Run only the forwards (and their sends/receives), without autograd; returns the
         summed loss on the last stage. Used for validation."""
         actions = [a for a in self.actions if a.kind in (F, RECV_F, SEND_F)]
@@ -129,7 +128,7 @@ class PipelineStage:
         self.actions = actions
         try:
             with torch.no_grad():
-                loss, _ = self.run(batches, 1.0, autocast, lambda: None)
+                loss, _ = self.run(batches, 1.0, lambda: None)
         finally:
             self.actions = saved
         return loss
@@ -149,21 +148,17 @@ class PipelineStage:
         with self.recompute.micro_batch((mb, chunk), last=mb == self.num_micro_batches - 1):
             self._forward_chunk(mb, chunk)
         self.in_flight += 1
-        self.held += 1
         self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.in_flight)
-        self.stats.peak_held = max(self.stats.peak_held, self.held)
 
     def _forward_chunk(self, mb: int, chunk: int) -> None:
         batch = self.batches[mb] if self.batches is not None else None
         first, last = self._is_first(chunk), self._is_last(chunk)
         if first and last:  # the whole model here: the user's forward_step defines the loss
-            with self.autocast():
-                loss_sum = self.forward_step(self.model, batch)
+            loss_sum = self.forward_step(self.model, batch)
             out = loss_sum * self.loss_scale
         else:
             x = batch["tokens"] if first else self.inputs[(mb, chunk)]
-            with self.autocast():
-                out = self.model(x, batch["labels"] if last else None, chunk=chunk)
+            out = self.model(x, batch["labels"] if last else None, chunk=chunk)
             if out is x:  # a chunk with no blocks: its output must own its storage (it is freed)
                 out = x.clone()
             if last:
@@ -183,34 +178,25 @@ class PipelineStage:
                 _run_backward(out, grad)
         else:
             _run_backward(out, grad)
-            self.held -= 1
         self.recompute.forget(key)
         self.in_flight -= 1
 
     def _weight_grad(self, mb: int, chunk: int) -> None:
         self.weight_grads.flush((mb, chunk))
-        self.held -= 1
 
     # ---- communication ---------------------------------------------------------------------
 
-    def _tag(self, mb: int, dst_virtual: int, backward: bool) -> int:
-        return (mb * self.p * self.v + dst_virtual) * 2 + int(backward)
-
     def _communicate(self, actions: list[Action]) -> None:
         ops, received = [], []
-        for a in actions:
-            v = self._virtual(a.chunk)
+        for a in actions:  # posted in list order: the order that pairs them with the peer's
             if a.kind == SEND_F:
-                out = self.outputs[(a.mb, a.chunk)]
-                ops.append(self._p2p(dist.isend, out.detach(), self.stage + 1, self._tag(a.mb, v + 1, False)))
+                ops.append(self._p2p(dist.isend, self.outputs[(a.mb, a.chunk)].detach(), self.stage + 1))
             elif a.kind == SEND_B:
-                grad = self.inputs.pop((a.mb, a.chunk)).grad
-                ops.append(self._p2p(dist.isend, grad, self.stage - 1, self._tag(a.mb, v - 1, True)))
+                ops.append(self._p2p(dist.isend, self.inputs.pop((a.mb, a.chunk)).grad, self.stage - 1))
             else:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                backward = a.kind == RECV_B
-                peer = self.stage + 1 if backward else self.stage - 1
-                ops.append(self._p2p(dist.irecv, buffer, peer, self._tag(a.mb, v, backward)))
+                peer = self.stage + 1 if a.kind == RECV_B else self.stage - 1
+                ops.append(self._p2p(dist.irecv, buffer, peer))
                 received.append((a, buffer))
         works = dist.batch_isend_irecv(ops)
         if self.recompute.policy.early:  # rebuild while the gradients are on their way
@@ -228,15 +214,14 @@ class PipelineStage:
             else:
                 self.grads[(a.mb, a.chunk)] = buffer
 
-    def _p2p(self, op, tensor: torch.Tensor, peer_stage: int, tag: int) -> dist.P2POp:
+    def _p2p(self, op, tensor: torch.Tensor, peer_stage: int) -> dist.P2POp:
         if op is dist.isend:
             tensor = tensor.contiguous()
             if tensor.dtype != self.dtype or tuple(tensor.shape) != self.shape:
                 raise RuntimeError(f"pipeline stage {self.stage}: sending {tuple(tensor.shape)} "
                                    f"{tensor.dtype}, expected {self.shape} {self.dtype}")
             self.pp.counter.add("send", self.pp.name, tensor)
-            self.stats.sent_bytes += tensor.numel() * tensor.element_size()
-        return dist.P2POp(op, tensor, self.pp.global_rank(peer_stage % self.p), self.pp.group, tag)
+        return dist.P2POp(op, tensor, self.pp.global_rank(peer_stage % self.p), self.pp.group)
 
 
 def _free_data(out: torch.Tensor) -> None:
@@ -252,32 +237,3 @@ def _run_backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
     Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
 
 
-def sum_tied_embedding_grads(model: nn.Module, embedding: CommGroup | None) -> None:
-    """The first stage's token embedding and the last stage's copy of it as the output
-    head are one parameter in the model: sum their gradients over the embedding group
-    (first and last stage) so that both copies take the same step and stay equal."""
-    if embedding is None or embedding.size == 1:
-        return
-    tied = getattr(model, "head", None)
-    if tied is None or not getattr(tied, "tied_copy", False):
-        tied = model.embedding.word.weight
-    grad = getattr(tied, "main_grad", None)
-    if grad is None:
-        if tied.grad is None:
-            tied.grad = torch.zeros_like(tied)
-        grad = tied.grad
-    embedding.all_reduce(grad)
-
-
-def write_chrome_trace(path, events: list[tuple[int, str, float, float]], rank: int, stage: int) -> None:
-    """``events`` (step, action, start, end in perf_counter seconds) as a Chrome trace
-    (chrome://tracing, Perfetto): one row per rank, one box per action."""
-    import json
-
-    origin = min((e[2] for e in events), default=0.0)
-    rows = [{"name": name, "cat": name.rstrip("0123456789.") or name, "ph": "X", "pid": rank,
-             "tid": stage, "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6, "args": {"step": step}}
-            for step, name, start, end in events]
-    rows.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} (stage {stage})"}})
-    with open(path, "w") as f:
-        json.dump({"traceEvents": rows, "displayTimeUnit": "ms"}, f)

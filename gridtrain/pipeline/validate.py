@@ -10,19 +10,15 @@ one line naming the stage, the action index and the problem):
    OPTIMIZER_STEP, and nothing else;
 2. order on each stage: receive before compute before send, F before B before W, the
    gradient reduction after the last gradient action, the optimizer step last;
-3. matching: on every (sender, receiver, direction) link, the sequence of sends equals
-   the sequence of receives, in the same order, since point-to-point messages on one
-   link are paired by order, not by name;
+3. matching: on every pair of ranks (sender, receiver), the sequence of sends equals the
+   sequence of receives, activations and gradients together, in the same order: NCCL
+   pairs the point-to-point messages between two ranks by the order in which they are
+   posted, ignoring tags, and an activation and a gradient have the same shape, so a
+   swap would go unnoticed; no rank sends to itself;
 4. progress: under the runtime's semantics (a run of consecutive SEND/RECV actions is
    posted as one batch and waited for as a whole) every stage reaches its end;
 
 and measures the peak number of activations each stage holds (memory).
-
-A transfer between two chunks of the *same* rank (interleaved 1F1B with one stage)
-cannot go through ``torch.distributed`` (a rank cannot send to itself); the runtime
-hands the tensor over locally. The progress check models that: a send to oneself
-completes at once, and the matching receive needs that send posted in the same batch
-or earlier.
 
 Pure Python on purpose: no torch, no processes, so the test suite can check thousands
 of (schedule, p, m, v) combinations in seconds.
@@ -210,50 +206,55 @@ def _check_order(actions: list[Action], where: dict[Key, int], s: int) -> None:
 
 # ---- 3. matching ------------------------------------------------------------------------
 
-def _route(a: Action, s: int, p: int) -> tuple[int, int, str, Action]:
-    """(sender, receiver, direction, the action as the receiver names it) for a send or
-    a receive on stage s. Activations go to virtual stage + 1, gradients to - 1."""
+def _route(a: Action, s: int, p: int) -> tuple[int, int, Action]:
+    """(sender, receiver, the action as the receiver names it) for a send or a receive
+    on stage s. Activations go to virtual stage + 1, gradients to - 1."""
     direction = SENDS.get(a.kind) or RECVS[a.kind]
     step = 1 if direction == F else -1
     here = virtual_stage(s, a.chunk, p)
     if a.kind in SENDS:
         other, chunk = stage_and_chunk(here + step, p)
-        return s, other, direction, Action(RECV_F if direction == F else RECV_B, a.mb, chunk)
+        return s, other, Action(RECV_F if direction == F else RECV_B, a.mb, chunk)
     other, _ = stage_and_chunk(here - step, p)
-    return other, s, direction, a
+    return other, s, a
 
 
 def _match_messages(schedule: list[list[Action]]) -> dict[Op, Op]:
-    """Pair the k-th send on each link with the k-th receive on it, and require both to
-    name the same (micro-batch, chunk). Returns each transfer action's counterpart."""
+    """Pair the k-th send from one rank to another with the k-th receive of that rank
+    from the first, whatever their direction, and require both to name the same
+    (direction, micro-batch, chunk). Returns each transfer action's counterpart."""
     p = len(schedule)
-    sends: dict[tuple[int, int, str], list[tuple[int, Action]]] = {}
-    recvs: dict[tuple[int, int, str], list[tuple[int, Action]]] = {}
+    sends: dict[tuple[int, int], list[tuple[int, Action]]] = {}
+    recvs: dict[tuple[int, int], list[tuple[int, Action]]] = {}
     for s, actions in enumerate(schedule):
         for i, a in enumerate(actions):
             if a.kind in COMM:
-                src, dst, direction, as_received = _route(a, s, p)
+                src, dst, as_received = _route(a, s, p)
+                if src == dst:
+                    raise InvalidSchedule(f"stage {s}, action {i} ({a}): a rank cannot send to itself; "
+                                          "interleaving needs --pp > 1")
                 side = sends if a.kind in SENDS else recvs
-                side.setdefault((src, dst, direction), []).append((i, as_received))
+                side.setdefault((src, dst), []).append((i, as_received))
     peer: dict[Op, Op] = {}
     for link in sorted(set(sends) | set(recvs)):
         _match_link(link, sends.get(link, []), recvs.get(link, []), schedule, peer)
     return peer
 
 
-def _match_link(link: tuple[int, int, str], sent: list[tuple[int, Action]], received: list[tuple[int, Action]],
+def _match_link(link: tuple[int, int], sent: list[tuple[int, Action]], received: list[tuple[int, Action]],
                 schedule: list[list[Action]], peer: dict[Op, Op]) -> None:
-    src, dst, direction = link
-    noun = DIRECTION_NOUN[direction]
+    src, dst = link
     for k, ((i, expected), (j, got)) in enumerate(zip(sent, received)):
         if expected != got:
             raise InvalidSchedule(
-                f"stage {src}, action {i} ({schedule[src][i]}): the {_ordinal(k)} {noun} sent to stage {dst} "
-                f"meets that stage's {_ordinal(k)} {noun} receive from stage {src}, action {j} ({got}), "
+                f"stage {src}, action {i} ({schedule[src][i]}): the {_ordinal(k)} message sent to stage {dst} "
+                f"meets that stage's {_ordinal(k)} receive from stage {src}, action {j} ({got}), "
                 f"which expects {expected}: sends and receives are in different orders")
         peer[(src, i)], peer[(dst, j)] = (dst, j), (src, i)
     if len(sent) != len(received):
-        raise InvalidSchedule(f"stage {src} sends {len(sent)} {noun}s to stage {dst}, "
+        kinds = {DIRECTION_NOUN[SENDS[schedule[src][i].kind]] for i, _ in sent}
+        noun = " and ".join(sorted(kinds)) if kinds else "message"
+        raise InvalidSchedule(f"stage {src} sends {len(sent)} messages ({noun}s) to stage {dst}, "
                               f"which receives {len(received)}")
 
 
@@ -306,8 +307,6 @@ def _waiting_for(s: int, step: list[int], schedule: list[list[Action]], peer: di
         if schedule[s][i].kind not in COMM:
             continue
         t, j = peer[(s, i)]
-        if t == s and schedule[s][i].kind in SENDS:
-            continue  # a local hand-over: the send completes when posted
         if step_of[t][j] > at[t]:
             waiting.append(i)
     return waiting

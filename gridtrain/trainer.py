@@ -1,0 +1,210 @@
+"""Build once, then step: everything a training step needs, created in one place.
+
+:func:`build` makes, in the order each depends on the one before, the parts that the
+loop (train.py), the benchmarks and the tests share:
+
+1. the process groups, device and RNG streams of this rank (distributed.py);
+2. the model from the user's ``model_provider``, the same on every DP replica;
+3. the data and the global-batch sampler (optional: benchmarks bring their own batches);
+4. this rank's pipeline stage running the schedule's action list (pipeline/runtime.py);
+5. the gradient reducer: flat buffer, buckets, hooks (data_parallel.py);
+6. the optimizer (AdamW, or flat master weights with ZeRO-1 / 16-bit parameters) and the
+   fp16 loss scaler;
+7. the checkpoint to resume from, if any.
+
+A :class:`Trainer` then runs one optimizer step (:meth:`Trainer.train_step`), a
+validation pass, or a save. The loss is defined once: the mean over every loss-bearing
+token of the global batch. Each micro-batch's summed loss is scaled by
+``dp / global_tokens`` before backward, so that averaging gradients over the DP group
+yields exactly that mean's gradient for any number of DP ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gridtrain import checkpoint
+from gridtrain.config import Config
+from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
+from gridtrain.data_parallel import GradientReducer, broadcast_parameters
+from gridtrain.distributed import DistributedContext, setup_distributed
+from gridtrain.distributed_optimizer import DistributedOptimizer, LossScaler
+from gridtrain.grads import clip_gradients, reduce_gradients
+from gridtrain.model import IGNORE_INDEX
+from gridtrain.optim import build_optimizer, lr_at, set_lr
+from gridtrain.pipeline.runtime import PipelineStage, StageStats
+from gridtrain.pipeline.schedules import build_schedule, uses_split_backward
+from gridtrain.split_backward import WeightGradStore
+from gridtrain.tensor_parallel import broadcast_batches
+
+ModelProvider = Callable[[Config, DistributedContext], nn.Module]
+DatasetsProvider = Callable[[Config], Datasets]
+ForwardStep = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+@dataclass
+class StepOutput:
+    """One optimizer step, as every rank sees it."""
+
+    loss: float  # mean token loss of the global batch (the same on every rank)
+    grad_norm: float  # global norm before clipping; inf for an fp16 step skipped on overflow
+    stage: StageStats  # what this rank's pipeline stage did
+
+
+@dataclass
+class Trainer:
+    cfg: Config
+    ctx: DistributedContext
+    model: nn.Module
+    pipeline: PipelineStage
+    reducer: GradientReducer
+    optimizer: torch.optim.Optimizer | DistributedOptimizer
+    scaler: LossScaler | None
+    num_micro_batches: int  # per step on this DP rank
+    data: Datasets | None = None
+    sampler: GlobalBatchSampler | None = None
+    start_step: int = 0  # steps already taken (resumed from a checkpoint)
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens in one global batch."""
+        return self.cfg.training.global_batch_size * int(self.data.train[0]["labels"].numel())
+
+    def set_lr(self, step: int) -> float:
+        lr = lr_at(step, self.cfg.training)
+        set_lr(self.optimizer, lr)
+        return lr
+
+    def read_batches(self, step: int) -> list[Batch] | None:
+        """This rank's micro-batches of the global batch of ``step``."""
+        return read_micro_batches(self.data.train, self.sampler, step, self.ctx)
+
+    def train_step(self, batches: list[Batch] | None) -> StepOutput:
+        """One optimizer step: the stage's schedule (forward, backward and gradient
+        reduction of every micro-batch), clipping, the optimizer."""
+        ctx = self.ctx
+        self.reducer.zero()
+        holds_loss = ctx.grid.is_last_stage(ctx.rank)
+        global_tokens = _global_token_count(batches, ctx) if holds_loss else 1
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        loss_sum, stats = self.pipeline.run(batches, ctx.grid.dp / global_tokens * scale,
+                                            lambda: reduce_gradients(self.model, self.reducer, ctx))
+        loss = _mean_loss(loss_sum, global_tokens, holds_loss, ctx)
+        if self.scaler is not None:
+            finite = self.optimizer.unscale_and_check(scale)
+            self.scaler.update(finite)
+            if not finite:
+                return StepOutput(loss, float("inf"), stats)
+        grad_norm = clip_gradients(self.model, self.optimizer, ctx, self.cfg.training.grad_clip)
+        self.optimizer.step()
+        return StepOutput(loss, grad_norm, stats)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the first ``eval_iters`` global batches of the validation
+        set, forward-only through the pipeline. The same windows are used whatever the
+        layout, each DP rank taking its fixed slice."""
+        t, ctx, dataset = self.cfg.training, self.ctx, self.data.valid
+        self.model.eval()
+        sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.micro_batch_size,
+                                     ctx.grid.dp, ctx.coords.dp, t.seed, shuffle=False)
+        holds_loss = ctx.grid.is_last_stage(ctx.rank)
+        totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+        for step in range(min(t.eval_iters, max(1, len(dataset) // t.global_batch_size))):
+            batches = read_micro_batches(dataset, sampler, step, ctx)
+            loss_sum = self.pipeline.forward_only(batches)
+            if holds_loss:
+                totals[0] += loss_sum
+                totals[1] += sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+        self.model.train()
+        if holds_loss:
+            ctx.dp.all_reduce(totals)
+        return float(ctx.pp.broadcast(totals[0] / totals[1].clamp(min=1), src_index=ctx.grid.pp - 1))
+
+    def save(self, step: int) -> None:
+        checkpoint.save_checkpoint(self.cfg.training.save, step, self.model, self.optimizer, self.cfg, self.ctx)
+
+
+def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
+          datasets_provider: DatasetsProvider | None = None) -> Trainer:
+    """Everything a step needs on this rank (see the module docstring for the order)."""
+    t = cfg.training
+    ctx = setup_distributed(cfg)
+    model = model_provider(cfg, ctx)
+    broadcast_parameters(model, ctx.dp)
+    data = datasets_provider(cfg) if datasets_provider is not None else None
+    sampler = None
+    if data is not None:
+        sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.micro_batch_size,
+                                     ctx.grid.dp, ctx.coords.dp, t.seed)
+    micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.grid.dp)
+    pipeline = build_pipeline(model, cfg, ctx, forward_step, micro_batches)
+    reducer = GradientReducer(model, ctx.dp, accumulations=micro_batches,
+                              bucket_mb=cfg.parallel.bucket_mb, shard=t.zero == 1)
+    optimizer = make_optimizer(model, reducer, cfg, ctx)
+    scaler = LossScaler(t.loss_scale, t.loss_scale_window) if t.dtype == "fp16" else None
+    start = checkpoint.load_checkpoint(t.load, model, optimizer, ctx) if t.load else 0
+    return Trainer(cfg=cfg, ctx=ctx, model=model, pipeline=pipeline, reducer=reducer, optimizer=optimizer,
+                   scaler=scaler, num_micro_batches=micro_batches, data=data, sampler=sampler,
+                   start_step=start)
+
+
+def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forward_step: ForwardStep,
+                   num_micro_batches: int) -> PipelineStage:
+    """This rank's stage of the schedule; with one stage, a plain gradient-accumulation loop."""
+    p, v, m = ctx.grid.pp, cfg.parallel.vpp, num_micro_batches
+    actions = build_schedule(cfg.parallel.schedule, p, m, v)[ctx.coords.pp]
+    if uses_split_backward(cfg.parallel.schedule):
+        ctx.tp.weight_grads = WeightGradStore()
+    seq = cfg.model.seq_len // (ctx.tp.size if ctx.tp.sequence_parallel else 1)
+    return PipelineStage(model, actions, stage=ctx.coords.pp, num_stages=p, chunks=v, pp=ctx.pp,
+                         activation_shape=(cfg.training.micro_batch_size, seq, cfg.model.d_model),
+                         activation_dtype=ctx.param_dtype, device=ctx.device,
+                         weight_grads=ctx.tp.weight_grads, forward_step=forward_step,
+                         trace=cfg.training.trace is not None, recompute=ctx.recompute)
+
+
+def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext):
+    """torch's AdamW on the parameters for fp32/fp64 without sharding; otherwise AdamW on
+    flat master weights, sharded over DP with ZeRO-1 (distributed_optimizer.py)."""
+    t = cfg.training
+    if t.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64):
+        return build_optimizer(model, t)
+    master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
+    return DistributedOptimizer(reducer, t, dp=ctx.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master)
+
+
+def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int,
+                       ctx: DistributedContext) -> list[Batch] | None:
+    """This rank's micro-batches of ``step``, on the stages that embed tokens or compute
+    the loss (None elsewhere): read by the TP group's first rank and broadcast."""
+    if not (ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
+        return None
+    ids = sampler.micro_batches(step)
+    batches = None
+    if ctx.tp.rank == 0:
+        batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in collate(dataset, i).items()} for i in ids]
+    return broadcast_batches(batches, len(ids), ctx.tp, ctx.device)
+
+
+def _global_token_count(batches: list[Batch], ctx: DistributedContext) -> int:
+    """Loss-bearing tokens in the whole global batch (all DP ranks), known before backward."""
+    local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    count = torch.tensor([local], dtype=torch.int64, device=ctx.device)
+    ctx.dp.all_reduce(count)
+    if int(count) == 0:
+        raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
+    return int(count)
+
+
+def _mean_loss(loss_sum: torch.Tensor | None, global_tokens: int, holds_loss: bool,
+               ctx: DistributedContext) -> float:
+    """The last stage sums its DP group's losses; every stage then receives the mean."""
+    value = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    if holds_loss:
+        value = ctx.dp.all_reduce(loss_sum) / global_tokens
+    return float(ctx.pp.broadcast(value, src_index=ctx.grid.pp - 1))
