@@ -1,4 +1,4 @@
-"""The ``gridtrain`` command: train, generate, prepare.
+"""The ``gridtrain`` command: train, generate, prepare, schedule, plot.
 
 The flags are a stable contract (see the README): each maps onto one field of the
 config dataclasses, and overrides the preset and the YAML file. Every configuration
@@ -11,10 +11,13 @@ import argparse
 import sys
 from typing import Any
 
-from gridtrain.pipeline.draw import add_schedule_parser
-from gridtrain.plot import PlotError, add_plot_parser
+from gridtrain.checkpoint import CheckpointError
 from gridtrain.config import ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, Config, ConfigError, load_config
+from gridtrain.data import DataError, prepare
+from gridtrain.launch import WorkerError, WorkerTimeout
+from gridtrain.pipeline.draw import add_schedule_parser, schedule_command
 from gridtrain.pipeline.schedules import ORDERS
+from gridtrain.plot import PlotError, add_plot_parser, plot_command
 from gridtrain.validate_config import validate
 
 # flag -> (section, field, type, help)
@@ -137,36 +140,33 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return load_config(getattr(args, "config", None), overrides, getattr(args, "model", None))
 
 
+def _train(args: argparse.Namespace) -> int:
+    from gridtrain.run import train_command
+
+    return train_command(validate(config_from_args(args)))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from gridtrain.run import generate_command
+
+    return generate_command(args)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    print(f"wrote {prepare(args.data, args.out, args.tokenizer)}")
+    return 0
+
+
+COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "schedule": schedule_command,
+            "plot": plot_command}
+USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError)  # one line, exit status 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from gridtrain.checkpoint import CheckpointError
-    from gridtrain.data import DataError
-    from gridtrain.launch import WorkerError, WorkerTimeout
-
     try:
-        if args.command == "train":
-            from gridtrain.run import train_command
-
-            cfg = validate(config_from_args(args))
-            return train_command(cfg)
-        if args.command == "generate":
-            from gridtrain.run import generate_command
-
-            return generate_command(args)
-        if args.command == "schedule":
-            from gridtrain.pipeline.draw import schedule_command
-
-            return schedule_command(args)
-        if args.command == "plot":
-            from gridtrain.plot import plot_command
-
-            return plot_command(args)
-        from gridtrain.data import prepare
-
-        out = prepare(args.data, args.out, args.tokenizer)
-        print(f"wrote {out}")
-        return 0
-    except (ConfigError, DataError, CheckpointError, PlotError) as e:
+        return COMMANDS[args.command](args)
+    except USER_ERRORS as e:
         print(f"gridtrain: error: {e}", file=sys.stderr)
         return 2
     except (WorkerError, WorkerTimeout) as e:

@@ -15,8 +15,9 @@ backward continues through the rebuilt graph. Megatron-LM's modes are built on i
 
 **RNG replay.** Dropout inside a region must draw the same masks the second time. A
 region captures the CPU generator, the CUDA generator of its device and every stream of
-the tensor-parallel tracker at forward, restores them around the recomputation, and then
-puts back the states of the moment, so the run's random stream is untouched.
+the tensor-parallel tracker at forward (``rng.RNGState``), restores them around the
+recomputation, and then puts back the states of the moment (``rng.replaying``), so the
+run's random stream is untouched.
 
 **Pipelines.** The runtime tells :class:`Recomputation` which micro-batch is running. With
 ``keep_last`` the last micro-batch of a step keeps its activations (GPipe: its backward

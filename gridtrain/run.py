@@ -11,11 +11,11 @@ import argparse
 
 import torch
 
-from gridtrain import checkpoint
+from gridtrain import checkpoint, launch
 from gridtrain.config import Config, under_torchrun
 from gridtrain.data import load_tokenizer
 from gridtrain.distributed import shutdown
-from gridtrain.launch import backend_for, resolve_device_type, run_workers
+from gridtrain.launch import backend_for, resolve_device_type
 from gridtrain.model import GPT, generate
 from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
 from gridtrain.train import pretrain
@@ -39,7 +39,7 @@ def train_command(cfg: Config) -> int:
         finally:
             shutdown()
         return 0
-    run_workers(train_worker, nproc, (cfg,), backend=backend_for(resolve_device_type(cfg.training.device)),
+    launch.run_workers(train_worker, nproc, (cfg,), backend=backend_for(resolve_device_type(cfg.training.device)),
                 collective_timeout_s=cfg.training.dist_timeout_s)
     return 0
 
