@@ -56,10 +56,12 @@ class RunReport:
                                  tensorboard=t.tensorboard)
         self.stats = RunStats(flops_per_token=_flops_per_token(model), world_size=ctx.grid.world_size)
         self.result = TrainResult(ctx=ctx, model=model)
-        self.tokens_seen = trainer.start_step * trainer.step_tokens
+        self.step_tokens = trainer.step_tokens
+        self.tokens_seen = trainer.start_step * self.step_tokens
         self.offload = t.offload_activations and ctx.device.type == "cuda"
-        self.stage_memory: memory.StageMemory | None = None
-        self._window: tuple[float, dict] = (0.0, {})
+        self.stage_memory: memory.StageMemory | None = None  # this stage's, from the first step
+        self._bytes_before: dict = {}  # the byte counter when the current step began ...
+        self._elapsed = 0.0  # ... and the seconds it took
         if t.offload_activations and not self.offload:
             self.log.print("--offload-activations: activations already live in host memory on the CPU; "
                            "nothing to offload")
@@ -74,20 +76,20 @@ class RunReport:
         """Around one step's reading and training: its time and bytes; on the ``first``
         step (the counts repeat) the bytes saved for backward, per layer."""
         trainer = self.trainer
-        self._window = (time.perf_counter(), dict(trainer.ctx.bytes.bytes))
+        began, self._bytes_before = time.perf_counter(), dict(trainer.ctx.bytes.bytes)
         meter = memory.ActivationMeter.for_model(trainer.model) if first or self.offload else None
         with memory.saved_activations(meter, self.offload), _device_peak(trainer.ctx.device, first) as peak:
             yield
         if first:
             self.stage_memory = _stage_memory(meter, peak[0], trainer)
-        self._elapsed = time.perf_counter() - self._window[0]
+        self._elapsed = time.perf_counter() - began
 
     def step(self, step: int, lr: float, out: StepOutput, valid_loss: float | None) -> None:
         """Keep and log the step that :meth:`step_window` just measured."""
         trainer, result = self.trainer, self.result
-        self.tokens_seen += trainer.step_tokens
+        self.tokens_seen += self.step_tokens
         record = StepRecord(step=step, loss=out.loss, grad_norm=out.grad_norm, lr=lr, tokens=self.tokens_seen,
-                            step_time_s=self._elapsed, tokens_per_s=trainer.step_tokens / self._elapsed)
+                            step_time_s=self._elapsed, tokens_per_s=self.step_tokens / self._elapsed)
         self.stats.records.append(record)
         result.losses.append(out.loss)
         result.grad_norms.append(out.grad_norm)
@@ -96,7 +98,7 @@ class RunReport:
         result.stage_busy_s += out.stage.busy_s
         result.stage_wall_s += out.stage.wall_s
         result.trace_events += [(step, *event) for event in out.stage.trace]
-        before = self._window[1]
+        before = self._bytes_before
         moved = {f"{k}/{g}": n - before.get((k, g), 0) for (k, g), n in trainer.ctx.bytes.bytes.items()}
         result.step_bytes.append({k: n for k, n in moved.items() if n})
         extra = {"comm_bytes": bytes_by_group(result.step_bytes[-1])}

@@ -154,35 +154,35 @@ def test_series_sorts_and_keeps_the_resumed_row():
     assert series(rows, "valid_loss") == ([2], [1.7])
 
 
+# case -> (a metrics file's name and content (None: not written), or None for a bad --out;
+#          expected part of the message)
+BAD_PLOT_INPUTS = {
+    "missing file": (("nope.jsonl", None), "nope.jsonl: no such file"),
+    "empty file": (("empty.jsonl", "\n\n"), "empty.jsonl: empty"),
+    "not JSON": (("bad.jsonl", '{"step": 1, "loss": 2.0}\n{"step": 2, loss\n'), "bad.jsonl:2: not JSON"),
+    "no step": (("nostep.jsonl", '{"loss": 2.0}\n'), "nostep.jsonl:1: row has no numeric 'step'"),
+    "no loss": (("noloss.jsonl", '{"step": 1, "loss": 2.0}\n{"step": 2}\n'),
+                "noloss.jsonl:2: row has no numeric 'loss'"),
+    "not an object": (("list.jsonl", "[1, 2]\n"), "list.jsonl:1: not a JSON object"),
+    "out folder missing": (None, "does not exist"),
+    "out is a directory": (None, "is a directory"),
+}
+
+
 def _bad_input(tmp_path: Path, case: str, good: str) -> tuple[list[str], str]:
     """(plot arguments, expected part of the message) for one kind of bad input."""
-    out = str(tmp_path / "out.png")
-    if case == "missing file":
-        return [str(tmp_path / "nope.jsonl"), "--out", out], "nope.jsonl: no such file"
-    if case == "empty file":
-        (tmp_path / "empty.jsonl").write_text("\n\n")
-        return [str(tmp_path / "empty.jsonl"), "--out", out], "empty.jsonl: empty"
-    if case == "not JSON":
-        (tmp_path / "bad.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, loss\n')
-        return [good, str(tmp_path / "bad.jsonl"), "--out", out], "bad.jsonl:2: not JSON"
-    if case == "no step":
-        (tmp_path / "nostep.jsonl").write_text('{"loss": 2.0}\n')
-        return [str(tmp_path / "nostep.jsonl"), "--out", out], "nostep.jsonl:1: row has no numeric 'step'"
-    if case == "no loss":
-        (tmp_path / "noloss.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2}\n')
-        return [str(tmp_path / "noloss.jsonl"), "--out", out], "noloss.jsonl:2: row has no numeric 'loss'"
-    if case == "not an object":
-        (tmp_path / "list.jsonl").write_text("[1, 2]\n")
-        return [str(tmp_path / "list.jsonl"), "--out", out], "list.jsonl:1: not a JSON object"
-    if case == "out folder missing":
-        return [good, "--out", str(tmp_path / "nowhere" / "x.png")], "does not exist"
-    if case == "out is a directory":
-        return [good, "--out", str(tmp_path)], "is a directory"
-    raise AssertionError(case)
+    source, expected = BAD_PLOT_INPUTS[case]
+    out = {"out folder missing": str(tmp_path / "nowhere" / "x.png"),
+           "out is a directory": str(tmp_path)}.get(case, str(tmp_path / "out.png"))
+    if source is None:
+        return [good, "--out", out], expected
+    name, content = source
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    return [good, str(tmp_path / name), "--out", out], expected
 
 
-@pytest.mark.parametrize("case", ["missing file", "empty file", "not JSON", "no step", "no loss", "not an object",
-                                  "out folder missing", "out is a directory"])
+@pytest.mark.parametrize("case", sorted(BAD_PLOT_INPUTS))
 def test_cli_plot_bad_input_is_one_line(case, runs, tmp_path, capsys):
     args, expected = _bad_input(tmp_path, case, runs[0])
     assert cli.main(["plot", *args]) == 2
