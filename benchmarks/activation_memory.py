@@ -16,9 +16,9 @@ import argparse
 
 import torch
 
-from gridtrain.config import preset_config, validate
-from gridtrain.distributed import shutdown
-from gridtrain.launch import run_workers
+import common  # benchmarks/common.py: the script's own folder is on sys.path
+from gridtrain.config import preset_config
+from gridtrain.validate_config import validate
 from gridtrain.memory import dropout_mask_bytes, korthikanti_bytes
 from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
 from gridtrain.train import pretrain
@@ -41,11 +41,9 @@ def _config(dtype: str, tp: int, sp: bool, mode: str, opts: argparse.Namespace):
 
 
 def _worker(rank: int, world_size: int, cfg) -> object:
-    try:
-        return pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg).memory[0]
-    finally:
-        if world_size == 1:
-            shutdown()
+    """One step of ``pretrain`` (``gridtrain.trainer.build``, then the loop), which measures
+    the first step's saved activations; this rank's stage memory."""
+    return pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg).memory[0]
 
 
 def _formula(cfg, mode: str, tp: int, sp: bool) -> float:
@@ -57,7 +55,7 @@ def _formula(cfg, mode: str, tp: int, sp: bool) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--micro-batch-size", type=int, default=4)
+    common.add_micro_batch_arguments(p)
     p.add_argument("--dropout", type=float, default=0.1)
     opts = p.parse_args()
     shape = preset_config("small").model
@@ -68,7 +66,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for dtype, tp, sp, mode in SETUPS:
         cfg = _config(dtype, tp, sp, mode, opts)
-        stage = _worker(0, 1, cfg) if tp == 1 else run_workers(_worker, tp, (cfg,))[0]
+        stage = common.run_ranks(_worker, tp, cfg)[0]  # one rank: in this process
         measured = stage.per_micro_batch("blocks.0")
         expected = _formula(cfg, mode, tp, sp)
         print(f"| {dtype} | {tp} | {'yes' if sp else 'no'} | {mode} | {measured / 1024:,.1f} | "

@@ -10,10 +10,10 @@ process three ways, alternating step blocks inside the same process:
   ``recompute_layers = 1``): only its input is kept, its whole forward runs again in
   backward.
 
-Each setup is built once, as ``pretrain`` builds it: ``setup_distributed`` (a one-rank
-gloo world; its ``Recomputation`` carries the setup's policy), ``gpt_model_provider``,
-``build_pipeline`` (one stage: a gradient-accumulation loop over the micro-batches),
-``GradientReducer``, ``make_optimizer``; a step is ``gridtrain.train.train_step``:
+Each setup is built once by ``gridtrain.trainer.build``, as ``pretrain`` builds it (a
+one-rank gloo world and its own context, whose ``Recomputation`` carries the setup's
+policy; ``gpt_model_provider``; the one-stage pipeline: a gradient-accumulation loop
+over the micro-batches; the reducer; the optimizer); a step is ``Trainer.train_step``:
 forward and backward of every micro-batch, the gradient norm and clipping, AdamW.
 fp32, ``--dropout`` in the attention and residual dropouts, a fixed batch of random
 token ids, no learning-rate schedule, no data loading.
@@ -24,8 +24,9 @@ them: every setup draws the same dropout masks at the same step, and since a rec
 region replays the masks it drew at forward, all three compute the same losses. The run
 checks that, step by step.
 
-Timing: every setup first runs ``--warmup`` untimed steps (the first of them inside
-gridtrain's saved-tensor hooks, which measure the bytes kept for backward); then
+Timing (benchmarks/common.py): every setup first runs ``--warmup`` untimed steps (the
+first of them inside gridtrain's saved-tensor hooks, which measure the bytes kept for
+backward); then
 ``--repeats`` rounds, each timing ``--steps`` steps of every setup in turn with
 ``time.perf_counter`` (the order reversed every other round). Reported: median step
 time over rounds, the ratio to ``none`` (median of the per-round ratios, since a round's
@@ -39,44 +40,31 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from common import add_shape_and_timing_arguments  # benchmarks/common.py: the script's own folder is on sys.path
+import common  # benchmarks/common.py: the script's own folder is on sys.path
+from common import Side, med, mib
 from gridtrain import memory
-from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config, validate
-from gridtrain.data_parallel import GradientReducer
-from gridtrain.distributed import DistributedContext, setup_distributed, shutdown
+from gridtrain.config import Config, ParallelConfig, TrainingConfig
 from gridtrain.model import IGNORE_INDEX
-from gridtrain.pipeline.runtime import PipelineStage
-from gridtrain.providers import gpt_forward_step, gpt_model_provider
-from gridtrain.recompute import RNGState
-from gridtrain.train import build_pipeline, make_optimizer, train_step
+from gridtrain.rng import RNGState
+from gridtrain.trainer import Trainer
 
 MODES = ("none", "selective", "full")
 
 
-@dataclass
-class Setup:
-    """One recomputation mode's model, optimizer and pipeline, kept for the whole run,
+@dataclass(kw_only=True)
+class Setup(Side):
+    """One recomputation mode (its ``name``): what ``build`` made, kept for the whole run,
     and its own random state between its blocks of steps."""
 
-    mode: str
-    cfg: Config
-    ctx: DistributedContext
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    pipeline: PipelineStage
-    reducer: GradientReducer
+    trainer: Trainer
     rng: RNGState | None = None
-    times: list[float] = field(default_factory=list)  # per round: seconds per step
     losses: list[float] = field(default_factory=list)  # every step, warm-up included
     saved: memory.StageMemory | None = None  # measured at the first warm-up step
     regions_per_step: int = 0
@@ -85,39 +73,11 @@ class Setup:
 # ---- building and stepping ------------------------------------------------------------------
 
 def make_config(opts: dict, mode: str) -> Config:
-    """The `small` preset with the shape flags, one process, recompute ``mode``."""
-    cfg = preset_config("small")
-    m = cfg.model
-    m.n_layer, m.d_model, m.n_head, m.seq_len = opts["n_layer"], opts["d_model"], opts["n_head"], opts["seq_len"]
-    m.dropout, m.attention = opts["dropout"], opts["attention"]
-    cfg.parallel = ParallelConfig(nproc=1)
-    cfg.training = TrainingConfig(steps=100, warmup_steps=1, micro_batch_size=opts["micro_batch_size"],
-                                  global_batch_size=opts["global_batch_size"], seed=opts["seed"],
-                                  dtype="fp32", device="cpu", recompute=mode, progress=False)
-    return cfg
-
-
-def build_setup(opts: dict, mode: str) -> Setup:
-    """The objects ``pretrain`` builds, for a one-rank world. Each setup gets its own
-    context, so its ``Recomputation`` (policy, RNG tracker) is its own."""
-    cfg = make_config(opts, mode)
-    ctx = setup_distributed(cfg)
-    model = gpt_model_provider(cfg, ctx)  # init_parameters: the same weights for every mode
-    n_mb = cfg.training.global_batch_size // cfg.training.micro_batch_size
-    pipeline = build_pipeline(model, cfg, ctx, gpt_forward_step, n_mb)
-    reducer = GradientReducer(model, ctx.dp, accumulations=n_mb, bucket_mb=cfg.parallel.bucket_mb)
-    optimizer = make_optimizer(model, reducer, cfg, ctx)
-    return Setup(mode, cfg, ctx, model, optimizer, pipeline, reducer)
-
-
-def make_batches(cfg: Config) -> list[dict]:
-    """A fixed global batch of random token ids, cut into micro-batches."""
-    t, m = cfg.training, cfg.model
-    gen = torch.Generator().manual_seed(t.seed)
-    data = torch.randint(0, m.vocab_size, (t.global_batch_size, m.seq_len + 1), generator=gen)
-    mbs = t.micro_batch_size
-    return [{"tokens": data[i:i + mbs, :-1].contiguous(), "labels": data[i:i + mbs, 1:].contiguous()}
-            for i in range(0, t.global_batch_size, mbs)]
+    """The `small` preset with the shape flags, one process, recompute ``mode``, clipping on."""
+    model = {"dropout": opts["dropout"], "attention": opts["attention"]}
+    return common.make_config(opts, ParallelConfig(nproc=1), model, micro_batch_size=opts["micro_batch_size"],
+                              global_batch_size=opts["global_batch_size"], recompute=mode,
+                              grad_clip=TrainingConfig.grad_clip)
 
 
 def run_steps(s: Setup, batches: list[dict], steps: int) -> float:
@@ -126,15 +86,13 @@ def run_steps(s: Setup, batches: list[dict], steps: int) -> float:
     The setup's random state is restored first and saved after, outside the timed
     region, so the setups' interleaving does not change the dropout masks any of them
     draws (and recomputation would be compared on different masks otherwise)."""
-    device = s.ctx.device
-    s.rng.restore(s.ctx.tp.rng, device)
+    ctx = s.trainer.ctx
+    s.rng.restore(ctx.tp.rng, ctx.device)
     began = time.perf_counter()
     for _ in range(steps):
-        loss, _, _ = train_step(s.model, s.optimizer, s.pipeline, s.reducer, batches, s.ctx,
-                                s.cfg.training.grad_clip)
-        s.losses.append(loss)
+        s.losses.append(s.trainer.train_step(batches).loss)
     elapsed = time.perf_counter() - began
-    s.rng = RNGState.capture(s.ctx.tp.rng, device)
+    s.rng = RNGState.capture(ctx.tp.rng, ctx.device)
     return elapsed
 
 
@@ -142,45 +100,37 @@ def measure_memory(s: Setup, batches: list[dict]) -> None:
     """One (warm-up) step inside gridtrain's saved-tensor hooks, as ``pretrain`` measures
     its first step: bytes kept per layer, bytes saved while recomputing, the peak. The
     hooks cost time, so this step is never timed."""
-    meter = memory.ActivationMeter.for_model(s.model)
-    rebuilt_before = s.ctx.recompute.recomputed
+    meter = memory.ActivationMeter.for_model(s.trainer.model)
+    recompute = s.trainer.ctx.recompute
+    rebuilt_before = recompute.recomputed
     with memory.saved_activations(meter):
         run_steps(s, batches, 1)
-    s.regions_per_step = s.ctx.recompute.recomputed - rebuilt_before
+    s.regions_per_step = recompute.recomputed - rebuilt_before
     s.saved = memory.StageMemory(stage=0, micro_batches=len(batches), kept=meter.by_layer(),
                                   recomputed=meter.by_layer("recompute"), peak_bytes=meter.peak_bytes)
 
 
-def run(opts: dict) -> tuple[list[Setup], dict]:
-    """Build the setups, warm up (measuring memory), then the timed, interleaved rounds."""
+def _worker(rank: int, world: int, opts: dict) -> tuple[list[Setup], dict]:
+    """Build the setups, warm up (measuring memory), then the timed, interleaved rounds
+    (in this process: a one-rank world)."""
     torch.set_num_threads(opts["threads"])
-    setups = [build_setup(opts, mode) for mode in MODES]
-    batches = make_batches(setups[0].cfg)
+    setups = [Setup(name=mode, trainer=common.build_gpt(make_config(opts, mode))) for mode in MODES]
+    cfg = setups[0].trainer.cfg
+    batches = common.random_batches(cfg, cfg.training.global_batch_size)
     for s in setups:  # the same starting random state everywhere (the trackers are seeded alike)
         torch.manual_seed(opts["seed"])
-        s.rng = RNGState.capture(s.ctx.tp.rng, s.ctx.device)
+        s.rng = RNGState.capture(s.trainer.ctx.tp.rng, s.trainer.ctx.device)
     for s in setups:
         measure_memory(s, batches)
         run_steps(s, batches, opts["warmup"] - 1)
-    for r in range(opts["repeats"]):
-        for s in (setups if r % 2 == 0 else setups[::-1]):
-            s.times.append(run_steps(s, batches, opts["steps"]) / opts["steps"])
+    common.timed_rounds(setups, opts, lambda s, steps: (run_steps(s, batches, steps), None))
     tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-    info = {"tokens": tokens, "params": sum(p.numel() for p in setups[0].model.parameters()),
-            "micro_batches": len(batches), "threads": torch.get_num_threads(),
-            "sdpa_kernel": sdpa_kernel(setups[0].cfg)}
+    info = {"tokens": tokens, "params": sum(p.numel() for p in setups[0].trainer.model.parameters()),
+            "micro_batches": len(batches), "threads": torch.get_num_threads(), "sdpa_kernel": sdpa_kernel(cfg)}
     return setups, info
 
 
 # ---- the report -------------------------------------------------------------------------------
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
-def _med(values) -> float:
-    return statistics.median(list(values))
-
 
 def block_bytes(stage: memory.StageMemory, which: dict[str, int]) -> float:
     """Bytes per micro-batch summed over the transformer blocks (not embedding or head)."""
@@ -213,37 +163,24 @@ def sdpa_kernel(cfg: Config) -> str:
     return f"{name} ({'fused kernel' if fused else 'math fallback: unfused ops, s x s tensors kept'})"
 
 
-def gridtrain_version() -> str:
-    """The commit measured, and whether gridtrain/ has local edits (read-only git queries)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        def git(*args: str) -> str:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--", "gridtrain")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + (" with uncommitted changes under gridtrain/" if dirty else "")
-
-
 def table(setups: list[Setup]) -> list[str]:
     none = setups[0]
-    math = none.cfg.model.attention == "math"
+    math = none.trainer.cfg.model.attention == "math"
     lines = ["| setup | median step s | best step s | vs none | saved per micro-batch (blocks) | "
              + ("formula (blocks) | " if math else "") + "recomputed per micro-batch | peak saved |",
              "| --- | ---: | ---: | ---: | ---: | " + ("---: | " if math else "") + "---: | ---: |"]
     for s in setups:
-        ratio = _med(t / n for t, n in zip(s.times, none.times))
-        formula = f"{_mib(formula_bytes(s.cfg, s.mode))} | " if math else ""
-        lines.append(f"| {s.mode} | {_med(s.times):.3f} | {min(s.times):.3f} | **{ratio:.2f}x** | "
-                     f"{_mib(block_bytes(s.saved, s.saved.kept))} | {formula}"
-                     f"{_mib(block_bytes(s.saved, s.saved.recomputed))} | {_mib(s.saved.peak_bytes)} |")
+        formula = f"{mib(formula_bytes(s.trainer.cfg, s.name))} | " if math else ""
+        lines.append(f"| {s.name} | {med(s.times):.3f} | {min(s.times):.3f} | "
+                     f"**{common.paired_ratio(s.times, none.times):.2f}x** | "
+                     f"{mib(block_bytes(s.saved, s.saved.kept))} | {formula}"
+                     f"{mib(block_bytes(s.saved, s.saved.recomputed))} | {mib(s.saved.peak_bytes)} |")
     return lines
 
 
 def loss_check(setups: list[Setup]) -> str:
     ref = setups[0].losses
-    diffs = {s.mode: max(abs(a - b) for a, b in zip(ref, s.losses)) for s in setups[1:]}
+    diffs = {s.name: max(abs(a - b) for a, b in zip(ref, s.losses)) for s in setups[1:]}
     same_length = all(len(s.losses) == len(ref) for s in setups)
     verdict = "IDENTICAL" if same_length and not any(diffs.values()) else \
         "DIFFERENT" if not same_length or max(diffs.values()) > 1e-5 * abs(ref[0]) else "AGREE within 1e-5 relative"
@@ -253,20 +190,18 @@ def loss_check(setups: list[Setup]) -> str:
             f"; step 1 {ref[0]:.6f}, last step {ref[-1]:.6f}")
 
 
-def report(setups: list[Setup], info: dict, opts: dict, wall_s: float, load: tuple[float, float]) -> str:
-    m, t = setups[0].cfg.model, setups[0].cfg.training
-    lines = [
-        f"shape: {m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, seq {m.seq_len}, vocab {m.vocab_size}, "
-        f"{info['params']:,} parameters, fp32; attention {m.attention}, dropout {m.dropout}; "
-        f"{info['micro_batches']} micro-batches x {t.micro_batch_size} sequences = {info['tokens']:,} tokens/step",
-        f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, one process with {info['threads']} "
-        f"torch thread(s); 1-min load average at start / end {load[0]:.1f} / {load[1]:.1f}",
-        f"gridtrain: {gridtrain_version()}",
-        f"timing: {opts['warmup']} warm-up steps per setup (the first one measures memory), then "
-        f"{opts['repeats']} rounds x {opts['steps']} steps per setup, interleaved (order reversed every other "
-        "round); a step = gridtrain.train.train_step (forward + backward of every micro-batch, grad norm and "
-        "clipping, AdamW); medians over rounds; vs none = median of the per-round ratios",
-        "",
+def report(run: common.Run, opts: dict) -> str:
+    setups, info = run.results[0]
+    m, t = setups[0].trainer.cfg.model, setups[0].trainer.cfg.training
+    lines = common.header(
+        run, opts,
+        shape=f"{m.n_layer} layers, d_model {m.d_model}, {m.n_head} heads, seq {m.seq_len}, vocab {m.vocab_size}, "
+              f"{info['params']:,} parameters, fp32; attention {m.attention}, dropout {m.dropout}; "
+              f"{info['micro_batches']} micro-batches x {t.micro_batch_size} sequences = {info['tokens']:,} tokens/step",
+        threads=f"one process with {info['threads']} torch thread(s)",
+        timing="; the first warm-up step measures memory; a step = Trainer.train_step (forward + backward of every "
+               "micro-batch, grad norm and clipping, AdamW); vs none = median of the per-round ratios")
+    lines += [
         *table(setups),
         "",
         "saved = bytes autograd keeps for backward at forward (gridtrain.memory hooks, one storage counted once), "
@@ -279,54 +214,36 @@ def report(setups: list[Setup], info: dict, opts: dict, wall_s: float, load: tup
         lines.append(f"sdpa kernel for this shape and dropout {m.dropout} (autograd node of a probe call): "
                      f"{info['sdpa_kernel']}")
     lines.append("regions recomputed per step: " +
-                 ", ".join(f"{s.mode} {s.regions_per_step}" for s in setups) +
+                 ", ".join(f"{s.name} {s.regions_per_step}" for s in setups) +
                  f" ({m.n_layer} blocks x {info['micro_batches']} micro-batches = "
                  f"{m.n_layer * info['micro_batches']} expected for selective and full)")
-    lines.append("step s per round:")
-    lines += [f"  {s.mode}: " + ", ".join(f"{x:.3f}" for x in s.times) for s in setups]
+    lines += common.per_round("step s per round:", ((s.name, s.times) for s in setups), lambda x: f"{x:.3f}")
     lines.append(loss_check(setups))
-    lines.append(f"wall time {wall_s:.0f} s")
-    return "\n".join(lines)
+    return "\n".join(lines + common.footer(run))
 
 
 # ---- command line -----------------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_shape_and_timing_arguments(p, steps=4, warmup=3, repeats=16)
+    p = common.benchmark_parser(__doc__, steps=4, warmup=3, repeats=16, ranks=False)
     p.add_argument("--attention", choices=("sdpa", "math"), default="math",
                    help="attention core: op by op (math, what the memory formula describes) or torch's "
                         "fused kernel (default: %(default)s)")
     p.add_argument("--dropout", type=float, default=0.1, help="default: %(default)s")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch (default: %(default)s)")
+    common.add_micro_batch_arguments(p)
     p.add_argument("--global-batch-size", type=int, default=16,
                    help="sequences per step, a multiple of --micro-batch-size (default: %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads of the one process (default: every core, %(default)s)")
-    opts = vars(p.parse_args(argv))
-    if opts["warmup"] < 1 or opts["steps"] < 1 or opts["repeats"] < 1 or opts["threads"] < 1:
-        p.error("--warmup, --steps, --repeats and --threads must be >= 1")
+    opts = common.parse(p, argv, "threads")
     if opts["global_batch_size"] % opts["micro_batch_size"]:
         p.error("--global-batch-size must be a multiple of --micro-batch-size")
     return opts
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = parse_args(argv)
-    try:
-        for mode in MODES:
-            validate(make_config(opts, mode), world_size=1)
-    except ConfigError as e:
-        print(f"recompute_cost: error: {e}", file=sys.stderr)
-        return 2
-    began, load_before = time.perf_counter(), os.getloadavg()[0]
-    try:
-        setups, info = run(opts)
-    finally:
-        shutdown()
-    load = (load_before, os.getloadavg()[0])
-    print(report(setups, info, opts, time.perf_counter() - began, load))
-    return 0
+    return common.benchmark_main("recompute_cost", argv, parse_args,
+                                 lambda opts: [make_config(opts, mode) for mode in MODES], 1, _worker, report)
 
 
 if __name__ == "__main__":

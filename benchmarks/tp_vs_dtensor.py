@@ -3,10 +3,14 @@
 The same GPT (shape, initial weights, batch, loss, optimizer) is trained for a few steps
 on two gloo processes in two ways, alternating inside the same two processes:
 
-* ``gridtrain tp=2``: ``gridtrain.model.GPT`` built on the ``TensorParallel`` context of
-  ``gridtrain.distributed.setup_distributed`` (column/row-parallel linears with fused
-  QKV, vocabulary-parallel embedding and cross entropy, hand-written autograd
-  collectives counted by a ``ByteCounter``);
+* ``gridtrain tp=2``: gridtrain's real training step, built by ``gridtrain.trainer.build``
+  (``gpt_model_provider``, ``gpt_forward_step``) on a config with ``parallel.tp = 2``
+  and stepped with ``Trainer.train_step``: ``gridtrain.model.GPT`` on the
+  ``TensorParallel`` context (column/row-parallel linears with fused QKV,
+  vocabulary-parallel embedding and cross entropy, hand-written autograd collectives
+  counted by a ``ByteCounter``), one micro-batch through the one-stage pipeline, the
+  gradient norm (one scalar all-reduce over the model-parallel group; ``grad_clip = 0``:
+  computed, not applied, as the other side clips nothing), AdamW;
 * ``DTensor tp=2``: a plain PyTorch GPT defined below (separate q/k/v linears),
   parallelized with ``torch.distributed.tensor.parallel.parallelize_module`` on
   ``init_device_mesh("cpu", (2,))``: q, k, v and the MLP's fc ``ColwiseParallel``, the
@@ -18,7 +22,7 @@ on two gloo processes in two ways, alternating inside the same two processes:
   with ``--no-variant``), so that the three q/k/v input gradients are summed before a
   single all-reduce instead of one all-reduce each;
 * two one-process references without TP on rank 0 (all cores, the other rank idle in a
-  barrier): gridtrain's GPT and the plain GPT.
+  barrier): gridtrain's ``train_step`` on a one-rank grid, and the plain GPT.
 
 A step is: zero grads, forward (embedding, blocks, final LayerNorm, LM head, mean token
 cross entropy), backward, AdamW step (gridtrain's parameter groups and defaults: lr 1e-3,
@@ -28,11 +32,12 @@ Both models start from the same numbers (gridtrain's ``init_parameters``, copied
 plain model; the fused QKV split into q, k, v) and see the same batch, so their losses
 must agree step for step (to fp32 rounding); the run prints the differences.
 
-Timing: every setup first runs ``--warmup`` untimed steps (the last one also counts the
-collectives); then ``--repeats`` rounds, each timing ``--steps`` steps of every setup in
-turn (the order reversed every other round), between two barriers, with
-``time.perf_counter`` on rank 0. Reported: medians over rounds, the best round, the
-forward / backward / AdamW split, and the tokens/s ratio to DTensor paired per round.
+Timing (benchmarks/common.py): every setup first runs ``--warmup`` untimed steps (the
+last one also counts the collectives); then ``--repeats`` rounds, each timing ``--steps``
+steps of every setup in turn (the order reversed every other round), between two
+barriers, with ``time.perf_counter`` on rank 0. Reported: medians over rounds, the best
+round, the forward / backward / AdamW split, and the tokens/s ratio to DTensor paired per
+round.
 
 Vocabulary: gridtrain pads 257 to ``padded_vocab_size(tp)`` (384 at tp=2) and masks the
 padding columns to -inf in its cross entropy. The DTensor model uses the same padded
@@ -47,14 +52,11 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
-import statistics
 import sys
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -63,11 +65,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import add_shape_and_timing_arguments, run_benchmark  # benchmarks/common.py: the script's own folder is on sys.path
-from gridtrain.config import Config, ParallelConfig, TrainingConfig, preset_config
-from gridtrain.distributed import setup_distributed
+import common  # benchmarks/common.py: the script's own folder is on sys.path
+from common import Side, med, mib
+from gridtrain.config import Config, ParallelConfig, TrainingConfig
 from gridtrain.model import GPT, init_parameters
 from gridtrain.optim import build_optimizer
+from gridtrain.trainer import Trainer
 
 TP = 2
 
@@ -94,27 +97,20 @@ class PlainAttention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(b, s, -1))
 
 
-class PlainMLP(nn.Module):
-    def __init__(self, d_model: int, ffn: int):
-        super().__init__()
-        self.fc = nn.Linear(d_model, ffn)
-        self.proj = nn.Linear(ffn, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
-
-
 class PlainBlock(nn.Module):
+    """Pre-LN: attention, then the MLP (``fc``, tanh-GELU, ``proj``), each with a residual."""
+
     def __init__(self, d_model: int, n_head: int, ffn: int, eps: float):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model, eps=eps)
         self.attn = PlainAttention(d_model, n_head)
         self.ln2 = nn.LayerNorm(d_model, eps=eps)
-        self.mlp = PlainMLP(d_model, ffn)
+        self.fc = nn.Linear(d_model, ffn)
+        self.proj = nn.Linear(ffn, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        return x + self.proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
 class PlainGPT(nn.Module):
@@ -159,8 +155,7 @@ def plain_from_gridtrain(gt: GPT) -> PlainGPT:
                              theirs.attn.qkv.weight.chunk(3, 0), theirs.attn.qkv.bias.chunk(3, 0)):
             lin.weight.copy_(w)
             lin.bias.copy_(b)
-        for lin, src in ((mine.attn.out, theirs.attn.proj), (mine.mlp.fc, theirs.mlp.fc),
-                         (mine.mlp.proj, theirs.mlp.proj)):
+        for lin, src in ((mine.attn.out, theirs.attn.proj), (mine.fc, theirs.mlp.fc), (mine.proj, theirs.mlp.proj)):
             lin.weight.copy_(src.weight)
             lin.bias.copy_(src.bias)
     m.ln_f.load_state_dict(gt.final_norm.state_dict())
@@ -184,7 +179,7 @@ def parallelize_dtensor(model: PlainGPT, mesh, *, loss_parallel: bool, prepare_a
         p = f"blocks.{i}"
         plan.update({f"{p}.attn.q": ColwiseParallel(), f"{p}.attn.k": ColwiseParallel(),
                      f"{p}.attn.v": ColwiseParallel(), f"{p}.attn.out": RowwiseParallel(),
-                     f"{p}.mlp.fc": ColwiseParallel(), f"{p}.mlp.proj": RowwiseParallel()})
+                     f"{p}.fc": ColwiseParallel(), f"{p}.proj": RowwiseParallel()})
         if prepare_attn_input:
             # The attention input becomes one replicated DTensor shared by q, k and v, so
             # their partial input gradients are added up before a single all-reduce.
@@ -248,63 +243,80 @@ def timed_collectives(comm):
         del comm.all_reduce
 
 
-# ---- the setups ------------------------------------------------------------------------------------
+# ---- the two kinds of step ---------------------------------------------------------------------------
 
-class Setup:
-    """One way of training the model: ``step()`` runs one full training step."""
+Step = Callable[[], tuple[Any, tuple[float, float, float]]]  # one step -> (loss, forward / backward / AdamW s)
 
-    def __init__(self, name: str, model: nn.Module, loss_fn: Callable[[], torch.Tensor],
-                 *, active: bool = True, threads: int | None = None,
-                 context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-        self.name = name
-        self.model = model
-        self.loss_fn = loss_fn
-        self.opt = build_optimizer(model, TrainingConfig())
-        self.active = active  # False: this rank only waits (one-process references)
-        self.threads = threads
-        self.context = context
-        self.losses: list[torch.Tensor] = []
-        self.times: list[float] = []  # seconds per step, one entry per repeat
-        self.phases: list[tuple[float, float, float]] = []  # fwd, bwd, opt per step, per repeat
-        self.bytes_per_step: int | None = None
-        self.calls_per_step: dict[str, int] = {}
-        self.comm_fraction: tuple[float, float] | None = None  # (s in collectives, s) per step
 
-    def step(self) -> tuple[float, float, float]:
+def plain_step(model: nn.Module, loss_fn: Callable[[], torch.Tensor],
+               context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Step:
+    """The peers' step: zero grads, forward and loss (inside ``context``), backward, AdamW
+    with gridtrain's parameter groups and defaults."""
+    opt = build_optimizer(model, TrainingConfig())
+
+    def step():
         t0 = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
-        with self.context():
-            loss = self.loss_fn()
+        opt.zero_grad(set_to_none=True)
+        with context():
+            loss = loss_fn()
             t1 = time.perf_counter()
             loss.backward()
         t2 = time.perf_counter()
-        self.opt.step()
-        t3 = time.perf_counter()
-        self.losses.append(loss.detach())
-        return t1 - t0, t2 - t1, t3 - t2
+        opt.step()
+        return loss.detach(), (t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+    return step
 
 
-def _loss_value(loss: torch.Tensor) -> float:
+def gridtrain_step(trainer: Trainer, batches: list[dict]) -> Step:
+    """``trainer.train_step(batches)``, split as the plain step is: forward = up to the end of
+    the forward (zeroing, the token count), backward = from there to AdamW (backward, the
+    gradient reduction, the gradient norm), AdamW = ``optimizer.step``, timed by its hooks."""
+    trainer.pipeline.tracing = True  # StageStats.trace: (action, start, end), cheap
+    clock: dict[str, float] = {}
+    trainer.optimizer.register_step_pre_hook(lambda *_: clock.__setitem__("began", time.perf_counter()))
+    trainer.optimizer.register_step_post_hook(lambda *_: clock.__setitem__("ended", time.perf_counter()))
+
+    def step():
+        t0 = time.perf_counter()
+        out = trainer.train_step(batches)
+        t1 = max(end for name, _, end in out.stage.trace if name.startswith("F"))
+        return out.loss, (t1 - t0, clock["began"] - t1, clock["ended"] - clock["began"])
+
+    return step
+
+
+@dataclass(kw_only=True)
+class Setup(Side):
+    """One way of training the model: ``step()`` runs one full training step."""
+
+    step: Step
+    losses: list = field(default_factory=list)
+    bytes_per_step: int | None = None  # TP payload (gridtrain: its tp group)
+    other_bytes: dict[str, int] = field(default_factory=dict)  # gridtrain: other groups' payload per step
+    calls_per_step: dict[str, int] = field(default_factory=dict)
+    comm_fraction: tuple[float, float] | None = None  # (s in collectives, s) per step
+
+
+def _loss_value(loss) -> float:
     return float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 
+
+# ---- the worker ------------------------------------------------------------------------------------
 
 def _worker(rank: int, world: int, opts: dict) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
-    base_threads = torch.get_num_threads()
     cfg = _config(opts)
     m = cfg.model
-    ctx = setup_distributed(cfg)  # grid, groups, TensorParallel with a ByteCounter, RNG streams
-    gen = torch.Generator().manual_seed(opts["seed"])
-    data = torch.randint(0, m.vocab_size, (opts["batch"], m.seq_len + 1), generator=gen)
-    tokens, labels = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    batches = common.random_batches(cfg, opts["batch"])  # one micro-batch
+    tokens, labels = batches[0]["tokens"], batches[0]["labels"]
     notes: list[str] = []
 
-    # gridtrain tp=2
-    gt = GPT(m, tp=ctx.tp)
-    init_parameters(gt, opts["seed"])
-    setups = [Setup("gridtrain tp=2", gt, lambda: gt(tokens, labels).mean())]
+    # gridtrain tp=2: grid, groups, TensorParallel with a ByteCounter, model, pipeline, optimizer
+    gt = common.build_gpt(cfg)
+    setups = [Setup(name="gridtrain tp=2", step=gridtrain_step(gt, batches))]
 
     # DTensor tp=2: the plain model with the same padded vocabulary and the same numbers
     mesh = init_device_mesh("cpu", (TP,))
@@ -312,7 +324,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
     def make_dtensor(lp: bool, prep: bool) -> PlainGPT:
         whole = GPT(replace(m, vocab_pad_multiple=m.vocab_pad_multiple * TP))  # same padding, one rank
         init_parameters(whole, opts["seed"])
-        assert whole.padded_vocab == gt.padded_vocab
+        assert whole.padded_vocab == gt.model.padded_vocab
         model = plain_from_gridtrain(whole)
         parallelize_dtensor(model, mesh, loss_parallel=lp, prepare_attn_input=prep)
         return model
@@ -330,11 +342,10 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
                              + traceback.format_exc(limit=3))
                 lp = False
                 model = make_dtensor(False, prep)
+        loss_fn = lambda: F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())  # noqa: E731
         if lp:
-            fn = lambda: F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten())  # noqa: E731
-            return Setup(name, model, fn, context=loss_parallel)
-        name += " (replicated logits)"
-        return Setup(name, model, lambda: F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()))
+            return Setup(name=name, step=plain_step(model, loss_fn, loss_parallel))
+        return Setup(name=name + " (replicated logits)", step=plain_step(model, loss_fn))
 
     setups.append(dtensor_setup("DTensor tp=2", prep=False))
     if opts["dtensor_variant"]:
@@ -342,46 +353,48 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
 
     # one-process references, computed on rank 0 with every core while rank 1 waits
     if opts["reference"]:
-        ref_gt = GPT(m)  # padded vocabulary of one rank (320 for 257), masked like the others
-        init_parameters(ref_gt, opts["seed"])
-        ref_plain = plain_from_gridtrain(ref_gt)
-        cores = opts["ref_threads"] or os.cpu_count() or 1
-        setups.append(Setup("gridtrain 1 process", ref_gt, lambda: ref_gt(tokens, labels).mean(),
+        ref = common.build_gpt_one_process(cfg)  # padded vocabulary of one rank (320 for 257), masked alike
+        ref_plain = plain_from_gridtrain(ref.model)
+        cores = common.reference_threads(opts)
+        setups.append(Setup(name="gridtrain 1 process", step=gridtrain_step(ref, batches),
                             active=rank == 0, threads=cores))
-        setups.append(Setup("plain PyTorch 1 process", ref_plain,
-                            lambda: F.cross_entropy(ref_plain(tokens).flatten(0, 1), labels.flatten()),
-                            active=rank == 0, threads=cores))
+        setups.append(Setup(name="plain PyTorch 1 process", active=rank == 0, threads=cores,
+                            step=plain_step(ref_plain, lambda: F.cross_entropy(ref_plain(tokens).flatten(0, 1),
+                                                                               labels.flatten()))))
 
-    def run_block(s: Setup, steps: int, instrument: bool = False) -> tuple[float, list[float]]:
+    def run_block(s: Setup, steps: int, instrument: bool = False) -> tuple[float, tuple | None]:
         """``steps`` steps of one setup between two barriers; ``instrument`` counts and times
         the collectives (untimed warm-up only: the dispatch mode adds its own overhead)."""
-        torch.set_num_threads(s.threads or base_threads)
-        phases = [0.0, 0.0, 0.0]
-        is_gt = s.model is gt
-        # gridtrain: its ByteCounter plus a timer around its all-reduces (cheap); DTensor: a
+        is_gt = s is setups[0]
+        # gridtrain: its ByteCounter plus a timer around its TP all-reduces (cheap); DTensor: a
         # dispatch mode that sees every op (counts are exact, but it slows the step down)
         mode = CollectiveBytes() if instrument and not is_gt else contextlib.nullcontext()
-        timer = timed_collectives(ctx.tp.comm) if instrument and is_gt else contextlib.nullcontext()
-        ctx.bytes.reset()
-        dist.barrier()
-        start = time.perf_counter()
-        if s.active:
+        timer = timed_collectives(gt.ctx.tp.comm) if instrument and is_gt else contextlib.nullcontext()
+        gt.ctx.bytes.reset()
+
+        def run() -> tuple[list[float], dict | None]:
+            phases = [0.0, 0.0, 0.0]
             with mode, timer as clock:
                 for _ in range(steps):
-                    for i, t in enumerate(s.step()):
-                        phases[i] += t
-        dist.barrier()
-        elapsed = time.perf_counter() - start
-        torch.set_num_threads(base_threads)
-        if instrument and s.active:
-            if is_gt:
-                s.bytes_per_step = ctx.bytes.total() // steps
-                s.calls_per_step = {k: v // steps for (k, _), v in ctx.bytes.calls.items()}
-                s.comm_fraction = (clock["seconds"] / steps, elapsed / steps)
-            elif mode.calls:
-                s.bytes_per_step = mode.bytes // steps
-                s.calls_per_step = {k: v // steps for k, v in mode.calls.items()}
-        return elapsed, phases
+                    loss, split = s.step()
+                    s.losses.append(loss)
+                    phases = [a + b for a, b in zip(phases, split)]
+            return phases, clock
+
+        elapsed, ran = common.between_barriers(s, run)
+        if ran is None:
+            return elapsed, None
+        phases, clock = ran
+        if instrument and is_gt:
+            moved = {f"{k}/{g}": n // steps for (k, g), n in gt.ctx.bytes.bytes.items()}
+            s.bytes_per_step = sum(n for key, n in moved.items() if key.endswith("/tp"))
+            s.other_bytes = {key: n for key, n in moved.items() if not key.endswith("/tp")}
+            s.calls_per_step = {f"{k}/{g}": v // steps for (k, g), v in gt.ctx.bytes.calls.items()}
+            s.comm_fraction = (clock["seconds"] / steps, elapsed / steps)
+        elif instrument and mode.calls:
+            s.bytes_per_step = mode.bytes // steps
+            s.calls_per_step = {k: v // steps for k, v in mode.calls.items()}
+        return elapsed, tuple(p / steps for p in phases)
 
     # warm-up: every setup its own steps; all but the first count and time the collectives
     for s in setups:
@@ -391,32 +404,20 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
 
     # the cost of one all-reduce of a [b, s, d] activation on this group, for the reading
     x = torch.randn(opts["batch"], m.seq_len, m.d_model)
-    samples = []
-    for _ in range(30):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        samples.append(time.perf_counter() - t0)
-    allreduce_s = statistics.median(samples)
+    allreduce_s = common.isolated_seconds(lambda: dist.all_reduce(x))
 
-    # timed: interleaved, order reversed every other repeat
-    for r in range(opts["repeats"]):
-        for s in (setups if r % 2 == 0 else setups[::-1]):
-            elapsed, phases = run_block(s, opts["steps"])
-            s.times.append(elapsed / opts["steps"])
-            s.phases.append(tuple(p / opts["steps"] for p in phases))
-
+    common.timed_rounds(setups, opts, run_block)
     if rank != 0:
         return None
     return {
-        "setups": [{"name": s.name, "times": s.times, "phases": s.phases,
-                    "losses": [_loss_value(x) for x in s.losses],
-                    "bytes_per_step": s.bytes_per_step, "calls_per_step": s.calls_per_step,
+        "setups": [{"name": s.name, "times": s.times, "phases": s.rounds,
+                    "losses": [_loss_value(x) for x in s.losses], "bytes_per_step": s.bytes_per_step,
+                    "other_bytes": s.other_bytes, "calls_per_step": s.calls_per_step,
                     "comm_fraction": s.comm_fraction}
                    for s in setups],
         "notes": notes,
-        "padded_vocab": gt.padded_vocab,
-        "threads_per_rank": base_threads,
+        "padded_vocab": gt.model.padded_vocab,
+        "threads_per_rank": torch.get_num_threads(),
         "allreduce_s": allreduce_s,
     }
 
@@ -424,14 +425,8 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
 # ---- parent: configuration and report ---------------------------------------------------------------
 
 def _config(opts: dict) -> Config:
-    cfg = preset_config("small")
-    cfg.model = replace(cfg.model, n_layer=opts["n_layer"], d_model=opts["d_model"],
-                        n_head=opts["n_head"], seq_len=opts["seq_len"], dropout=0.0)
-    cfg.parallel = ParallelConfig(nproc=TP, tp=TP)
-    cfg.training = TrainingConfig(steps=2, micro_batch_size=opts["batch"], global_batch_size=opts["batch"],
-                                  seed=opts["seed"], dtype="fp32", device="cpu",
-                                  dist_timeout_s=opts["timeout"])
-    return cfg
+    return common.make_config(opts, ParallelConfig(nproc=TP, tp=TP), micro_batch_size=opts["batch"],
+                              global_batch_size=opts["batch"])
 
 
 def expected_gridtrain_bytes(opts: dict) -> int:
@@ -449,41 +444,38 @@ def _fmt_calls(calls: dict[str, int]) -> str:
     return ", ".join(f"{v} {k}" for k, v in sorted(calls.items()))
 
 
-def report(result: dict, opts: dict, wall_s: float) -> str:
+def report(run: common.Run, opts: dict) -> str:
+    result = run.results[0]
     tokens = opts["batch"] * opts["seq_len"]
     rows = result["setups"]
     dt = next(r for r in rows if r["name"].startswith("DTensor tp=2"))
-    lines = [
-        f"shape: {opts['n_layer']} layers, d_model {opts['d_model']}, {opts['n_head']} heads, "
-        f"seq {opts['seq_len']}, vocab 257 (padded to {result['padded_vocab']} at tp=2), "
-        f"batch {opts['batch']} sequences = {tokens} tokens/step, fp32",
-        f"machine: {os.cpu_count()} CPU cores, gloo, torch {torch.__version__}; "
-        f"tp=2 ranks use {result['threads_per_rank']} thread(s) each, one-process references "
-        f"{opts['ref_threads'] or os.cpu_count()}; 1-min load average at start / end "
-        f"{result['load'][0]:.1f} / {result['load'][1]:.1f}",
-        f"timing: {opts['warmup']} warm-up steps, then {opts['repeats']} repeats x {opts['steps']} steps "
-        "per setup, interleaved (order reversed every other repeat); medians over repeats",
-        "",
-        f"| setup | tokens/s | step ms | best step ms | fwd / bwd / AdamW ms | vs {dt['name']} |",
-        "| --- | ---: | ---: | ---: | --- | ---: |",
-    ]
+    lines = common.header(
+        run, opts,
+        shape=f"{opts['n_layer']} layers, d_model {opts['d_model']}, {opts['n_head']} heads, seq {opts['seq_len']}, "
+              f"vocab 257 (padded to {result['padded_vocab']} at tp=2), batch {opts['batch']} sequences = "
+              f"{tokens} tokens/step, fp32",
+        threads=f"gloo; tp=2 ranks use {result['threads_per_rank']} thread(s) each, one-process references "
+                f"{common.reference_threads(opts)}")
+    lines += [f"| setup | tokens/s | step ms | best step ms | fwd / bwd / AdamW ms | vs {dt['name']} |",
+              "| --- | ---: | ---: | ---: | --- | ---: |"]
     for r in rows:
-        t = statistics.median(r["times"])
-        ph = [statistics.median(p[i] for p in r["phases"]) * 1e3 for i in range(3)]
-        # tokens/s ratio against DTensor, paired within each repeat (adjacent in time), median
-        ratio = statistics.median(d / x for d, x in zip(dt["times"], r["times"]))
+        t = med(r["times"])
+        ph = [med(p[i] for p in r["phases"]) * 1e3 for i in range(3)]
+        # tokens/s ratio against DTensor, paired within each round (adjacent in time), median
         lines.append(f"| {r['name']} | {tokens / t:,.0f} | {t * 1e3:.1f} | {min(r['times']) * 1e3:.1f} | "
-                     f"{ph[0]:.1f} / {ph[1]:.1f} / {ph[2]:.1f} | {ratio:.2f}x |")
-    lines.append("")
-    lines.append("tokens/s per repeat:")
-    for r in rows:
-        lines.append(f"  {r['name']}: " + ", ".join(f"{tokens / t:,.0f}" for t in r["times"]))
+                     f"{ph[0]:.1f} / {ph[1]:.1f} / {ph[2]:.1f} | {common.paired_ratio(dt['times'], r['times']):.2f}x |")
+    lines += ["", "gridtrain's split: fwd = to the end of the forward (zeroing, token count), bwd = backward, "
+                  "gradient reduction and norm, AdamW = optimizer.step; the others: zero_grad + forward, backward, "
+                  "AdamW"]
+    lines += common.per_round("tokens/s per round:", ((r["name"], r["times"]) for r in rows),
+                              lambda t: f"{tokens / t:,.0f}")
     gt_row = rows[0]
     exp = expected_gridtrain_bytes(opts)
-    lines.append("")
-    lines.append(f"gridtrain TP bytes/step (ByteCounter): {gt_row['bytes_per_step']:,} "
-                 f"(closed form {exp:,}: {'match' if gt_row['bytes_per_step'] == exp else 'MISMATCH'}); "
-                 f"{_fmt_calls(gt_row['calls_per_step'])}")
+    others = ", ".join(f"{k} {v:,}" for k, v in sorted(gt_row["other_bytes"].items()))
+    lines += ["", f"gridtrain TP bytes/step (ByteCounter, tp group): {gt_row['bytes_per_step']:,} (closed form "
+                  f"{exp:,}: {'match' if gt_row['bytes_per_step'] == exp else 'MISMATCH'}); "
+                  f"{_fmt_calls(gt_row['calls_per_step'])}" + (f"; other groups: {others} (the gradient norm)"
+                                                                 if others else "")]
     for r in rows[1:]:
         if r["bytes_per_step"] is not None:
             lines.append(f"{r['name']} bytes/step (functional collectives, same convention): "
@@ -494,7 +486,7 @@ def report(result: dict, opts: dict, wall_s: float) -> str:
             lines.append(f"{r['name']}: {c * 1e3:.1f} ms of a {t * 1e3:.1f} ms step ({100 * c / t:.0f}%) inside "
                          "its TP all-reduces, waiting included (timed in the warm-up steps)")
     act = opts["batch"] * opts["seq_len"] * opts["d_model"] * 4
-    lines.append(f"one gloo all-reduce of a [b, s, d] activation ({act / 2**20:.2f} MiB): "
+    lines.append(f"one gloo all-reduce of a [b, s, d] activation ({mib(act)}): "
                  f"{result['allreduce_s'] * 1e3:.2f} ms (median of 30, after a barrier)")
     ref = gt_row["losses"]
     diffs = [f"{r['name']} {abs(ref[0] - r['losses'][0]):.1e} / "
@@ -502,42 +494,23 @@ def report(result: dict, opts: dict, wall_s: float) -> str:
     lines.append(f"loss check ({len(ref)} steps on each setup from the same weights and batch; loss "
                  f"{ref[0]:.4f} at step 1, {ref[-1]:.4f} at the last): |loss - gridtrain tp=2 loss| "
                  "at step 1 / largest over all steps: " + "; ".join(diffs))
-    for note in result["notes"]:
-        lines.append("NOTE " + note.rstrip())
-    lines.append(f"wall time {wall_s:.0f} s")
-    return "\n".join(lines)
+    return "\n".join(lines + common.footer(run, result["notes"]))
 
 
 def parse_args(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_shape_and_timing_arguments(p, steps=10, warmup=5, repeats=6)
+    p = common.benchmark_parser(__doc__, steps=10, warmup=5, repeats=6)
     p.add_argument("--batch", type=int, default=8, help="sequences per step, one micro-batch (default: %(default)s)")
     p.add_argument("--loss", choices=("parallel", "replicated"), default="parallel",
                    help="DTensor loss: loss_parallel() on vocabulary-sharded logits (default), "
                         "or all-gathered logits and a plain cross entropy")
     p.add_argument("--no-variant", dest="dtensor_variant", action="store_false",
                    help="skip the DTensor variant with PrepareModuleInput on each attention module")
-    p.add_argument("--no-reference", dest="reference", action="store_false",
-                   help="skip the one-process references")
-    p.add_argument("--ref-threads", type=int, default=0,
-                   help="torch threads of the one-process references (default: every core)")
-    p.add_argument("--timeout", type=float, default=1800.0,
-                   help="collective timeout in seconds (default: %(default)s)")
-    opts = vars(p.parse_args(argv))
-    if opts["warmup"] < 1 or opts["steps"] < 1 or opts["repeats"] < 1:
-        p.error("--warmup, --steps and --repeats must be >= 1")
-    return opts
+    return common.parse(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = parse_args(argv)
-    ran = run_benchmark("tp_vs_dtensor", _config(opts), TP, _worker, opts)
-    if ran is None:
-        return 2
-    results, wall_s, load = ran
-    result = dict(results[0], load=load)
-    print(report(result, opts, wall_s))
-    return 0
+    return common.benchmark_main("tp_vs_dtensor", argv, parse_args, lambda opts: [_config(opts)], TP, _worker,
+                                 report)
 
 
 if __name__ == "__main__":

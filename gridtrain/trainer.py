@@ -130,10 +130,13 @@ class Trainer:
 
 
 def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
-          datasets_provider: DatasetsProvider | None = None) -> Trainer:
-    """Everything a step needs on this rank (see the module docstring for the order)."""
+          datasets_provider: DatasetsProvider | None = None, *,
+          ctx: DistributedContext | None = None) -> Trainer:
+    """Everything a step needs on this rank (see the module docstring for the order).
+    ``ctx``: a context already set up (e.g. a one-rank grid inside a larger world, as the
+    benchmarks' single-process references use); default: :func:`setup_distributed`."""
     t = cfg.training
-    ctx = setup_distributed(cfg)
+    ctx = ctx if ctx is not None else setup_distributed(cfg)
     model = model_provider(cfg, ctx)
     broadcast_parameters(model, ctx.dp)
     data = datasets_provider(cfg) if datasets_provider is not None else None

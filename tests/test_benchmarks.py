@@ -1,0 +1,84 @@
+"""The benchmarks in benchmarks/ still parse, validate, build gridtrain's side with
+``gridtrain.trainer.build`` and run end to end at their smallest size (the numbers they
+time are not checked here: only that the run completes and its own checks agree)."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+TINY = ["--n-layer", "2", "--d-model", "64", "--seq-len", "32", "--steps", "1", "--repeats", "1", "--warmup", "1"]
+COMPARISONS = ["tp_vs_dtensor", "pp_vs_torch_pipelining", "dp_vs_ddp", "recompute_cost"]
+
+
+def _load(name: str):
+    """A benchmark script as a module (its folder on sys.path, as when it is run)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(name: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), *TINY, *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert re.search(r"^wall time \d+ s$", proc.stdout, re.M), proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.parametrize("name", COMPARISONS)
+def test_default_flags_parse_and_validate(name):
+    from gridtrain.validate_config import validate
+
+    module = _load(name)
+    opts = module.parse_args([])
+    world = 1 if name == "recompute_cost" else 2
+    configs = ([module.make_config(opts, mode) for mode in module.MODES] if name == "recompute_cost"
+               else [module._config(opts, b) for b in opts["bucket_mb"]] if name == "dp_vs_ddp"
+               else [module._config(opts)])
+    for cfg in configs:
+        validate(cfg, world_size=world)
+
+
+@pytest.mark.parametrize("name", COMPARISONS)
+def test_a_bad_shape_is_one_line_and_status_2(name):
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--n-head", "5", "--d-model", "64"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (f"{name}: error: --n-head 5 does not divide --d-model 64; "
+                                   "choose a head count that divides d_model")
+
+
+def test_recompute_cost_runs_and_the_modes_agree():
+    out = _run("recompute_cost", "--global-batch-size", "4", "--micro-batch-size", "2")
+    assert all(f"| {mode} |" in out for mode in ("none", "selective", "full"))
+    assert "dropout masks: IDENTICAL" in out
+    assert "none 0, selective 4, full 4 (2 blocks x 2 micro-batches = 4 expected" in out
+
+
+def test_dp_vs_ddp_runs_and_agrees_with_ddp_bit_for_bit():
+    out = _run("dp_vs_ddp", "--microbatches", "2", "--micro-batch-size", "2", "--bucket-mb", "0.25", "--no-floor")
+    assert "loss check, step 1 from the same weights and batch: AGREE, bit for bit" in out
+    assert "+ token count 8 + loss 8 = " in out and "MISMATCH" not in out
+    assert "max |gridtrain - DDP| per bucket size: 0.25 MiB 0.0e+00" in out
+
+
+def test_tp_vs_dtensor_runs_and_counts_the_closed_form():
+    out = _run("tp_vs_dtensor", "--batch", "2", "--no-variant")
+    assert re.search(r"gridtrain TP bytes/step \(ByteCounter, tp group\): [\d,]+ \(closed form [\d,]+: match\)", out)
+    assert "| gridtrain 1 process |" in out
+
+
+def test_pp_vs_torch_pipelining_runs_and_the_tied_variant_agrees():
+    out = _run("pp_vs_torch_pipelining", "--microbatches", "2", "--micro-batch-size", "2", "--no-reference")
+    diff = re.search(r"torch 1F1B \+ tied all-reduce \S+ \(diff \S+; largest over 2 steps (\S+)\)", out)
+    assert diff and float(diff.group(1)) < 1e-4, out
