@@ -1,5 +1,6 @@
-"""What a run reports: per-step JSON lines, the progress bar, optional TensorBoard
-scalars and the closing summary.
+"""Where per-step metrics go: JSON lines, the progress bar, optional TensorBoard scalars;
+and the throughput they add up to. (What is reported, and the closing summary, is
+reporting.py's business.)
 
 Only the logging rank (the last pipeline stage's first DP/TP rank, which holds the loss)
 writes; every other rank gets a logger that does nothing, so the loop never branches.
