@@ -157,7 +157,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, comm, store):
         ctx.save_for_backward(x)
-        ctx.weight, ctx.comm, ctx.store = weight, comm, store  # the parameter itself (see weight_grad.py)
+        ctx.weight, ctx.comm, ctx.store = weight, comm, store  # the parameter itself (see split_backward.py)
         return F.linear(comm.all_gather(x, 1), weight)
 
     @staticmethod
