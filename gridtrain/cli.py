@@ -15,6 +15,7 @@ from gridtrain.checkpoint import CheckpointError
 from gridtrain.config import ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, Config, ConfigError, load_config
 from gridtrain.data import DataError, prepare
 from gridtrain.launch import WorkerError, WorkerTimeout
+from gridtrain.stops import EXIT_CRASH, EXIT_INTERRUPTED, RunStopped
 from gridtrain.pipeline.draw import add_schedule_parser, schedule_command
 from gridtrain.pipeline.schedules import ORDERS
 from gridtrain.plot import PlotError, add_plot_parser, plot_command
@@ -48,6 +49,8 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
     ("--dtype", "training", "dtype", str, " | ".join(DTYPES)),
     ("--zero", "training", "zero", int, "1: shard optimizer state over data parallel (ZeRO-1)"),
     ("--loss-scale", "training", "loss_scale", float, "fp16: initial dynamic loss scale"),
+    ("--min-loss-scale", "training", "min_loss_scale", float,
+     "fp16: overflowing at this loss scale stops the run (exit 3)"),
     ("--steps", "training", "steps", int, "optimizer steps"),
     ("--lr", "training", "lr", float, "peak learning rate"),
     ("--warmup-steps", "training", "warmup_steps", int, "linear warm-up steps (default 5%% of steps)"),
@@ -78,6 +81,8 @@ SWITCHES: dict[str, str] = {
     "--recompute-early": "with --pp > 1: recompute while the output gradient is on its way",
     "--offload-activations": "keep saved activations in host memory until backward (GPU)",
     "--memory-report": "print saved-activation bytes per layer and stage, beside the formula",
+    "--auto-resume": "resume from the --save directory's latest checkpoint when there is one, "
+                     "else start fresh (the same command restarts a preempted job)",
 }
 
 
@@ -163,15 +168,22 @@ USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError)  # one line, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; the exit status says how it ended (stops.py has the table)."""
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
     except USER_ERRORS as e:
         print(f"gridtrain: error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:
+        print(f"gridtrain: stopped: {e}", file=sys.stderr)
+        return e.exit_code
     except (WorkerError, WorkerTimeout) as e:
         print(f"gridtrain: a worker failed: {e}", file=sys.stderr)
-        return 1
+        return EXIT_CRASH
+    except KeyboardInterrupt:
+        print("gridtrain: interrupted (Ctrl-C); nothing was saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ package, so that every other module may import it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +107,7 @@ class TrainingConfig:
     zero: int = 0  # 1: shard master weights and Adam state over data parallel (ZeRO-1)
     loss_scale: float = 2.0 ** 16  # fp16: initial dynamic loss scale
     loss_scale_window: int = 1000  # fp16: good steps before the scale doubles
+    min_loss_scale: float = 1.0  # fp16: still overflowing at this scale stops the run (diverged)
     device: str | None = None  # cuda when available, else cpu
     eval_interval: int = 50
     eval_iters: int = 4
@@ -110,6 +115,7 @@ class TrainingConfig:
     save: str | None = None
     save_interval: int = 0  # 0: save only at the end (when --save is given)
     load: str | None = None
+    auto_resume: bool = False  # resume from --save's latest checkpoint when there is one
     sample_tokens: int = 0  # print this many sampled tokens after training
     prompt: str = ""
     temperature: float = 0.8
@@ -149,12 +155,12 @@ class Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Config":
-        cfg = cls(preset=raw.get("preset", "tiny"))
-        for section in ("model", "parallel", "training", "data"):
-            _update_section(cfg, section, raw.get(section) or {})
-        unknown = set(raw) - {"model", "parallel", "training", "data", "preset"}
+        cfg = cls(preset=_preset_name(raw.get("preset", "tiny"), ""))
+        for section in SECTIONS:
+            _update_section(cfg, section, raw.get(section))
+        unknown = set(raw) - {*SECTIONS, "preset"}
         if unknown:
-            raise ConfigError(f"unknown config section(s) {sorted(unknown)}; "
+            raise ConfigError(f"unknown config section(s) {sorted(map(str, unknown))}; "
                               "use model, parallel, training, data")
         return cfg
 
@@ -178,14 +184,131 @@ def preset_config(name: str) -> Config:
     return Config(model=ModelConfig(**PRESETS[name]), preset=name)
 
 
-def _update_section(cfg: Config, section: str, values: dict[str, Any]) -> None:
+SECTIONS = ("model", "parallel", "training", "data")
+
+
+def _preset_name(name: Any, source: str) -> str:
+    if not isinstance(name, str):
+        raise ConfigError(f"{source}preset must be a string, got {name!r}; choose one of {', '.join(PRESETS)}")
+    return name
+
+
+# ------------------------------------------------------------------------ field types
+#
+# YAML gives whatever its parser makes of the text: PyYAML reads ``lr: 1e-3`` as the
+# string "1e-3" (YAML 1.1 wants a dot in a float), ``steps: 2.5`` as a float and
+# ``model: 5`` as an int. Each value is therefore checked against its field's annotation
+# where it enters the config, so that a wrong type is one line naming ``section.key``
+# instead of a traceback deep inside a worker, or after the whole run.
+
+
+@functools.cache
+def field_types(section_class: type) -> dict[str, Any]:
+    """Each field's annotation as a type (the annotations are strings in this module)."""
+    return typing.get_type_hints(section_class)
+
+
+def _describe_type(annotation: Any) -> str:
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) and type(None) in args:
+        (inner,) = (a for a in args if a is not type(None))
+        return f"{_describe_type(inner)} or null"
+    if typing.get_origin(annotation) is list:
+        return f"a list of {_describe_type(typing.get_args(annotation)[0]).split(' ', 1)[1]}s"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[annotation]
+
+
+def _as_type(value: Any, annotation: Any) -> Any:
+    """``value`` as ``annotation`` wants it; raises TypeError when it is not one.
+
+    Numbers are accepted where floats are expected, and so are strings that spell a
+    finite number (YAML's ``1e-3``); bools are never numbers, floats never integers.
+    """
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) and type(None) in args:
+        if value is None:
+            return None
+        (annotation,) = (a for a in args if a is not type(None))
+    if annotation is bool and isinstance(value, bool):
+        return value
+    if annotation is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if annotation is str and isinstance(value, str):
+        return value
+    if annotation is float and not isinstance(value, bool) and isinstance(value, (int, float, str)):
+        try:
+            number = float(value)
+        except ValueError:
+            raise TypeError from None
+        if not math.isfinite(number):
+            raise TypeError
+        return number
+    if typing.get_origin(annotation) is list and isinstance(value, list):
+        return [_as_type(v, typing.get_args(annotation)[0]) for v in value]
+    raise TypeError
+
+
+def typed_value(section: str, key: str, value: Any, annotation: Any, source: str = "") -> Any:
+    """``value`` converted to the field's type, or ConfigError naming section.key."""
+    try:
+        return _as_type(value, annotation)
+    except TypeError:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ConfigError(f"{source}{section}.{key} must be {_describe_type(annotation)}, got {shown} "
+                          f"({type(value).__name__}); correct the value") from None
+
+
+def check_types(cfg: Config) -> Config:
+    """Every field of ``cfg`` has its annotated type (numbers normalised to float where a
+    float is wanted); for configs built in Python rather than read from YAML or flags."""
+    _preset_name(cfg.preset, "")
+    for section in SECTIONS:
+        target = getattr(cfg, section)
+        for key, annotation in field_types(type(target)).items():
+            setattr(target, key, typed_value(section, key, getattr(target, key), annotation))
+    return cfg
+
+
+def _update_section(cfg: Config, section: str, values: Any, source: str = "") -> None:
+    if values is None:
+        return
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}section {section} must be a mapping of keys to values, got {values!r}; "
+                          f"write it as {section}: {{key: value, ...}}")
     target = getattr(cfg, section)
-    names = {f.name for f in dataclasses.fields(target)}
+    annotations = field_types(type(target))
     for key, value in values.items():
-        key = key.replace("-", "_")
-        if key not in names:
-            raise ConfigError(f"unknown key {section}.{key}; known keys: {', '.join(sorted(names))}")
-        setattr(target, key, value)
+        key = str(key).replace("-", "_")
+        if key not in annotations:
+            raise ConfigError(f"{source}unknown key {section}.{key}; known keys: {', '.join(sorted(annotations))}")
+        setattr(target, key, typed_value(section, key, value, annotations[key], source))
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    """The file's mapping; a syntax error is one line naming the file and the line."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = " ".join(str(e.problem or e.context or "invalid YAML").split())
+        raise ConfigError(f"--config {path}: {where}{problem}; fix the YAML syntax there") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config {path}: not UTF-8 text; save it as UTF-8 YAML") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a mapping with sections model, "
+                          "parallel, training, data")
+    return raw
 
 
 def load_config(path: str | None, overrides: dict[str, dict[str, Any]] | None = None,
@@ -194,21 +317,15 @@ def load_config(path: str | None, overrides: dict[str, dict[str, Any]] | None = 
 
     The preset comes from ``preset`` (a --model flag) or the file's ``preset`` key.
     """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"--config {path}: no such file")
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"--config {path}: expected a mapping with sections model, "
-                              "parallel, training, data")
-    cfg = preset_config(preset or raw.get("preset", "tiny"))
+    raw = _read_yaml(path) if path is not None else {}
+    source = f"--config {path}: "
+    file_preset = _preset_name(raw.get("preset", "tiny"), source)
+    cfg = preset_config(preset or file_preset)
     file_cfg = {k: v for k, v in raw.items() if k != "preset"}
-    for section in ("model", "parallel", "training", "data"):
-        _update_section(cfg, section, file_cfg.pop(section, None) or {})
+    for section in SECTIONS:
+        _update_section(cfg, section, file_cfg.pop(section, None), source)
     if file_cfg:
-        raise ConfigError(f"--config {path}: unknown section(s) {sorted(file_cfg)}; "
+        raise ConfigError(f"--config {path}: unknown section(s) {sorted(map(str, file_cfg))}; "
                           "use model, parallel, training, data")
     for section, values in (overrides or {}).items():
         _update_section(cfg, section, {k: v for k, v in values.items() if v is not None})

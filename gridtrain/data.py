@@ -218,32 +218,124 @@ def load_tokens(path: str | os.PathLike | None, tokenizer: Tokenizer) -> np.ndar
 
     A token file is memory-mapped (no copy); everything else is tokenized in memory.
     """
-    if path is None:
-        documents = _read_documents(builtin_corpus_files(), skip_non_text=True)
-        return _check_nonempty(_tokenize(documents, tokenizer), path)
-    path = Path(path)
-    header_path = find_token_header(path)
-    if header_path is not None:
-        tokens, header = read_token_file(header_path)
-        _check_vocab(header, tokenizer, path)
-        return tokens
-    if path.is_dir():
-        documents = _read_documents(corpus_files(path), skip_non_text=True)
-        if not documents:
-            raise DataError(
-                f"--data {path}: no UTF-8 text files in this folder "
-                "(hidden and binary files are skipped)"
-            )
-    elif path.is_file():
-        documents = _read_documents([path], skip_non_text=False)
-    else:
-        raise DataError(f"--data {path}: no such file or directory")
+    token_file = _token_file(path, tokenizer)
+    if token_file is not None:
+        return token_file
+    return _load_text(path, *_text_files(path), tokenizer)
+
+
+def _load_text(path, files: list[Path], skip_non_text: bool, tokenizer: Tokenizer) -> np.ndarray:
+    documents = _read_documents(files, skip_non_text)
+    if not documents and path is not None and Path(path).is_dir():
+        raise _no_text_in_folder(path)
     return _check_nonempty(_tokenize(documents, tokenizer), path)
+
+
+def count_tokens(path: str | os.PathLike | None, tokenizer: Tokenizer,
+                 read_limit: int = 256 << 20) -> tuple[int, bool]:
+    """The corpus's token count without tokenizing it: ``(count, exact)``.
+
+    What :func:`load_tokens` would refuse is refused here too, with the same message, so
+    that a bad corpus is one line before any worker starts. A token file's count comes
+    from its header; byte-level text up to ``read_limit`` bytes is read (tens of
+    milliseconds for the built-in corpus) and counted exactly. Larger text, or text for
+    another tokenizer, gets an upper bound instead: its size in bytes plus one eot per
+    document (a tokenizer makes at most one token per byte), so a refusal based on it is
+    always right, and :func:`build_datasets` repeats the check on the exact count.
+    """
+    token_file = _token_file(path, tokenizer)
+    if token_file is not None:
+        return len(token_file), True
+    files, skip_non_text = _text_files(path)
+    sizes = [_size(file) for file in files]
+    if isinstance(tokenizer, ByteTokenizer) and sum(sizes) <= read_limit:
+        return len(_load_text(path, files, skip_non_text, tokenizer)), True
+    if not files:
+        raise _no_text_in_folder(path)
+    nonempty = sum(1 for size in sizes if size)
+    bound = sum(sizes) + (max(nonempty - 1, 0) if tokenizer.eot_id is not None else 0)
+    if bound == 0:
+        raise _empty(path)
+    return bound, False
+
+
+def check_enough_tokens(num_tokens: int, path: str | os.PathLike | None, seq_len: int,
+                        global_batch_size: int = 1, valid_every: int = 100, exact: bool = True) -> None:
+    """The corpus holds one validation window and a global batch of training windows.
+
+    With fewer training windows than one global batch, every step would repeat windows
+    (the sampler wraps around), which is never what a user means. ``exact=False`` says
+    ``num_tokens`` is an upper bound (see :func:`count_tokens`).
+    """
+    windows = max((num_tokens - 1) // seq_len, 0)
+    valid = windows // valid_every
+    count = f"{num_tokens} tokens" if exact else f"at most {num_tokens} tokens"
+    if valid == 0:
+        raise DataError(
+            f"{_describe(path)}: {count} give {windows} windows of --seq-len {seq_len}, "
+            f"but {valid_every} windows ({valid_every * seq_len + 1} tokens) are needed for one "
+            "validation window; use more data or a smaller --seq-len"
+        )
+    if windows - valid < global_batch_size:
+        raise DataError(
+            f"{_describe(path)}: {count} give {windows - valid} training windows of --seq-len "
+            f"{seq_len}, fewer than one global batch of {global_batch_size}; use more data, a smaller "
+            "--seq-len or a smaller --global-batch-size"
+        )
+
+
+def _token_file(path: str | os.PathLike | None, tokenizer: Tokenizer) -> np.ndarray | None:
+    """The memory-mapped tokens when ``path`` names a token file, else None.
+
+    A ``.bin`` is always a token file: without its ``.json`` header it is refused,
+    because reading it as text would train on the bytes of the token ids.
+    """
+    if path is None:
+        return None
+    header_path = find_token_header(path)
+    if header_path is None:
+        if Path(path).suffix == ".bin" and Path(path).is_file():
+            raise DataError(
+                f"--data {path}: a .bin token file is not UTF-8 text and needs its header "
+                f"{Path(path).with_suffix('.json')}, which is missing or not a gridtrain token header; "
+                "re-run `gridtrain prepare` (or rename the file if it is text)"
+            )
+        return None
+    tokens, header = read_token_file(header_path)
+    _check_vocab(header, tokenizer, path)
+    return tokens
+
+
+def _text_files(path: str | os.PathLike | None) -> tuple[list[Path], bool]:
+    """The text files of a source, and whether non-UTF-8 ones are skipped (folders)."""
+    if path is None:
+        return builtin_corpus_files(), True
+    path = Path(path)
+    if path.is_dir():
+        return corpus_files(path), True
+    if path.is_file():
+        return [path], False
+    raise DataError(f"--data {path}: no such file or directory")
+
+
+def _size(file: Path) -> int:
+    if not os.access(file, os.R_OK):
+        raise DataError(f"--data {file}: not readable (permission denied); fix its permissions")
+    return file.stat().st_size
+
+
+def _no_text_in_folder(path) -> DataError:
+    return DataError(f"--data {path}: no UTF-8 text files in this folder "
+                     "(hidden and binary files are skipped)")
+
+
+def _empty(path) -> DataError:
+    return DataError(f"{_describe(path)}: the corpus is empty; give it some text")
 
 
 def _check_nonempty(tokens: np.ndarray, path) -> np.ndarray:
     if len(tokens) == 0:
-        raise DataError(f"{_describe(path)}: the corpus is empty; give it some text")
+        raise _empty(path)
     return tokens
 
 
@@ -251,7 +343,10 @@ def _read_documents(files: list[Path], skip_non_text: bool) -> list[bytes]:
     """Raw bytes of each UTF-8 file. Empty files are dropped so they add no stray eot."""
     documents = []
     for file in files:
-        data = file.read_bytes()
+        try:
+            data = file.read_bytes()
+        except OSError as e:
+            raise DataError(f"--data {file}: cannot read it ({e.strerror or e}); fix its permissions") from None
         if not _is_utf8(data):
             if skip_non_text:
                 continue
@@ -399,8 +494,10 @@ def prepare(
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """mkstemp creates its file 0600; the result gets the mode of a plain new file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -409,6 +506,13 @@ def _write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it; put straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 # ------------------------------------------------------------------------------ datasets
@@ -471,17 +575,17 @@ def build_datasets(
     tokenizer: Tokenizer,
     seq_len: int,
     valid_every: int = 100,
+    global_batch_size: int = 1,
 ) -> tuple[WindowSubset, WindowSubset, np.ndarray]:
-    """Train and validation datasets over one corpus, plus the token array itself."""
+    """Train and validation datasets over one corpus, plus the token array itself.
+
+    The training split must hold at least ``global_batch_size`` windows (see
+    :func:`check_enough_tokens`, which the pre-start validation also runs).
+    """
     tokens = load_tokens(data_path, tokenizer)
     windows = TokenWindows(tokens, seq_len)
     train_ids, valid_ids = split_windows(len(windows), valid_every)
-    if len(train_ids) == 0 or len(valid_ids) == 0:
-        raise DataError(
-            f"{_describe(data_path)}: {len(tokens)} tokens give {len(windows)} windows of "
-            f"--seq-len {seq_len}, but {valid_every} windows ({valid_every * seq_len + 1} tokens) "
-            "are needed for one validation window; use more data or a smaller --seq-len"
-        )
+    check_enough_tokens(len(tokens), data_path, seq_len, global_batch_size, valid_every)
     return WindowSubset(windows, train_ids), WindowSubset(windows, valid_ids), tokens
 
 

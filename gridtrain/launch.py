@@ -12,19 +12,26 @@ multi-process harness, so it is built to fail loudly and never hang:
   parent blocked on ``queue.get`` or the other ranks blocked in a collective;
 * whatever happens (error, timeout, Ctrl-C in the parent), the parent
   terminates every worker it started before returning or raising, and on Linux
-  workers also die if the parent is killed outright.
+  workers also die if the parent is killed outright (from their first instruction:
+  worker_entry.py sets that up before torch is imported);
+* a worker that stops on purpose (stops.py: diverged, preempted) sends its
+  :class:`~gridtrain.stops.RunStopped` back, which the parent raises as it is, so the
+  exit status means the same with ``--nproc`` as in one process; a worker that exits
+  with the hang status (the watchdog has printed its report) is reported as a hang;
+* SIGTERM to the parent (a scheduler preempting the job) is forwarded to every
+  worker, so that they save at the next step boundary; the parent then exits with
+  the preempted status.
 """
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import queue as queue_lib
 import signal
 import socket
-import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -33,6 +40,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from gridtrain import worker_entry
+from gridtrain.stops import EXIT_HANG, Hang, Preempted, RunStopped
 
 _POLL_S = 0.05          # how often the parent checks the queue and worker liveness
 _DRAIN_GRACE_S = 1.0    # how long to wait for a dead worker's last message in the pipe
@@ -95,20 +105,6 @@ class _WorkerSpec:
 # ---- worker side -------------------------------------------------------------
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this worker when its parent dies, so no orphan outlives a
-    crashed or killed launcher (the parent's ``finally`` cannot run after SIGKILL)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # 1 == PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def _set_worker_env(spec: _WorkerSpec) -> None:
     """Export the torchrun-style variables, so code inside fn can read them as usual."""
     os.environ.update(
@@ -163,8 +159,9 @@ def _report(results: Any, message: tuple[int, str, Any]) -> None:
     results.join_thread()
 
 
-def _worker_main(spec: _WorkerSpec, results: Any) -> None:
-    """Entry point of one spawned worker: run fn and report its result or traceback.
+def worker_main(spec: _WorkerSpec, results: Any) -> None:
+    """One spawned worker (after worker_entry.main): run fn and report its result, its
+    deliberate stop (:class:`RunStopped`) or its traceback.
 
     The result is pickled here with plain pickle, not by the queue's feeder
     thread: a feeder-side pickling error is only printed, and the parent would
@@ -174,13 +171,16 @@ def _worker_main(spec: _WorkerSpec, results: Any) -> None:
     the root cause before the other ranks (blocked in a collective with this
     one) fail in turn.
     """
-    _die_with_parent(spec.parent_pid)
     _set_worker_env(spec)
     try:
         _init_worker_process_group(spec)
         value = spec.fn(spec.rank, spec.world_size, *spec.args)
         _destroy_process_group()
         payload = _pickle_result(value)
+    except RunStopped as stop:
+        _report(results, (spec.rank, "stop", pickle.dumps(stop)))
+        _destroy_process_group()
+        return
     except BaseException:  # noqa: BLE001 -- every failure must reach the parent
         _report(results, (spec.rank, "error", traceback.format_exc()))
         try:
@@ -231,9 +231,14 @@ def _death_message(rank: int, exitcode: int | None) -> str:
 
 
 def _failure(
-    procs: Sequence[Any], errors: dict[int, str], done: dict[int, Any], results: Any
-) -> WorkerError:
-    """Build the WorkerError for a failed run, naming the most likely root cause first.
+    procs: Sequence[Any], errors: dict[int, str], done: dict[int, Any], results: Any,
+    sigterm: "_SigtermForwarder",
+) -> LaunchError | RunStopped:
+    """Build the error for a failed run, naming the most likely root cause first.
+
+    A rank that exited with the hang status has printed the watchdog's report: the run
+    stopped on a hang, whatever its peers said. After a SIGTERM to the launcher, workers
+    that died of it (no ``--save``, so no handler) mean a preempted run, not a crash.
 
     When one rank fails, its peers usually fail soon after with "connection
     closed" errors from the collective they shared. So: wait briefly for
@@ -245,6 +250,13 @@ def _failure(
         if kind == "error":
             errors.setdefault(rank, body)
     dead = _silent_deaths(procs, set(done) | set(errors))
+    hung = [r for r in dead if procs[r].exitcode == EXIT_HANG]
+    if hung:
+        return Hang(f"rank(s) {hung} found a communication wait longer than --timeout and stopped the "
+                    "run; the hang report above says which rank waited on what and who never arrived")
+    if sigterm.received:
+        return Preempted("stopped by SIGTERM before a checkpoint could be saved (pass --save to save "
+                         "at the next step boundary on SIGTERM)")
     if dead:
         rank, exitcode = dead[0], procs[dead[0]].exitcode
         message, tb = _death_message(rank, exitcode), ""
@@ -264,16 +276,16 @@ def _start_workers(ctx: Any, specs: Sequence[_WorkerSpec], results: Any, procs: 
     """Start one process per spec, appending each to ``procs`` as soon as it exists,
     so the caller's cleanup sees every started worker even if a later start fails."""
     for spec in specs:
-        proc = ctx.Process(
-            target=_worker_main, args=(spec, results), name=f"gridtrain-rank{spec.rank}"
-        )
         try:
-            proc.start()
+            payload = pickle.dumps(spec)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
             raise LaunchError(
                 f"cannot send fn/args to the workers ({exc}); fn must be a module-level "
                 "function and args must be picklable"
             ) from exc
+        proc = ctx.Process(target=worker_entry.main, args=(spec.parent_pid, payload, results),
+                           name=f"gridtrain-rank{spec.rank}")
+        proc.start()
         procs.append(proc)
 
 
@@ -290,8 +302,10 @@ def _terminate(procs: Sequence[Any]) -> None:
             proc.join()
 
 
-def _collect(results: Any, procs: Sequence[Any], timeout_s: float | None) -> dict[int, Any]:
-    """Poll the queue and the workers until every rank reported, one failed, or time ran out."""
+def _collect(results: Any, procs: Sequence[Any], timeout_s: float | None,
+             sigterm: "_SigtermForwarder") -> dict[int, Any]:
+    """Poll the queue and the workers until every rank reported, one failed or stopped,
+    or time ran out."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     done: dict[int, Any] = {}
     while len(done) < len(procs):
@@ -302,10 +316,13 @@ def _collect(results: Any, procs: Sequence[Any], timeout_s: float | None) -> dic
         for rank, kind, body in messages:
             if kind == "ok":
                 done[rank] = pickle.loads(body)
+            elif kind == "stop":  # every rank stops at the same step: let them all finish
+                _wait_for_exit(procs)
+                raise pickle.loads(body)
             else:
                 errors[rank] = body
         if errors or _silent_deaths(procs, set(done)):
-            raise _failure(procs, errors, done, results)
+            raise _failure(procs, errors, done, results, sigterm)
         if deadline is not None and time.monotonic() > deadline and len(done) < len(procs):
             raise _timeout(timeout_s, done, len(procs))
     return done
@@ -318,6 +335,31 @@ def _timeout(timeout_s: float | None, done: dict[int, Any], nproc: int) -> Worke
         f"(ranks {sorted(done)} had); all workers were terminated",
         ranks=pending,
     )
+
+
+class _SigtermForwarder:
+    """While the workers run, SIGTERM to the launcher is passed on to each of them (they
+    save at the next step boundary and stop); ``received`` remembers that it came."""
+
+    def __init__(self, procs: Sequence[Any]):
+        self.procs = procs
+        self.received = False
+        self._previous = None
+
+    def __enter__(self) -> "_SigtermForwarder":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._forward)
+        return self
+
+    def _forward(self, signum, frame) -> None:
+        self.received = True
+        for proc in self.procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def _wait_for_exit(procs: Sequence[Any]) -> None:
@@ -348,8 +390,10 @@ def run_workers(
     LOCAL_WORLD_SIZE) plus ``env``, and has an initialized default process group.
 
     Raises ``WorkerError`` (naming the rank, with its full traceback or exit
-    code) as soon as any worker fails, and ``WorkerTimeout`` (naming the
-    unfinished ranks) when ``timeout_s`` passes; in both cases, all workers are
+    code) as soon as any worker fails, ``WorkerTimeout`` (naming the
+    unfinished ranks) when ``timeout_s`` passes, and the workers' own
+    :class:`RunStopped` when they stop on purpose (or :class:`Hang` /
+    :class:`Preempted`, see :func:`_failure`); in every case, all workers are
     terminated first. ``collective_timeout_s`` bounds each collective inside
     the workers, so a mismatched collective fails instead of hanging.
     """
@@ -365,9 +409,10 @@ def run_workers(
     results = ctx.Queue()
     procs: list[Any] = []
     try:
-        _start_workers(ctx, specs, results, procs)
-        done = _collect(results, procs, timeout_s)
-        _wait_for_exit(procs)
+        with _SigtermForwarder(procs) as sigterm:
+            _start_workers(ctx, specs, results, procs)
+            done = _collect(results, procs, timeout_s, sigterm)
+            _wait_for_exit(procs)
     finally:
         _terminate(procs)
         results.close()

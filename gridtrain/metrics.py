@@ -108,8 +108,7 @@ class MetricsLogger:
         if tensorboard:  # first: a missing package must not truncate the metrics file
             self._writer = _summary_writer(tensorboard)
         if metrics_file:
-            Path(metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(metrics_file, "a" if start_step else "w")
+            self._file = open_metrics_file(metrics_file, start_step)
         self._bar_args = dict(total=total_steps, initial=start_step, disable=not show_progress,
                               dynamic_ncols=True, desc="train", unit="step")
 
@@ -145,6 +144,34 @@ class MetricsLogger:
             self._writer.flush()
             self._writer.close()
             self._writer = None
+
+
+def open_metrics_file(path: str, start_step: int):
+    """The metrics file, ready to append the rows after ``start_step``.
+
+    A fresh run (``start_step`` 0) starts an empty file. A resumed run keeps the rows of
+    the steps its checkpoint includes and drops any later ones, which the run that
+    crashed or was preempted wrote after its last checkpoint and which this run is about
+    to train again: every step appears once, whatever happened in between. The kept rows
+    are written to a temporary file that replaces the old one, so a crash here loses
+    nothing.
+    """
+    file = Path(path)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    if start_step and file.is_file():
+        kept = [line for line in file.read_text().splitlines(keepends=True) if _row_step(line) <= start_step]
+        tmp = file.with_name(f".{file.name}.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(file)
+    return open(file, "a" if start_step else "w")
+
+
+def _row_step(line: str) -> float:
+    """The step of one metrics line; a damaged line (a crash mid-write) sorts last, to be dropped."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def _summary_writer(logdir: str):

@@ -68,6 +68,10 @@ class RunReport:
         self.log.print(f"gridtrain: {ctx.grid.describe()}, {_count(model):,} parameters per rank, "
                        f"{trainer.num_micro_batches} micro-batches of {t.micro_batch_size} per step, "
                        f"device {ctx.device.type}, dtype {t.dtype}")
+        if trainer.resumed_from is not None:
+            self.log.print(f"resuming from {trainer.resumed_from} after step {trainer.start_step}")
+        elif t.auto_resume and t.save:
+            self.log.print(f"--auto-resume: no checkpoint in {t.save} yet; starting from step 0")
 
     # ---- per step --------------------------------------------------------------------------
 

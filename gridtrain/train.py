@@ -1,21 +1,27 @@
 """The training loop, in Megatron-LM's shape: ``pretrain(model_provider, datasets_provider,
 forward_step, config)``.
 
-Read it top to bottom: build everything once (trainer.py), then for each step set the
-learning rate, take this rank's micro-batches of the global batch and run the schedule
-(forward, backward, gradient reduction, clipping, optimizer), validate and save when
-due. What the run reports, and how, is reporting.py's business: the loop only hands it
-each step.
+Read it top to bottom: check the configuration, build everything once (trainer.py), then
+for each step set the learning rate, take this rank's micro-batches of the global batch
+and run the schedule (forward, backward, gradient reduction, clipping, optimizer), stop
+on a non-finite number, validate and save when due, and save and stop when the job is
+being preempted (stops.py). What the run reports, and how, is reporting.py's business:
+the loop only hands it each step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch.distributed as dist
+
+from gridtrain.comm import CommGroup
 from gridtrain.config import Config
 from gridtrain.data import Datasets
 from gridtrain.reporting import RunReport, TrainResult
+from gridtrain.stops import Health, Preempted, Preemption
 from gridtrain.trainer import ForwardStep, ModelProvider, build
+from gridtrain.validate_config import validate
 
 __all__ = ["Datasets", "TrainResult", "pretrain"]
 
@@ -23,19 +29,31 @@ __all__ = ["Datasets", "TrainResult", "pretrain"]
 def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config], Datasets],
              forward_step: ForwardStep, cfg: Config) -> TrainResult:
     """Train ``cfg.training.steps`` steps on the grid this process belongs to."""
+    validate(cfg)
     trainer = build(cfg, model_provider, forward_step, datasets_provider)
     report = RunReport(trainer)
     t, validates = cfg.training, trainer.data.valid is not None
-    for step in range(trainer.start_step, t.steps):
-        lr = trainer.set_lr(step)
-        with report.step_window(first=step == trainer.start_step):
-            out = trainer.train_step(trainer.read_batches(step))
-        done = step + 1
-        valid_loss = trainer.evaluate() if validates and _due(done, t.eval_interval) else None
-        report.step(done, lr, out, valid_loss)
-        if t.save and _due(done, t.save_interval):
-            trainer.save(done)
-    report.end_of_steps()
+    health = Health(t.dtype, t.min_loss_scale)
+    preemption = Preemption(CommGroup.of("world", dist.group.WORLD, trainer.ctx.bytes)) if t.save else None
+    try:
+        for step in range(trainer.start_step, t.steps):
+            lr = trainer.set_lr(step)
+            with report.step_window(first=step == trainer.start_step):
+                out = trainer.train_step(trainer.read_batches(step))
+            done = step + 1
+            health.check(done, out.loss, out.grad_norm, trainer.loss_scale)
+            valid_loss = trainer.evaluate() if validates and _due(done, t.eval_interval) else None
+            report.step(done, lr, out, valid_loss)
+            preempted = preemption is not None and preemption.agreed(trainer.ctx.device)
+            if t.save and (_due(done, t.save_interval) or (preempted and done < t.steps)):
+                trainer.save(done)
+            if preempted and done < t.steps:
+                raise Preempted(f"stopped by SIGTERM after step {done} of {t.steps}; checkpoint saved in "
+                                f"{t.save}; rerun the same command with --auto-resume to continue", done)
+    finally:
+        report.end_of_steps()
+        if preemption is not None:
+            preemption.close()
     final_valid = trainer.evaluate() if validates and not _due(t.steps, t.eval_interval) else None
     if t.save and not _due(t.steps, t.save_interval):
         trainer.save(t.steps)

@@ -21,8 +21,10 @@ yields exactly that mean's gradient for any number of DP ranks and micro-batches
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,6 +41,7 @@ from gridtrain.optim import build_optimizer, lr_at, set_lr
 from gridtrain.pipeline.runtime import PipelineStage, StageStats
 from gridtrain.pipeline.schedules import build_schedule, uses_split_backward
 from gridtrain.split_backward import WeightGradStore
+from gridtrain.stops import Diverged
 from gridtrain.tensor_parallel import broadcast_batches
 
 ModelProvider = Callable[[Config, DistributedContext], nn.Module]
@@ -68,11 +71,17 @@ class Trainer:
     data: Datasets | None = None
     sampler: GlobalBatchSampler | None = None
     start_step: int = 0  # steps already taken (resumed from a checkpoint)
+    resumed_from: Path | None = None  # the checkpoint this run started from
 
     @property
     def step_tokens(self) -> int:
         """Tokens in one global batch."""
         return self.cfg.training.global_batch_size * int(self.data.train[0]["labels"].numel())
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's current dynamic loss scale (None for other dtypes)."""
+        return self.scaler.scale if self.scaler is not None else None
 
     def set_lr(self, step: int) -> float:
         lr = lr_at(step, self.cfg.training)
@@ -100,7 +109,8 @@ class Trainer:
             if not finite:
                 return StepOutput(loss, float("inf"), stats)
         grad_norm = clip_gradients(self.model, self.optimizer, ctx, self.cfg.training.grad_clip)
-        self.optimizer.step()
+        if math.isfinite(loss) and math.isfinite(grad_norm):  # never apply a NaN (stops.py stops the run)
+            self.optimizer.step()
         return StepOutput(loss, grad_norm, stats)
 
     @torch.no_grad()
@@ -126,7 +136,21 @@ class Trainer:
         return float(ctx.pp.broadcast(totals[0] / totals[1].clamp(min=1), src_index=ctx.grid.pp - 1))
 
     def save(self, step: int) -> None:
+        """Write a checkpoint after ``step`` steps, unless some weight is not finite (e.g. an
+        fp16 copy of a master weight beyond fp16's range): then the run has diverged, and
+        ``latest`` stays the last finite checkpoint."""
+        if not self._weights_finite():
+            raise Diverged(f"step {step}: some weights are not finite (inf or NaN); not saved, the latest "
+                           f"checkpoint in {self.cfg.training.save} is from before; lower --lr", step)
         checkpoint.save_checkpoint(self.cfg.training.save, step, self.model, self.optimizer, self.cfg, self.ctx)
+
+    def _weights_finite(self) -> bool:
+        """Whether every rank's parameters are all finite (collective over the world)."""
+        ok = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.ctx.device)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return bool(flag.item())
 
 
 def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
@@ -149,11 +173,23 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     reducer = GradientReducer(model, ctx.dp, accumulations=micro_batches,
                               bucket_mb=cfg.parallel.bucket_mb, shard=t.zero == 1)
     optimizer = make_optimizer(model, reducer, cfg, ctx)
-    scaler = LossScaler(t.loss_scale, t.loss_scale_window) if t.dtype == "fp16" else None
-    start = checkpoint.load_checkpoint(t.load, model, optimizer, ctx) if t.load else 0
+    scaler = LossScaler(t.loss_scale, t.loss_scale_window, t.min_loss_scale) if t.dtype == "fp16" else None
+    source = resume_source(cfg)
+    start = checkpoint.load_checkpoint(source, model, optimizer, ctx) if source is not None else 0
     return Trainer(cfg=cfg, ctx=ctx, model=model, pipeline=pipeline, reducer=reducer, optimizer=optimizer,
                    scaler=scaler, num_micro_batches=micro_batches, data=data, sampler=sampler,
-                   start_step=start)
+                   start_step=start, resumed_from=source)
+
+
+def resume_source(cfg: Config) -> Path | None:
+    """The checkpoint to start from: ``--load``; with ``--auto-resume``, else the newest
+    complete checkpoint in the ``--save`` directory (None there: a fresh start)."""
+    t = cfg.training
+    if t.load:
+        return Path(t.load)
+    if t.auto_resume and t.save:
+        return checkpoint.latest_step_dir(t.save)
+    return None
 
 
 def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forward_step: ForwardStep,

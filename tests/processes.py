@@ -1,0 +1,114 @@
+"""Real `gridtrain` commands in subprocesses, for fault tests: start one, wait until it has
+trained some steps, find its workers, signal them, and check that none is left behind.
+
+Workers are found through /proc (Linux): a process's children are the processes whose
+parent pid is its pid. Spawned `--nproc` workers are the launcher's children; torchrun's
+workers are the torchrun agent's children.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GRIDTRAIN = [sys.executable, "-m", "gridtrain"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def start(argv: list[str], **kwargs) -> subprocess.Popen:
+    """A command in its own session (signals to it do not reach pytest), output captured."""
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+
+
+def _stat(pid: int) -> tuple[int, str] | None:
+    """(parent pid, state letter) of a live process, None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return int(fields[1]), fields[0]
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (zombies excluded), in pid order."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None and stat[0] == pid and stat[1] != "Z":
+                out.append(int(entry))
+    return sorted(out)
+
+
+def workers(pid: int) -> list[int]:
+    """The gridtrain worker processes started by the launcher or torchrun agent ``pid``
+    (its children running gridtrain code, not multiprocessing's resource tracker)."""
+    found = []
+    for child in children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmdline:
+            found.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[1] != "Z"
+
+
+def metrics_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass  # a line being written
+    return rows
+
+
+def wait_for_rows(path: Path, count: int, proc: subprocess.Popen, timeout_s: float = 180) -> list[dict]:
+    """Wait until the metrics file holds ``count`` steps (the run is training)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = metrics_rows(path)
+        if len(rows) >= count:
+            return rows
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before step {count}:\n"
+                                 f"{proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"no step {count} in {path} after {timeout_s} s")
+
+
+def finish(proc: subprocess.Popen, timeout_s: float = 180) -> tuple[int, str, str]:
+    """Wait for the command; (exit status, stdout, stderr)."""
+    out, err = proc.communicate(timeout=timeout_s)
+    return proc.returncode, out, err
+
+
+def kill_tree(pids: list[int]) -> None:
+    """Clean-up after a failed test: SIGKILL whatever is left."""
+    for pid in pids:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+
+
+def losses_by_step(path: Path) -> dict[int, float]:
+    """Step -> loss from a metrics file, asserting that each step appears exactly once."""
+    rows = metrics_rows(path)
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), f"steps repeated in {path}: {steps}"
+    return {r["step"]: r["loss"] for r in rows}

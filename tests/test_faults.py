@@ -1,0 +1,160 @@
+"""Faults with real processes: divergence, preemption, a killed worker under torchrun, a
+killed launcher; and the exit status each one ends with (stops.py).
+
+The resumed runs are compared with one uninterrupted run of the same command, step by
+step, in fp64: a restart must change nothing but the wall clock.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from gridtrain import cli
+from gridtrain.metrics import open_metrics_file
+from gridtrain.stops import EXIT_DIVERGED, EXIT_PREEMPTED, Diverged, Health
+from tests import processes
+
+# Slow enough to be signalled mid-run (a step takes tens of milliseconds), small enough to be quick.
+RUN = ["train", "--model", "tiny", "--dtype", "fp64", "--steps", "120", "--global-batch-size", "8",
+       "--micro-batch-size", "2", "--no-progress", "--eval-interval", "0", "--eval-iters", "1", "--lr", "3e-3"]
+REL = 1e-12  # fp64, same layout: a resume repeats the same arithmetic
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, float]:
+    """Per-step losses of the run that nothing interrupts (dp 2, like the faulted runs)."""
+    metrics = tmp_path_factory.mktemp("reference") / "m.jsonl"
+    proc = processes.start([*processes.GRIDTRAIN, *RUN, "--nproc", "2", "--metrics-file", str(metrics)])
+    code, _, err = processes.finish(proc)
+    assert code == 0, err[-3000:]
+    return processes.losses_by_step(metrics)
+
+
+def _assert_same_losses(metrics, reference: dict[int, float]) -> None:
+    losses = processes.losses_by_step(metrics)
+    assert sorted(losses) == sorted(reference), "every step once, none missing"
+    for step, loss in reference.items():
+        assert abs(losses[step] - loss) <= REL * abs(loss), f"step {step}: {losses[step]!r} vs {loss!r}"
+
+
+# ---- divergence -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, message", [("fp32", "step 2: loss nan and gradient norm nan"),
+                                            ("fp16", "step 1: some weights are not finite")])
+def test_huge_lr_stops_and_keeps_the_last_finite_checkpoint(dtype, message, tmp_path, capsys):
+    save = tmp_path / "ckpt"
+    code = cli.main(["train", "--model", "tiny", "--lr", "1e6", "--dtype", dtype, "--steps", "30",
+                     "--save", str(save), "--save-interval", "1", "--no-progress", "--eval-interval", "0"])
+    err = capsys.readouterr().err
+    assert code == EXIT_DIVERGED, err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+    if dtype == "fp32":  # step 1 was finite and saved; step 2 was not applied
+        assert (save / "latest").read_text().strip() == "step_0000001"
+        weights = load_file(save / "step_0000001" / "model-pp000.safetensors")
+        assert all(bool(w.isfinite().all()) for w in weights.values())
+    else:  # fp16: the first update already overflows the fp16 weights: nothing is saved
+        assert not (save / "latest").exists()
+
+
+def test_fp16_stops_when_the_loss_scale_cannot_help():
+    health = Health("fp16", min_loss_scale=1.0, max_skipped=5)
+    for step, scale in enumerate([8.0, 4.0, 2.0], 1):  # skipped steps while the scale halves: fine
+        health.check(step, float("nan"), float("inf"), scale)
+    health.check(4, 3.0, 1.5, 1.0)  # a good step resets the count
+    health.check(5, float("nan"), float("inf"), 1.0)  # one overflow at the floor: halving is over, but
+    with pytest.raises(Diverged, match="step 6: fp16 gradients still overflow at the minimum loss scale 1"):
+        health.check(6, float("nan"), float("inf"), 1.0)  # a second one in a row stops the run
+    many = Health("fp16", max_skipped=3)
+    with pytest.raises(Diverged, match="4 fp16 steps in a row skipped"):
+        for step in range(1, 5):
+            many.check(step, 1.0, float("inf"), 2.0 ** 20)
+
+
+def test_finite_steps_pass_and_fp32_names_the_bad_number():
+    health = Health("bf16")
+    health.check(1, 2.5, 0.5)
+    with pytest.raises(Diverged, match="step 7: gradient norm inf"):
+        health.check(7, 2.5, float("inf"))
+
+
+# ---- the metrics file after a resume --------------------------------------------------------
+
+def test_metrics_file_keeps_each_step_once_after_a_resume(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(f'{{"step": {s}, "loss": {s}}}\n' for s in range(1, 8)) + '{"step": 8, "lo')
+    with open_metrics_file(str(path), start_step=5) as f:  # the checkpoint was after step 5
+        f.write('{"step": 6, "loss": 60}\n')
+    assert [r["step"] for r in processes.metrics_rows(path)] == [1, 2, 3, 4, 5, 6]
+    with open_metrics_file(str(path), start_step=0):  # a fresh run starts a fresh file
+        pass
+    assert path.read_text() == ""
+
+
+# ---- preemption ---------------------------------------------------------------------------------
+
+def test_sigterm_saves_and_the_same_command_resumes_to_the_same_losses(uninterrupted, tmp_path):
+    """SIGTERM to the launcher: every worker saves after the same step and the job exits
+    75; the same command (with --auto-resume) finishes the run as if nothing happened."""
+    metrics, save = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    argv = [*processes.GRIDTRAIN, *RUN, "--nproc", "2", "--metrics-file", str(metrics), "--save", str(save),
+            "--auto-resume"]
+    proc = processes.start(argv)
+    try:
+        processes.wait_for_rows(metrics, 5, proc)
+        proc.send_signal(signal.SIGTERM)
+        code, _, err = processes.finish(proc)
+    finally:
+        processes.kill_tree([proc.pid])
+    assert code == EXIT_PREEMPTED, err[-3000:]
+    assert "stopped by SIGTERM after step" in err and "Traceback" not in err
+    saved = int((save / "latest").read_text().strip().split("_")[1])
+    assert 5 <= saved < 120
+    code, out, err = processes.finish(processes.start(argv))
+    assert code == 0, err[-3000:]
+    assert f"resuming from {save}" in out + err
+    _assert_same_losses(metrics, uninterrupted)
+
+
+def test_killed_worker_under_torchrun_restarts_and_resumes(uninterrupted, tmp_path):
+    """kill -9 of one worker: torchrun (--max-restarts 1) restarts both, they resume from
+    the latest checkpoint by themselves, and the run ends as the uninterrupted one."""
+    metrics, save = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    proc = processes.start([*processes.TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                            "--monitor-interval", "0.2", "-m", "gridtrain", *RUN, "--metrics-file", str(metrics),
+                            "--save", str(save), "--save-interval", "10", "--auto-resume"])
+    try:
+        processes.wait_for_rows(metrics, 25, proc)
+        victim = processes.workers(proc.pid)[-1]
+        os.kill(victim, signal.SIGKILL)
+        code, out, err = processes.finish(proc, timeout_s=300)
+    finally:
+        processes.kill_tree([proc.pid, *processes.children(proc.pid)])
+    assert code == 0, err[-3000:]
+    assert f"resuming from {save}" in out + err
+    _assert_same_losses(metrics, uninterrupted)
+
+
+# ---- the launcher itself -----------------------------------------------------------------------
+
+def test_killing_the_launcher_while_workers_import_leaves_no_worker(tmp_path):
+    """Workers tie their life to the launcher's before importing torch (worker_entry.py),
+    so a kill -9 in the first second of a run leaves no orphan."""
+    proc = processes.start([*processes.GRIDTRAIN, *RUN, "--nproc", "2"])
+    deadline = time.monotonic() + 30
+    while len(processes.workers(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    spawned = processes.workers(proc.pid)
+    assert len(spawned) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 0.5  # at once: importing torch alone takes longer than this
+    while any(processes.alive(p) for p in spawned) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [p for p in spawned if processes.alive(p)]
+    processes.kill_tree(left)
+    assert not left, f"workers {left} outlived the launcher"
