@@ -1,5 +1,5 @@
 # Imports stay under the guard: spawned workers import this module as __mp_main__, and
-# must not import torch before worker_entry has tied their life to the launcher's.
+# must not import torch before worker.py has tied their life to the launcher's.
 if __name__ == "__main__":
     import sys
 

@@ -43,15 +43,18 @@ the weights' shapes or meaning (all of :class:`~gridtrain.config.ModelConfig` ex
 dropout, attention and vocab_pad_multiple, with ffn_hidden compared as the resolved
 ffn_size); one line names each differing field with both values.
 
-**Checksum cost.** sha256 (hashlib) runs at about 1.7 GB/s on this project's CPU hosts
-(SHA extensions; blake2b 0.8 GB/s, md5 0.7 GB/s, crc32 3.5 GB/s but too weak), i.e.
-about 0.6 s per GB, so sha256 it is. :func:`check_loadable` (run before any worker is
+**Checksum cost.** sha256 (hashlib) hashes about 1.7 GB/s in memory on this project's
+CPU hosts (SHA extensions; blake2b 0.8 GB/s, md5 0.7 GB/s, crc32 3.5 GB/s but weaker),
+and verifying a file from the page cache (read + hash) runs at about 1.3 GB/s, i.e.
+about 0.8 s per GB, so sha256 it is. Sealing a file on save (read back, hash, fsync)
+ran at 0.8 GB/s, mostly the fsync. :func:`check_loadable` (run before any worker is
 spawned) hashes everything; :func:`load_checkpoint` verifies again in each process, but
 a process never hashes the same unchanged file twice (a per-process record keyed by
 path, size, mtime and inode), so a torchrun worker that validated its own config loads
 without hashing again. Spawned workers do hash once more each: every rank reads every
-file anyway (the layout-free format), and the hash adds about 0.6 s/GB to that read.
-``check_loadable(..., verify_data=False)`` checks presence and sizes only.
+file anyway (the layout-free format), and the hash adds a fraction of a second per GB
+to that read, on every rank in parallel. ``check_loadable(..., verify_data=False)``
+checks presence and sizes only (and meta.json's checksum).
 
 **Checkpoints from before manifests** (no ``manifest.json``) are refused, because a
 missing manifest is also what an incomplete or foreign directory looks like, and

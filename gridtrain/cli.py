@@ -21,6 +21,12 @@ from gridtrain.pipeline.schedules import ORDERS
 from gridtrain.plot import PlotError, add_plot_parser, plot_command
 from gridtrain.validate_config import validate
 
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+_int_list.__name__ = "comma-separated integer list"  # what argparse's error message calls it
+
 # flag -> (section, field, type, help)
 TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
     ("--nproc", "parallel", "nproc", int, "spawn N local worker processes (not under torchrun)"),
@@ -29,7 +35,7 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
     ("--pp", "parallel", "pp", int, "pipeline-parallel size"),
     ("--vpp", "parallel", "vpp", int, "model chunks per pipeline rank (interleaved schedule)"),
     ("--schedule", "parallel", "schedule", str, " | ".join(ORDERS)),
-    ("--pp-layers", "parallel", "pp_layers", lambda text: [int(x) for x in text.split(",")],
+    ("--pp-layers", "parallel", "pp_layers", _int_list,
      "blocks per virtual stage, e.g. 3,4,4,3"),
     ("--pp-partition", "parallel", "pp_partition", str, "uniform | parameters | time"),
     ("--bucket-mb", "parallel", "bucket_mb", float, "gradient all-reduce bucket size in MiB"),
@@ -117,8 +123,17 @@ def _prepare_parser(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer.json (default: bytes)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line like every other bad input (exit status 2),
+    not the usage block; ``--help`` still shows everything."""
+
+    def error(self, message: str):
+        print(f"gridtrain: error: {message}; see `{self.prog} --help`", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gridtrain", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="gridtrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _generate_parser(sub)

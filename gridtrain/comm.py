@@ -18,6 +18,11 @@ by kind and group: the full tensor being all-reduced, the gathered output of an
 all-gather, the unreduced input of a reduce-scatter, the broadcast tensor. That is the
 volume the textbook formulas count (a ring moves 2(n-1)/n of it per rank for an
 all-reduce, (n-1)/n for the others), so tests compare it with closed forms.
+
+Every collective is also recorded in the process's flight recorder (watchdog.py): when it
+was issued, when the rank began to wait for it and when it returned, with its group's
+global ranks and a per-group sequence number, so that a hung job can say which rank
+never arrived. A recorded op costs a few ``perf_counter`` calls and a deque append.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from gridtrain.watchdog import FlightRecorder, process_recorder
 
 
 class ByteCounter:
@@ -54,7 +61,9 @@ class CommGroup:
     """A process group with its name, this rank's index in it, and the byte counter.
 
     ``group=None`` with size 1 stands for "no parallelism": every collective is then the
-    identity and nothing is counted, so layers need no special case for one rank.
+    identity and nothing is counted or recorded, so layers need no special case for one
+    rank. ``ranks`` are the group's global ranks (for the hang report); ``recorder`` is
+    the process's flight recorder unless a test gives its own.
     """
 
     name: str
@@ -62,26 +71,47 @@ class CommGroup:
     size: int = 1
     rank: int = 0
     counter: ByteCounter = field(default_factory=ByteCounter)
+    recorder: FlightRecorder = field(default_factory=process_recorder)
+    ranks: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, name: str, group: dist.ProcessGroup, counter: ByteCounter) -> "CommGroup":
-        return cls(name, group, dist.get_world_size(group), dist.get_rank(group), counter)
+    def of(cls, name: str, group: dist.ProcessGroup, counter: ByteCounter,
+           recorder: FlightRecorder | None = None) -> "CommGroup":
+        return cls(name, group, dist.get_world_size(group), dist.get_rank(group), counter,
+                   recorder if recorder is not None else process_recorder(),
+                   tuple(dist.get_process_group_ranks(group)))
 
     def global_rank(self, index: int) -> int:
         return dist.get_global_rank(self.group, index)
 
-    # ---- plain (non-autograd) collectives, counted --------------------------------
+    def record(self, kind: str, tensor: torch.Tensor | None, nbytes: int):
+        """Record a blocking collective about to be issued; pass the result to ``done``."""
+        return self.recorder.blocking(kind, self.name, self.ranks, tensor, nbytes)
+
+    def done(self, rec, tensor: torch.Tensor | None = None) -> None:
+        """The collective returned (or raised: a failed op is not a hang)."""
+        self.recorder.done(rec, tensor)
+
+    # ---- plain (non-autograd) collectives, counted and recorded ---------------------
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
             self.counter.add("all_reduce", self.name, tensor)
-            dist.all_reduce(tensor, op=op, group=self.group)
+            rec = self.record("all_reduce", tensor, _nbytes(tensor))
+            try:
+                dist.all_reduce(tensor, op=op, group=self.group)
+            finally:
+                self.done(rec, tensor)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src_index: int = 0) -> torch.Tensor:
         if self.size > 1:
             self.counter.add("broadcast", self.name, tensor)
-            dist.broadcast(tensor, src=self.global_rank(src_index), group=self.group)
+            rec = self.record("broadcast", tensor, _nbytes(tensor))
+            try:
+                dist.broadcast(tensor, src=self.global_rank(src_index), group=self.group)
+            finally:
+                self.done(rec, tensor)
         return tensor
 
     def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -90,7 +120,11 @@ class CommGroup:
             return [tensor]
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor, group=self.group)
+        rec = self.record("all_gather", tensor, _nbytes(tensor) * self.size)
+        try:
+            dist.all_gather(parts, tensor, group=self.group)
+        finally:
+            self.done(rec, tensor)
         self.counter.add("all_gather", self.name, tensor, copies=self.size)
         return parts
 
@@ -105,13 +139,21 @@ class CommGroup:
         self.counter.add("reduce_scatter", self.name, tensor)
         parts = [p.contiguous() for p in tensor.chunk(self.size, dim=dim)]
         out = torch.empty_like(parts[self.rank])
-        dist.reduce_scatter(out, parts, group=self.group)
+        rec = self.record("reduce_scatter", tensor, _nbytes(tensor))
+        try:
+            dist.reduce_scatter(out, parts, group=self.group)
+        finally:
+            self.done(rec, tensor)
         return out
 
     def own_slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         if self.size == 1:
             return tensor
         return tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def single(name: str = "single") -> CommGroup:

@@ -1,8 +1,10 @@
 """Configuration: dataclasses, presets, YAML files and command-line overrides.
 
 Everything a run needs is decided here; :mod:`gridtrain.validate_config` checks it before
-any process is spawned or any collective starts. This module imports nothing else of the
-package, so that every other module may import it.
+any process is spawned or any collective starts. Every value is checked against its
+field's type where it enters (YAML file, flags, or :func:`check_types` for configs built
+in Python), because a wrong type found later is a traceback inside a worker. This
+module imports nothing else of the package, so that every other module may import it.
 """
 
 from __future__ import annotations
@@ -215,7 +217,7 @@ def _describe_type(annotation: Any) -> str:
         return f"{_describe_type(inner)} or null"
     if typing.get_origin(annotation) is list:
         return f"a list of {_describe_type(typing.get_args(annotation)[0]).split(' ', 1)[1]}s"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[annotation]
+    return {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}[annotation]
 
 
 def _as_type(value: Any, annotation: Any) -> Any:
@@ -296,6 +298,8 @@ def _read_yaml(path: str) -> dict[str, Any]:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = " ".join(str(e.problem or e.context or "invalid YAML").split())
+        if e.problem and e.context and e.context_mark is not None:
+            problem += f" ({e.context}, from line {e.context_mark.line + 1})"
         raise ConfigError(f"--config {path}: {where}{problem}; fix the YAML syntax there") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None

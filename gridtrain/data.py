@@ -13,10 +13,18 @@ Corpus sources, all turned into one 1-D token array:
 * a UTF-8 text file;
 * a folder: every UTF-8 text file under it, recursively, in sorted order;
 * a token file written by :func:`prepare` (``OUT.bin`` + ``OUT.json``), memory-mapped.
+  A ``.bin`` without its header is refused: read as text it would train on the bytes of
+  the token ids.
 
 Files that are not valid UTF-8 are skipped in folders (they are almost always binaries:
 images, archives, compiled files) and rejected when named directly; decoding them with
 replacement characters would silently train on garbage.
+
+A corpus too small for one validation window plus one global batch of training windows
+is refused (:func:`check_enough_tokens`) rather than trained on with repeated windows.
+The same check runs before any process starts (gridtrain.validate_config), on
+:func:`count_tokens`, which counts without tokenizing; one implementation, two callers,
+so the message is the same whether the launcher or a worker finds the problem.
 """
 
 from __future__ import annotations

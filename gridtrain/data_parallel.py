@@ -19,6 +19,11 @@ pipeline micro-batches and tensor parallelism:
   buckets and divides by the DP size.
 
 It also measures how much of the all-reduce time was hidden behind backward.
+
+Each bucket's all-reduce is recorded in the flight recorder (watchdog.py) when it is
+launched, and its wait when :meth:`GradientReducer.finish` blocks on it: the watchdog
+counts a hang from that wait, never from the launch (a bucket is legitimately in flight
+for the rest of backward).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Bucket:
     end: int
     ready: int = 0
     work: object | None = None
+    record: object | None = None  # the flight recorder's entry (watchdog.py)
     launched_at: float = 0.0
     done_at: float | None = None
 
@@ -134,6 +140,8 @@ class GradientReducer:
     def _launch(self, bucket: Bucket) -> None:
         view = self.buffer[bucket.start: bucket.end]
         self.dp.counter.add("all_reduce", self.dp.name, view)
+        bucket.record = self.dp.recorder.issue("all_reduce", self.dp.name, self.dp.ranks,
+                                               view.numel() * view.element_size())
         bucket.work = dist.all_reduce(view, group=self.dp.group, async_op=True)
         bucket.launched_at = time.perf_counter()
 
@@ -160,7 +168,11 @@ class GradientReducer:
                 self._launch(b)
             self.next_bucket = len(self.buckets)
             for b in self.buckets:
-                b.work.wait()
+                self.dp.recorder.wait(b.record, self.buffer)
+                try:
+                    b.work.wait()
+                finally:
+                    self.dp.recorder.done(b.record, self.buffer)
                 if b.done_at is None:
                     b.done_at = time.perf_counter()
                 self.stats.in_flight_s += b.done_at - b.launched_at
@@ -176,7 +188,7 @@ class GradientReducer:
             self.counts[p] = 0
             p.grad = None
         for b in self.buckets:
-            b.ready, b.work, b.done_at = 0, None, None
+            b.ready, b.work, b.record, b.done_at = 0, None, None, None
         self.next_bucket = 0
         self.stats = OverlapStats()  # per step
 

@@ -4,17 +4,23 @@ A run reaches here in one of three ways: as one of ``--nproc`` workers (the laun
 has already initialised the default group), under ``torchrun`` (the environment says
 who we are), or as a plain single process (a one-rank gloo group on an in-memory store,
 so that the same code path, collectives included, runs everywhere).
+
+Every process group gets the backstop timeout of watchdog.py (``--timeout`` plus a
+margin), and with more than one rank a watchdog thread is started here and stopped by
+:func:`shutdown`: it turns a wait longer than ``--timeout`` into a hang report naming the
+rank that never arrived (docs/hangs.md).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from gridtrain import watchdog
 from gridtrain.comm import ByteCounter, CommGroup
 from gridtrain.config import Config
 from gridtrain.grid import ProcessGrid, ProcessGroups, create_process_groups
@@ -40,6 +46,7 @@ class DistributedContext:
     pp: CommGroup
     embedding: CommGroup | None  # first and last pipeline stage (tied embeddings), if a member
     bytes: ByteCounter  # every counted collective of this rank
+    recorder: watchdog.FlightRecorder = field(default_factory=watchdog.process_recorder)  # the flight recorder
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -64,19 +71,21 @@ def init_default_group(cfg: Config) -> None:
         return
     backend = backend_for(resolve_device_type(cfg.training.device))
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
-        init_from_env(backend, cfg.training.dist_timeout_s)
+        init_from_env(backend, watchdog.backstop_timeout_s(cfg.training.dist_timeout_s))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timedelta(seconds=cfg.training.dist_timeout_s))
 
 
 def setup_distributed(cfg: Config) -> DistributedContext:
-    """Initialise (if needed) and build the grid's groups; seed this rank's generators."""
+    """Initialise (if needed) and build the grid's groups; seed this rank's generators;
+    start the hang watchdog."""
     init_default_group(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     p = cfg.parallel
     grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp)
-    groups = create_process_groups(grid, rank)
+    timeout_s = cfg.training.dist_timeout_s
+    groups = create_process_groups(grid, rank, timeout=timedelta(seconds=watchdog.backstop_timeout_s(timeout_s)))
     device_type = resolve_device_type(cfg.training.device)
     if device_type == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -93,6 +102,8 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     rng = RNGStatesTracker(device)
     rng.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + coords.tp)
     counter = ByteCounter()
+    recorder = watchdog.process_recorder()
+    watchdog.start_watchdog(recorder, rank, world, timeout_s, device)
     tp = TensorParallel(CommGroup.of("tp", groups.tp, counter),
                         sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng)
     return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
@@ -101,7 +112,8 @@ def setup_distributed(cfg: Config) -> DistributedContext:
                               dp=CommGroup.of("dp", groups.dp, counter),
                               mp=CommGroup.of("mp", groups.mp, counter),
                               pp=CommGroup.of("pp", groups.pp, counter),
-                              embedding=_embedding_group(grid, rank, groups, counter), bytes=counter)
+                              embedding=_embedding_group(grid, rank, groups, counter), bytes=counter,
+                              recorder=recorder)
 
 
 def _embedding_group(grid: ProcessGrid, rank: int, groups: ProcessGroups,
@@ -112,5 +124,7 @@ def _embedding_group(grid: ProcessGrid, rank: int, groups: ProcessGroups,
 
 
 def shutdown() -> None:
+    """Stop the watchdog, then destroy the process groups."""
+    watchdog.stop_watchdog()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -293,6 +293,11 @@ def create_process_groups(
     the ranks deadlock or pair up the wrong groups. Single-rank groups (e.g. TP
     groups when tp == 1) are created too, so callers can always pass a real
     group to a collective instead of special-casing size 1.
+
+    ``timeout`` is every group's backend timeout. ``None`` means torch's default for
+    the backend (10 minutes for NCCL and gloo, much longer than most users' --timeout),
+    so callers should pass one: setup_distributed gives the backstop of watchdog.py,
+    ``--timeout`` plus a margin, so that the watchdog's hang report comes first.
     """
     import torch.distributed as dist
 

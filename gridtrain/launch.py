@@ -13,7 +13,7 @@ multi-process harness, so it is built to fail loudly and never hang:
 * whatever happens (error, timeout, Ctrl-C in the parent), the parent
   terminates every worker it started before returning or raising, and on Linux
   workers also die if the parent is killed outright (from their first instruction:
-  worker_entry.py sets that up before torch is imported);
+  worker.py sets that up before torch is imported);
 * a worker that stops on purpose (stops.py: diverged, preempted) sends its
   :class:`~gridtrain.stops.RunStopped` back, which the parent raises as it is, so the
   exit status means the same with ``--nproc`` as in one process; a worker that exits
@@ -33,16 +33,15 @@ import signal
 import socket
 import threading
 import time
-import traceback
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from gridtrain import worker_entry
+from gridtrain import worker
 from gridtrain.stops import EXIT_HANG, Hang, Preempted, RunStopped
+from gridtrain.worker import WorkerSpec
 
 _POLL_S = 0.05          # how often the parent checks the queue and worker liveness
 _DRAIN_GRACE_S = 1.0    # how long to wait for a dead worker's last message in the pipe
@@ -85,110 +84,6 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class _WorkerSpec:
-    """Everything a spawned worker needs; pickled once per worker by multiprocessing."""
-
-    fn: Callable[..., Any]
-    args: tuple
-    rank: int
-    world_size: int
-    port: int
-    backend: str
-    collective_timeout_s: float
-    parent_pid: int
-    env: dict[str, str] = field(default_factory=dict)
-
-
-# ---- worker side -------------------------------------------------------------
-
-
-def _set_worker_env(spec: _WorkerSpec) -> None:
-    """Export the torchrun-style variables, so code inside fn can read them as usual."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(spec.port),
-        RANK=str(spec.rank),
-        WORLD_SIZE=str(spec.world_size),
-        LOCAL_RANK=str(spec.rank),
-        LOCAL_WORLD_SIZE=str(spec.world_size),
-    )
-    os.environ.update(spec.env)
-
-
-def _init_worker_process_group(spec: _WorkerSpec) -> None:
-    """Join the parent's store and create the default process group.
-
-    Threads are capped at cores / workers: N workers each using every core
-    oversubscribe the CPU and run many times slower than N single-threaded ones.
-    """
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
-    if spec.backend == "nccl" and torch.cuda.is_available():
-        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
-    timeout = timedelta(seconds=spec.collective_timeout_s)
-    store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(
-        spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
-    )
-
-
-def _destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _pickle_result(value: Any) -> bytes:
-    """Pickle fn's return value here, so an unpicklable one is reported as this rank's error."""
-    try:
-        return pickle.dumps(value)
-    except Exception as exc:
-        raise TypeError(
-            f"fn returned a {type(value).__name__} that cannot be pickled to send it "
-            f"to the parent ({exc}); return plain data, e.g. tensors, numbers, dicts"
-        ) from exc
-
-
-def _report(results: Any, message: tuple[int, str, Any]) -> None:
-    """Send one message and wait until it is in the pipe, not just in the feeder's buffer,
-    so that it reaches the parent before anything this worker does next (e.g. closing
-    its connections, which makes its peers fail and report too)."""
-    results.put(message)
-    results.close()
-    results.join_thread()
-
-
-def worker_main(spec: _WorkerSpec, results: Any) -> None:
-    """One spawned worker (after worker_entry.main): run fn and report its result, its
-    deliberate stop (:class:`RunStopped`) or its traceback.
-
-    The result is pickled here with plain pickle, not by the queue's feeder
-    thread: a feeder-side pickling error is only printed, and the parent would
-    wait for a message that never comes (torch's queue pickler would also
-    share tensors through memory that dies with this process). An error is
-    reported before tearing down the process group, so the parent hears about
-    the root cause before the other ranks (blocked in a collective with this
-    one) fail in turn.
-    """
-    _set_worker_env(spec)
-    try:
-        _init_worker_process_group(spec)
-        value = spec.fn(spec.rank, spec.world_size, *spec.args)
-        _destroy_process_group()
-        payload = _pickle_result(value)
-    except RunStopped as stop:
-        _report(results, (spec.rank, "stop", pickle.dumps(stop)))
-        _destroy_process_group()
-        return
-    except BaseException:  # noqa: BLE001 -- every failure must reach the parent
-        _report(results, (spec.rank, "error", traceback.format_exc()))
-        try:
-            _destroy_process_group()
-        except BaseException:  # noqa: BLE001 -- already reporting the first failure
-            pass
-        return
-    _report(results, (spec.rank, "ok", payload))
 
 
 # ---- parent side -------------------------------------------------------------
@@ -254,7 +149,7 @@ def _failure(
     if hung:
         return Hang(f"rank(s) {hung} found a communication wait longer than --timeout and stopped the "
                     "run; the hang report above says which rank waited on what and who never arrived")
-    if sigterm.received:
+    if sigterm.received or any(procs[r].exitcode == -signal.SIGTERM for r in dead):
         return Preempted("stopped by SIGTERM before a checkpoint could be saved (pass --save to save "
                          "at the next step boundary on SIGTERM)")
     if dead:
@@ -272,7 +167,7 @@ def _failure(
     return WorkerError(message, rank=rank, worker_traceback=tb, exitcode=exitcode)
 
 
-def _start_workers(ctx: Any, specs: Sequence[_WorkerSpec], results: Any, procs: list) -> None:
+def _start_workers(ctx: Any, specs: Sequence[WorkerSpec], results: Any, procs: list) -> None:
     """Start one process per spec, appending each to ``procs`` as soon as it exists,
     so the caller's cleanup sees every started worker even if a later start fails."""
     for spec in specs:
@@ -283,7 +178,7 @@ def _start_workers(ctx: Any, specs: Sequence[_WorkerSpec], results: Any, procs: 
                 f"cannot send fn/args to the workers ({exc}); fn must be a module-level "
                 "function and args must be picklable"
             ) from exc
-        proc = ctx.Process(target=worker_entry.main, args=(spec.parent_pid, payload, results),
+        proc = ctx.Process(target=worker.main, args=(spec.parent_pid, payload, results),
                            name=f"gridtrain-rank{spec.rank}")
         proc.start()
         procs.append(proc)
@@ -402,7 +297,7 @@ def run_workers(
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     specs = [
-        _WorkerSpec(fn, tuple(args), rank, nproc, store.port, backend,
+        WorkerSpec(fn, tuple(args), rank, nproc, store.port, backend,
                     collective_timeout_s, os.getpid(), dict(env or {}))
         for rank in range(nproc)
     ]
@@ -457,5 +352,25 @@ def init_from_env(
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         timeout = timedelta(seconds=collective_timeout_s)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                store=job_store(timeout))
     return rank, world_size, local_rank
+
+
+def job_store(timeout: timedelta = timedelta(seconds=300)) -> dist.Store | None:
+    """Under torchrun, the agent's store seen through a prefix of this restart attempt
+    (None elsewhere: torch's env:// rendezvous then does as usual).
+
+    torchrun keeps one store for the whole job and hands it to every attempt. The keys in
+    which a group's ranks publish their addresses do not change from one attempt to the
+    next, so after ``--max-restarts`` restarts a worker a new worker can read the address
+    of a peer that died with the last attempt and fail to connect ("Connection refused"
+    in gloo's connectFullMesh; NCCL's bootstrap likewise). A prefix per attempt
+    (TORCHELASTIC_RESTART_COUNT) gives every attempt fresh keys.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"gridtrain/attempt_{attempt}", store)

@@ -19,6 +19,7 @@ from gridtrain.launch import backend_for, resolve_device_type
 from gridtrain.model import GPT, generate
 from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
 from gridtrain.train import pretrain
+from gridtrain.watchdog import backstop_timeout_s
 
 
 def train_worker(rank: int, world_size: int, cfg: Config) -> dict:
@@ -40,7 +41,7 @@ def train_command(cfg: Config) -> int:
             shutdown()
         return 0
     launch.run_workers(train_worker, nproc, (cfg,), backend=backend_for(resolve_device_type(cfg.training.device)),
-                collective_timeout_s=cfg.training.dist_timeout_s)
+                       collective_timeout_s=backstop_timeout_s(cfg.training.dist_timeout_s))
     return 0
 
 

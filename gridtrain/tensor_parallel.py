@@ -293,6 +293,8 @@ def broadcast_batches(batches: list[dict[str, torch.Tensor]] | None, n: int, tp:
 
     Keys, shapes and dtypes travel first as a small object broadcast, then one tensor
     per key holding all ``n`` micro-batches stacked (as Megatron's broadcast_data does).
+    Both are recorded in the flight recorder, so a TP rank that never comes for its
+    batch is named in a hang report.
     """
     if tp.size == 1:
         return batches
@@ -300,8 +302,12 @@ def broadcast_batches(batches: list[dict[str, torch.Tensor]] | None, n: int, tp:
     meta = [None]
     if src:
         meta[0] = {k: (tuple(v.shape), v.dtype) for k, v in batches[0].items()}
-    torch.distributed.broadcast_object_list(meta, src=tp.comm.global_rank(0), group=tp.comm.group,
-                                            device=device if device.type == "cuda" else None)
+    rec = tp.comm.record("broadcast_object", None, 0)  # flight recorder (watchdog.py); size unknown
+    try:
+        torch.distributed.broadcast_object_list(meta, src=tp.comm.global_rank(0), group=tp.comm.group,
+                                                device=device if device.type == "cuda" else None)
+    finally:
+        tp.comm.done(rec)
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
     for key, (shape, dtype) in sorted(meta[0].items()):
         stacked = (torch.stack([b[key] for b in batches]).to(device) if src

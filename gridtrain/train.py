@@ -29,7 +29,7 @@ __all__ = ["Datasets", "TrainResult", "pretrain"]
 def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config], Datasets],
              forward_step: ForwardStep, cfg: Config) -> TrainResult:
     """Train ``cfg.training.steps`` steps on the grid this process belongs to."""
-    validate(cfg)
+    validate(cfg, data=False)  # the CLI checked the built-in provider's data; others bring their own
     trainer = build(cfg, model_provider, forward_step, datasets_provider)
     report = RunReport(trainer)
     t, validates = cfg.training, trainer.data.valid is not None
@@ -37,10 +37,11 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     preemption = Preemption(CommGroup.of("world", dist.group.WORLD, trainer.ctx.bytes)) if t.save else None
     try:
         for step in range(trainer.start_step, t.steps):
+            done = step + 1  # steps count from 1, as in the metrics file and the hang report
+            trainer.ctx.recorder.set_step(done)
             lr = trainer.set_lr(step)
             with report.step_window(first=step == trainer.start_step):
                 out = trainer.train_step(trainer.read_batches(step))
-            done = step + 1
             health.check(done, out.loss, out.grad_norm, trainer.loss_scale)
             valid_loss = trainer.evaluate() if validates and _due(done, t.eval_interval) else None
             report.step(done, lr, out, valid_loss)

@@ -119,6 +119,7 @@ class Trainer:
         set, forward-only through the pipeline. The same windows are used whatever the
         layout, each DP rank taking its fixed slice."""
         t, ctx, dataset = self.cfg.training, self.ctx, self.data.valid
+        ctx.recorder.set_action("validation")
         self.model.eval()
         sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.micro_batch_size,
                                      ctx.grid.dp, ctx.coords.dp, t.seed, shuffle=False)
@@ -139,6 +140,7 @@ class Trainer:
         """Write a checkpoint after ``step`` steps, unless some weight is not finite (e.g. an
         fp16 copy of a master weight beyond fp16's range): then the run has diverged, and
         ``latest`` stays the last finite checkpoint."""
+        self.ctx.recorder.set_action("checkpoint save")
         if not self._weights_finite():
             raise Diverged(f"step {step}: some weights are not finite (inf or NaN); not saved, the latest "
                            f"checkpoint in {self.cfg.training.save} is from before; lower --lr", step)

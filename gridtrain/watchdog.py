@@ -272,9 +272,19 @@ def describe_op(op: dict[str, Any]) -> str:
     return f"{op['kind']} #{op['seq']} of group {ranks}"
 
 
+def describe_side(op: dict[str, Any], waiter: int) -> str:
+    """The missing rank's side of the waiter's ``op``: a receive waits for a send."""
+    ranks = f"{op['group']} {op['ranks']}"
+    if op["kind"] == "recv":
+        return f"send #{op['seq']} to rank {waiter} on group {ranks}"
+    if op["kind"] == "send":
+        return f"recv #{op['seq']} from rank {waiter} on group {ranks}"
+    return describe_op(op)
+
+
 def _where(op: dict[str, Any]) -> str:
     parts = [f"step {op['step']}" if op.get("step") is not None else None, op.get("action")]
-    return ", ".join(p for p in parts if p) or "before the first step"
+    return ", ".join(p for p in parts if p) or "outside the schedule"
 
 
 def _ranks(ranks: Iterable[int]) -> str:
@@ -299,12 +309,13 @@ def headline(reports: dict[int, dict[str, Any]], timeout_s: float, first: int | 
         r, op = waits[0]
         return (f"gridtrain: hang: rank {r} waited {op['wait_ago']:.1f} s in {describe_op(op)} ({_where(op)}) "
                 f"though every member issued it (--timeout {timeout_s:g})")
-    # the first firing rank's own wait when it has a missing member, else the first finding
-    lead = next((m for m in missing if m.waiter == first), missing[0])
-    same = {m.rank for m in missing if m.waiter == lead.waiter and m.op["seq"] == lead.op["seq"]
-            and m.op["group"] == lead.op["group"] and m.op["kind"] == lead.op["kind"]}
-    return (f"gridtrain: hang: {_ranks(same)} never arrived at {describe_op(lead.op)} ({_where(lead.op)}); "
-            f"rank {lead.waiter} waited {lead.op['wait_ago']:.1f} s (--timeout {timeout_s:g})")
+    # silent ranks first (analyse sorts them so), the first firing rank's own wait first
+    silent = [m for m in missing if m.report is None] or missing
+    lead = next((m for m in silent if m.waiter == first), silent[0])
+    same = {m.rank for m in silent if m.waiter == lead.waiter and m.op is lead.op}
+    return (f"gridtrain: hang: {_ranks(same)} never arrived at {describe_side(lead.op, lead.waiter)} "
+            f"({_where(lead.op)}); rank {lead.waiter} waited {lead.op['wait_ago']:.1f} s "
+            f"(--timeout {timeout_s:g})")
 
 
 def format_op(op: dict[str, Any]) -> str:
@@ -331,8 +342,8 @@ def format_report(reports: dict[int, dict[str, Any]], world_size: int, timeout_s
         if m.report is not None:
             now = m.report["waiting"][0] if m.report["waiting"] else None
             at = f"waiting in {describe_op(now)} ({_where(now)})" if now else \
-                f"not communicating (step {m.report['step']}, {m.report['action'] or 'outside the schedule'})"
-            lines.append(f"  rank {m.rank} has not arrived at {describe_op(m.op)}: it is {at}")
+                f"not communicating ({_where(m.report) if m.report['action'] else 'outside the schedule'})"
+            lines.append(f"  rank {m.rank} has not reached {describe_side(m.op, m.waiter)}: it is {at}")
     for m in missing:
         lines.append(f"  rank {m.waiter} waits for rank {m.rank} in {describe_op(m.op)} ({_where(m.op)}), "
                      f"{m.op['wait_ago']:.1f} s")
@@ -344,8 +355,9 @@ def format_report(reports: dict[int, dict[str, Any]], world_size: int, timeout_s
         if rep is None:
             lines.append(f"  rank {r}: no report{' (never arrived)' if r in silent else ''}")
             continue
-        lines.append(f"  rank {r} (host {rep['host']}, pid {rep['pid']}), at step {rep['step']}, "
-                     f"{rep['action'] or 'outside the schedule'}:")
+        at = ", ".join(p for p in (f"step {rep['step']}" if rep["step"] is not None else None,
+                                   rep["action"] or "outside the schedule") if p)
+        lines.append(f"  rank {r} (host {rep['host']}, pid {rep['pid']}), now at {at}:")
         ops = rep["ops"][-ops_per_rank:]
         lines.extend(f"    {format_op(op)}" for op in ops)
         if not ops:

@@ -142,7 +142,7 @@ def test_killed_worker_under_torchrun_restarts_and_resumes(uninterrupted, tmp_pa
 # ---- the launcher itself -----------------------------------------------------------------------
 
 def test_killing_the_launcher_while_workers_import_leaves_no_worker(tmp_path):
-    """Workers tie their life to the launcher's before importing torch (worker_entry.py),
+    """Workers tie their life to the launcher's before importing torch (worker.py),
     so a kill -9 in the first second of a run leaves no orphan."""
     proc = processes.start([*processes.GRIDTRAIN, *RUN, "--nproc", "2"])
     deadline = time.monotonic() + 30

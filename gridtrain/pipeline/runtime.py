@@ -26,6 +26,11 @@ schedule decides the order; the runtime only interprets it:
 
 Per step the stage counts the most micro-batches whose activations it held, and times
 its compute actions (for the idle fraction and, with ``trace``, the Chrome trace).
+
+For hang reports (watchdog.py) the runtime tells the flight recorder which action it is
+running (so that the collectives inside a forward say ``F(mb 3, chunk 0)``), and records
+every send and receive with its peer, from posting to the end of the batch's wait. The
+waits have the process groups' timeout and the watchdog's.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ class PipelineStage:
         self.tracing = trace
         self.recompute = recompute or Recomputation()
         self.num_micro_batches = 1 + max((a.mb for a in actions if a.kind == F), default=-1)
+        self.recorder = pp.recorder
+        self.names = {a: _describe(a) for a in actions}  # for the flight recorder, made once
 
     # ---- one optimizer step -------------------------------------------------------------
 
@@ -97,6 +104,7 @@ class PipelineStage:
                 i = j
                 continue
             a = self.actions[i]
+            self.recorder.set_action(self.names[a])
             if a.kind == F:
                 self._timed(str(a), self._forward, a.mb, a.chunk)
             elif a.kind == B:
@@ -108,6 +116,7 @@ class PipelineStage:
             elif a.kind != OPTIMIZER_STEP:  # the caller steps after clipping
                 raise ValueError(f"unknown pipeline action {a}")
             i += 1
+        self.recorder.set_action("after the schedule (loss, clipping, optimizer)")
         self.stats.wall_s = time.perf_counter() - began
         return self.loss_sum, self.stats
 
@@ -187,24 +196,28 @@ class PipelineStage:
     # ---- communication ---------------------------------------------------------------------
 
     def _communicate(self, actions: list[Action]) -> None:
-        ops, received = [], []
+        ops, received, records = [], [], []
         for a in actions:  # posted in list order: the order that pairs them with the peer's
+            self.recorder.set_action(self.names[a])
             if a.kind == SEND_F:
-                ops.append(self._p2p(dist.isend, self.outputs[(a.mb, a.chunk)].detach(), self.stage + 1))
+                op = self._p2p(dist.isend, self.outputs[(a.mb, a.chunk)].detach(), self.stage + 1)
             elif a.kind == SEND_B:
-                ops.append(self._p2p(dist.isend, self.inputs.pop((a.mb, a.chunk)).grad, self.stage - 1))
+                op = self._p2p(dist.isend, self.inputs.pop((a.mb, a.chunk)).grad, self.stage - 1)
             else:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 peer = self.stage + 1 if a.kind == RECV_B else self.stage - 1
-                ops.append(self._p2p(dist.irecv, buffer, peer))
+                op = self._p2p(dist.irecv, buffer, peer)
                 received.append((a, buffer))
+            ops.append(op)
+            records.append(self.recorder.issue("send" if op.op is dist.isend else "recv", self.pp.name,
+                                               self.pp.ranks, op.tensor.numel() * op.tensor.element_size(),
+                                               peer=op.peer))
         works = dist.batch_isend_irecv(ops)
         if self.recompute.policy.early:  # rebuild while the gradients are on their way
             for a in actions:
                 if a.kind == RECV_B:
                     self.recompute.rebuild((a.mb, a.chunk))
-        for work in works:
-            work.wait()
+        self._wait(works, records, ops[0].tensor)
         for a in actions:  # free what has been sent: only the graph is needed now
             if a.kind == SEND_F:
                 _free_data(self.outputs[(a.mb, a.chunk)])
@@ -214,6 +227,22 @@ class PipelineStage:
             else:
                 self.grads[(a.mb, a.chunk)] = buffer
 
+    def _wait(self, works: list, records: list, tensor: torch.Tensor) -> None:
+        """Wait for a posted batch, recording each operation's wait. Backends that coalesce
+        the batch (NCCL) return fewer works than operations: then all end together."""
+        for rec in records:
+            self.recorder.wait(rec, tensor)
+        pairs = zip(works, records) if len(works) == len(records) else [(w, None) for w in works]
+        try:
+            for work, rec in pairs:
+                work.wait()
+                if rec is not None:
+                    self.recorder.done(rec, tensor)
+        finally:
+            for rec in records:
+                if rec.done is None and rec.finished is None:
+                    self.recorder.done(rec, tensor)
+
     def _p2p(self, op, tensor: torch.Tensor, peer_stage: int) -> dist.P2POp:
         if op is dist.isend:
             tensor = tensor.contiguous()
@@ -222,6 +251,11 @@ class PipelineStage:
                                    f"{tensor.dtype}, expected {self.shape} {self.dtype}")
             self.pp.counter.add("send", self.pp.name, tensor)
         return dist.P2POp(op, tensor, self.pp.global_rank(peer_stage % self.p), self.pp.group)
+
+
+def _describe(a: Action) -> str:
+    """An action as the hang report shows it: ``F(mb 3, chunk 0)``, ``SEND_B(mb 2, chunk 1)``."""
+    return a.kind if a.mb < 0 else f"{a.kind}(mb {a.mb}, chunk {a.chunk})"
 
 
 def _free_data(out: torch.Tensor) -> None:
