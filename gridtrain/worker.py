@@ -155,4 +155,7 @@ def main(parent_pid: int, payload: bytes, results) -> None:
     """Spawn target: ``payload`` is the pickled worker spec, opened only after the
     parent-death signal is in place."""
     die_with_parent(parent_pid)
+    # Ctrl-C reaches every process of the terminal's group; the launcher alone answers it
+    # (it stops the workers), so no worker prints a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker_main(pickle.loads(payload), results)

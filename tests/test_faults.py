@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from gridtrain import cli
 from gridtrain.metrics import open_metrics_file
-from gridtrain.stops import EXIT_DIVERGED, EXIT_PREEMPTED, Diverged, Health
+from gridtrain.stops import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, Diverged, Health
 from tests import processes
 
 # Slow enough to be signalled mid-run (a step takes tens of milliseconds), small enough to be quick.
@@ -97,16 +97,18 @@ def test_metrics_file_keeps_each_step_once_after_a_resume(tmp_path):
 
 # ---- preemption ---------------------------------------------------------------------------------
 
-def test_sigterm_saves_and_the_same_command_resumes_to_the_same_losses(uninterrupted, tmp_path):
-    """SIGTERM to the launcher: every worker saves after the same step and the job exits
-    75; the same command (with --auto-resume) finishes the run as if nothing happened."""
+@pytest.mark.parametrize("target", ["launcher", "one worker"])
+def test_sigterm_saves_and_the_same_command_resumes_to_the_same_losses(target, uninterrupted, tmp_path):
+    """SIGTERM to the launcher or to one worker (schedulers do either): every worker saves
+    after the same step and the job exits 75; the same command (with --auto-resume)
+    finishes the run as if nothing happened."""
     metrics, save = tmp_path / "m.jsonl", tmp_path / "ckpt"
     argv = [*processes.GRIDTRAIN, *RUN, "--nproc", "2", "--metrics-file", str(metrics), "--save", str(save),
             "--auto-resume"]
     proc = processes.start(argv)
     try:
         processes.wait_for_rows(metrics, 5, proc)
-        proc.send_signal(signal.SIGTERM)
+        os.kill(proc.pid if target == "launcher" else processes.workers(proc.pid)[-1], signal.SIGTERM)
         code, _, err = processes.finish(proc)
     finally:
         processes.kill_tree([proc.pid])
@@ -140,6 +142,22 @@ def test_killed_worker_under_torchrun_restarts_and_resumes(uninterrupted, tmp_pa
 
 
 # ---- the launcher itself -----------------------------------------------------------------------
+
+def test_ctrl_c_is_one_line_and_leaves_no_worker(tmp_path):
+    """Ctrl-C in a terminal signals the launcher and every worker (one process group)."""
+    metrics = tmp_path / "m.jsonl"
+    proc = processes.start([*processes.GRIDTRAIN, *RUN, "--nproc", "2", "--metrics-file", str(metrics)])
+    try:
+        processes.wait_for_rows(metrics, 2, proc)
+        spawned = processes.workers(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        code, _, err = processes.finish(proc, timeout_s=60)
+    finally:
+        processes.kill_tree([proc.pid])
+    assert code == EXIT_INTERRUPTED, err[-3000:]
+    assert "interrupted" in err and "Traceback" not in err, err[-3000:]
+    assert not any(processes.alive(p) for p in spawned)
+
 
 def test_killing_the_launcher_while_workers_import_leaves_no_worker(tmp_path):
     """Workers tie their life to the launcher's before importing torch (worker.py),
