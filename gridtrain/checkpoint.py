@@ -6,8 +6,10 @@ Layout of a save directory::
     DIR/latest                                 name of the newest complete step directory
     DIR/step_0000200/model-pp000.safetensors   one file per pipeline stage: whole tensors
                                                by global name, no vocabulary padding
-    DIR/step_0000200/trainer-pp000.pt          optimizer state by parameter name (and, in
-                                               stage 0's file, every rank's RNG state)
+    DIR/step_0000200/trainer-pp000.pt          optimizer state by parameter name (Adam's
+                                               moments; 16-bit runs: fp32 master weights),
+                                               fp16's loss-scaler state, and, in stage 0's
+                                               file, every rank's RNG state
     DIR/step_0000200/meta.json                 step, full config
     DIR/step_0000200/manifest.json             every other file's name, size in bytes and
                                                sha256; written last
@@ -299,16 +301,27 @@ def gather_model(model: nn.Module, ctx) -> dict[str, torch.Tensor] | None:
     return {k: v for part in parts for k, v in part.items()} if parts is not None else None
 
 
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+def full_optimizer_state(model: nn.Module, states: dict[nn.Parameter, dict[str, Any]],
                          tp: TensorParallel) -> dict[str, dict[str, Any]]:
-    """Per-parameter optimizer state by name, with shards made whole; collective over TP."""
+    """Per-parameter optimizer state by name, with TP shards made whole; collective over TP.
+    ``states`` maps each parameter to its state as torch's AdamW keeps it (``step``,
+    ``exp_avg``, ``exp_avg_sq``), plus ``master`` for 16-bit runs (see
+    :func:`_optimizer_states`)."""
     out = {}
-    states = optimizer.state_by_param() if hasattr(optimizer, "state_by_param") else optimizer.state
     for name, p in model.named_parameters():
         state = states.get(p, {})
         out[name] = {k: _full(v, p, tp) if torch.is_tensor(v) and v.shape == p.shape else v
                      for k, v in state.items()}
     return out
+
+
+def _optimizer_states(optimizer) -> dict[nn.Parameter, dict[str, Any]] | None:
+    """The optimizer's per-parameter state where it is written (the DP group's first rank;
+    None elsewhere for the distributed optimizer, which gathers its ZeRO shards only
+    there); collective over DP for the distributed optimizer."""
+    if hasattr(optimizer, "state_by_param"):
+        return optimizer.state_by_param()
+    return optimizer.state
 
 
 # ---- saving ---------------------------------------------------------------------------------
@@ -371,7 +384,8 @@ def _swap_into_place(tmp: Path, final: Path) -> None:
 
 
 def save_checkpoint(directory: str | Path, step: int, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None, cfg: Config, ctx=None) -> Path:
+                    optimizer: torch.optim.Optimizer | None, cfg: Config, ctx=None, *,
+                    scaler=None) -> Path:
     """Write the state after ``step`` completed steps; collective over the default group.
 
     The first DP/TP rank of each pipeline stage writes that stage's tensors (TP shards
@@ -380,14 +394,22 @@ def save_checkpoint(directory: str | Path, step: int, model: nn.Module,
     adds meta.json and then manifest.json, and renames the directory into place (see the
     module docstring). A failure on any rank raises on every rank and leaves the previous
     checkpoint as it was.
+
+    Only the first DP rank's TP group assembles whole tensors (the other DP replicas hold
+    the same weights and write nothing); a ZeRO-1 optimizer sends its shards there. The
+    trainer file holds, per parameter, the moments and (16-bit runs) the fp32 master
+    weights, and the fp16 loss ``scaler``'s state when given: without them a resumed
+    bf16/fp16 run would restart from rounded weights and a fresh loss scale.
     """
     tp = _tp_of(ctx)
     final = step_dir(directory, step)
     where = f"--save {directory}"
     stage = ctx.coords.pp if ctx is not None else 0
     writer = ctx is None or (ctx.coords.dp == 0 and ctx.coords.tp == 0)
-    weights = full_model_state(model, tp)
-    opt_state = full_optimizer_state(model, optimizer, tp) if optimizer is not None else None
+    assembles = ctx is None or ctx.coords.dp == 0  # the writer's TP group: TP gathers are collective there
+    weights = full_model_state(model, tp) if assembles else {}
+    states = _optimizer_states(optimizer) if optimizer is not None else None  # collective over DP
+    opt_state = full_optimizer_state(model, states, tp) if states is not None and assembles else None
     rng = _gather_rng_states(ctx)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
 
@@ -412,7 +434,8 @@ def save_checkpoint(directory: str | Path, step: int, model: nn.Module,
                 groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
                 state = {k: v for k, v in opt_state.items() if k in weights}
                 file = tmp / f"trainer-pp{stage:03d}.pt"
-                torch.save({"state": state, "param_groups": groups, "rng": rng if rank0 else None}, file)
+                torch.save({"state": state, "param_groups": groups, "rng": rng if rank0 else None,
+                            "scaler": scaler.state_dict() if scaler is not None else None}, file)
                 entries[file.name] = _seal(file)
         except Exception as exc:  # reported to every rank below, so that none waits forever
             own = exc
@@ -649,14 +672,22 @@ def _source_name(name: str, param: torch.Tensor) -> str:
 
 @torch.no_grad()
 def load_checkpoint(directory: str | Path, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None, ctx=None) -> int:
+                    optimizer: torch.optim.Optimizer | None = None, ctx=None, *, scaler=None) -> int:
     """Load weights (and optimizer/RNG state when given) into whatever part of the model
     this rank holds, in whatever layout; returns the completed step count.
 
     Checks first, through :func:`check_loadable`: the manifest (every file hashed, once
     per process), meta.json, and the model config when ``model`` carries one
     (``model.cfg``, as :class:`~gridtrain.model.GPT` does). Only files the manifest
-    lists are read."""
+    lists are read.
+
+    Master weights: an optimizer that keeps them (``load_state_by_param``) takes the
+    saved ``master`` tensors, or, from a checkpoint without them (an fp32 run's), the
+    saved weights at their full precision rather than the parameters already rounded to
+    this run's dtype. A plain optimizer's parameters take the saved masters where there
+    are some (a bf16/fp16 checkpoint resumed in fp32 continues from its fp32 weights).
+    ``scaler`` (fp16's :class:`~gridtrain.distributed_optimizer.LossScaler`) takes the
+    saved scale and counters when the checkpoint has them."""
     tp = _tp_of(ctx)
     run_model = getattr(model, "cfg", None)
     path = check_loadable(directory, run_model if isinstance(run_model, ModelConfig) else None)
@@ -669,6 +700,7 @@ def load_checkpoint(directory: str | Path, model: nn.Module,
     if missing:
         raise CheckpointError(f"--load {path}: the checkpoint has no weights for {', '.join(missing[:3])}"
                               f"{' ...' if len(missing) > 3 else ''}; use the same model flags as the saved run")
+    saved_local: dict[nn.Parameter, torch.Tensor] = {}  # at the saved precision
     for name, p in params.items():
         saved = weights[_source_name(name, p)]
         local = _local(saved, p, tp)
@@ -676,6 +708,7 @@ def load_checkpoint(directory: str | Path, model: nn.Module,
             raise CheckpointError(f"--load {path}: {name} has shape {tuple(saved.shape)}, "
                                   "which does not fit this model; use the same model flags as the saved run")
         p.copy_(local)
+        saved_local[p] = local
     trainers = [_read_file(path, name, lambda f: torch.load(f, weights_only=False))
                 for name in filter(_is_trainer, files)]
     if optimizer is not None:
@@ -686,18 +719,26 @@ def load_checkpoint(directory: str | Path, model: nn.Module,
         except (KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"--load {path}: a trainer-pp*.pt file lacks optimizer state "
                                   f"({_first_line(exc)}); {_REDO}") from None
+        keeps_masters = hasattr(optimizer, "load_state_by_param")
         states = {}
         for name, p in params.items():
-            state = state_by_name.get(_source_name(name, p))
+            state = {k: _local(v, p, tp).to(p.device) if torch.is_tensor(v) and v.dim() else v
+                     for k, v in (state_by_name.get(_source_name(name, p)) or {}).items()}
+            if keeps_masters and "master" not in state:
+                state["master"] = saved_local[p].to(p.device)
+            elif not keeps_masters and "master" in state:
+                p.copy_(state.pop("master"))
             if state:
-                states[p] = {k: _local(v, p, tp).to(p.device) if torch.is_tensor(v) and v.dim() else v
-                             for k, v in state.items()}
-        if hasattr(optimizer, "load_state_by_param"):
-            optimizer.load_state_by_param(states)  # also restarts master weights from the loaded ones
+                states[p] = state
+        if keeps_masters:
+            optimizer.load_state_by_param(states)
         else:
             optimizer.state.update(states)
         if trainers:
             for group, saved_group in zip(optimizer.param_groups, groups):
                 group.update(saved_group)
             _restore_rng(rng, ctx)
+    saved_scaler = trainers[0].get("scaler") if trainers and isinstance(trainers[0], dict) else None
+    if scaler is not None and saved_scaler:
+        scaler.load_state_dict(saved_scaler)
     return int(_read_meta_file(path, "--load")["step"])

@@ -23,6 +23,21 @@ Every collective is also recorded in the process's flight recorder (watchdog.py)
 was issued, when the rank began to wait for it and when it returned, with its group's
 global ranks and a per-group sequence number, so that a hung job can say which rank
 never arrived. A recorded op costs a few ``perf_counter`` calls and a deque append.
+
+Device discipline. gloo accepts a CPU tensor wherever it is handed one; NCCL does not,
+and the first GPU run would find out. A group that knows its rank's device (``device``,
+set by :func:`gridtrain.distributed.setup_distributed`) therefore refuses, before
+issuing anything, a tensor that lives elsewhere, with an error naming the collective
+and the group (:meth:`CommGroup.check_device`). The check is one device comparison, so
+it stays on in every run.
+
+Gathers and reduce-scatters use the single-tensor collectives
+(``all_gather_into_tensor`` / ``reduce_scatter_tensor``, which torch 2.13 renames
+``all_gather_single`` / ``reduce_scatter_single``): one output buffer instead of a
+list of per-rank tensors and a ``cat`` (or ``chunk`` + per-chunk copies), which is what
+NCCL implements natively. The ranks' slices must sit one after the other in memory, so
+the gathered or scattered dimension is moved to the front for the transfer and back
+after it; the results are exactly those of ``cat`` / ``chunk`` along ``dim``.
 """
 
 from __future__ import annotations
@@ -63,7 +78,11 @@ class CommGroup:
     ``group=None`` with size 1 stands for "no parallelism": every collective is then the
     identity and nothing is counted or recorded, so layers need no special case for one
     rank. ``ranks`` are the group's global ranks (for the hang report); ``recorder`` is
-    the process's flight recorder unless a test gives its own.
+    the process's flight recorder unless a test gives its own. ``device``, when set, is
+    the device every tensor handed to this group's collectives must live on (the rank's
+    GPU under NCCL, the CPU under gloo); it also tells code that has no tensor of its
+    own to take a device from (a pipeline stage without parameters) where to allocate
+    what it hands to a collective. ``None`` (tests, the one-rank group) checks nothing.
     """
 
     name: str
@@ -73,16 +92,34 @@ class CommGroup:
     counter: ByteCounter = field(default_factory=ByteCounter)
     recorder: FlightRecorder = field(default_factory=process_recorder)
     ranks: tuple[int, ...] = ()
+    device: torch.device | None = None
+    _backend: str | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, name: str, group: dist.ProcessGroup, counter: ByteCounter,
-           recorder: FlightRecorder | None = None) -> "CommGroup":
+           recorder: FlightRecorder | None = None,
+           device: torch.device | str | None = None) -> "CommGroup":
         return cls(name, group, dist.get_world_size(group), dist.get_rank(group), counter,
                    recorder if recorder is not None else process_recorder(),
-                   tuple(dist.get_process_group_ranks(group)))
+                   tuple(dist.get_process_group_ranks(group)),
+                   torch.device(device) if device is not None else None)
 
     def global_rank(self, index: int) -> int:
         return dist.get_global_rank(self.group, index)
+
+    def check_device(self, kind: str, tensor: torch.Tensor) -> None:
+        """Refuse a tensor that is not on this group's device (when the group has one).
+
+        Called before every collective this group issues (and by other modules before
+        theirs: the reducer's buckets, point-to-point transfers), so that a CPU tensor
+        meant for NCCL fails here, naming the call, instead of deep inside the backend
+        (or, under gloo, not at all until the first GPU run).
+        """
+        if self.device is not None and not same_device(tensor.device, self.device):
+            raise DeviceMismatch(
+                f"{kind} on group {self.name!r}: the tensor ({tuple(tensor.shape)}, {tensor.dtype}) is on "
+                f"{tensor.device}, but this group's device is {self.device}; allocate it on the rank's "
+                "device (ctx.device, or the group's .device)")
 
     def record(self, kind: str, tensor: torch.Tensor | None, nbytes: int):
         """Record a blocking collective about to be issued; pass the result to ``done``."""
@@ -92,10 +129,18 @@ class CommGroup:
         """The collective returned (or raised: a failed op is not a hang)."""
         self.recorder.done(rec, tensor)
 
+    @property
+    def backend(self) -> str:
+        """The group's backend name ("gloo", "nccl", "fake", ...), looked up once."""
+        if self._backend is None:
+            self._backend = str(dist.get_backend(self.group))
+        return self._backend
+
     # ---- plain (non-autograd) collectives, counted and recorded ---------------------
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
+            self.check_device("all_reduce", tensor)
             self.counter.add("all_reduce", self.name, tensor)
             rec = self.record("all_reduce", tensor, _nbytes(tensor))
             try:
@@ -106,6 +151,7 @@ class CommGroup:
 
     def broadcast(self, tensor: torch.Tensor, src_index: int = 0) -> torch.Tensor:
         if self.size > 1:
+            self.check_device("broadcast", tensor)
             self.counter.add("broadcast", self.name, tensor)
             rec = self.record("broadcast", tensor, _nbytes(tensor))
             try:
@@ -114,34 +160,104 @@ class CommGroup:
                 self.done(rec, tensor)
         return tensor
 
-    def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor``, in rank order."""
+    def all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` into ``out`` (allocated by the caller, ``size`` times
+        ``tensor``'s elements, contiguous), rank r's copy as the r-th consecutive block:
+        one ``all_gather_into_tensor``, no per-rank tensors. Returns ``out``.
+
+        For callers that own the output buffer (ZeRO's parameter publish gathers straight
+        into a buffer of the parameters' dtype); counted and recorded as :meth:`all_gather`.
+        """
         if self.size == 1:
-            return [tensor]
+            return out.view(-1).copy_(tensor.reshape(-1)).view_as(out)
+        self.check_device("all_gather", tensor)
+        self.check_device("all_gather", out)
         tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        if out.numel() != tensor.numel() * self.size or not out.is_contiguous() or out.dtype != tensor.dtype:
+            raise ValueError(f"all_gather on group {self.name!r}: the output must be contiguous, "
+                             f"{tensor.dtype}, with {self.size} x {tensor.numel()} elements; got "
+                             f"{tuple(out.shape)} {out.dtype}")
         rec = self.record("all_gather", tensor, _nbytes(tensor) * self.size)
         try:
-            dist.all_gather(parts, tensor, group=self.group)
+            # flat views: the "concatenate along dim 0" form every backend accepts
+            _ALL_GATHER_SINGLE(out.view(-1), tensor.view(-1), group=self.group)
         finally:
             self.done(rec, tensor)
         self.counter.add("all_gather", self.name, tensor, copies=self.size)
-        return parts
+        return out
+
+    def gather_to_first(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``shard`` concatenated on the group's first rank (None elsewhere),
+        received straight into one flat tensor (its slices are the gather's outputs)."""
+        if self.size == 1:
+            return shard
+        self.check_device("gather", shard)
+        first, n = self.rank == 0, shard.numel()
+        full = shard.new_empty(n * self.size) if first else None
+        self.counter.add("gather", self.name, shard, copies=self.size)
+        rec = self.record("gather", shard, shard.numel() * shard.element_size() * self.size)
+        try:
+            dist.gather(shard.contiguous(), [full[i * n:(i + 1) * n] for i in range(self.size)] if first else None,
+                        dst=self.global_rank(0), group=self.group)
+        finally:
+            self.done(rec, shard)
+        return full
+
+    def _gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` stacked along a new first dimension, ``[size, *shape]``,
+        gathered into a buffer allocated once (rank r's copy is the r-th block)."""
+        return self.all_gather_into(tensor.new_empty((self.size, *tensor.shape)), tensor)
+
+    def all_gather_list(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor``, in rank order (views into one gathered buffer)."""
+        if self.size == 1:
+            return [tensor]
+        return list(self._gather_stacked(tensor).unbind(0))
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
-        return torch.cat(self.all_gather_list(tensor), dim=dim) if self.size > 1 else tensor
+        """Concatenate every rank's ``tensor`` along ``dim`` (rank order): the same tensor as
+        ``torch.cat([rank 0's, rank 1's, ...], dim)``, from one gathered buffer.
 
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """Sum over ranks, keep this rank's slice of ``dim``."""
+        Along dim 0 the buffer is the result (no copy); along another dimension the
+        ranks' blocks are interleaved into it with one copy, as ``cat`` would make.
+        """
         if self.size == 1:
             return tensor
+        stacked = self._gather_stacked(tensor)  # [size, *shape]
+        dim = dim % tensor.dim()
+        return stacked.movedim(0, dim).flatten(dim, dim + 1)  # [..., size * shape[dim], ...]
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sum over ranks, keep this rank's slice of ``dim``: the same tensor as
+        ``sum over ranks of tensor.chunk(size, dim)[rank]``, contiguous.
+
+        ``tensor.shape[dim]`` must divide by the group's size (every caller pads or
+        validates: ZeRO's buffer is padded to a multiple of dp, sequence lengths are
+        checked against tp). The slices are made consecutive blocks of one buffer
+        (``dim`` split into ``(size, shape[dim] / size)``, the ``size`` part moved to the
+        front: a copy unless ``dim`` is 0) and reduced with one single-tensor
+        reduce-scatter (``reduce_scatter_single``, called ``reduce_scatter_tensor`` before
+        torch 2.13), whose output is this rank's slice in its natural layout.
+
+        Every backend takes the tensor form in torch 2.13, gloo included (checked on CPU:
+        tests/test_devices.py compares it with the list form on fp32, fp64 and bf16). A
+        backend that refuses it as unsupported (gloo in some older torch that
+        pyproject.toml still allows) falls back, once and for all, to the list form
+        ``reduce_scatter`` over the same blocks (:func:`_reduce_scatter_blocks`).
+        """
+        if self.size == 1:
+            return tensor
+        self.check_device("reduce_scatter", tensor)
+        dim = dim % tensor.dim()
+        if tensor.shape[dim] % self.size:
+            raise ValueError(f"reduce_scatter on group {self.name!r}: dimension {dim} of {tuple(tensor.shape)} "
+                             f"does not divide by the group's size {self.size}")
         self.counter.add("reduce_scatter", self.name, tensor)
-        parts = [p.contiguous() for p in tensor.chunk(self.size, dim=dim)]
-        out = torch.empty_like(parts[self.rank])
+        blocks = tensor.unflatten(dim, (self.size, tensor.shape[dim] // self.size)).movedim(dim, 0).contiguous()
+        out = blocks.new_empty(blocks.shape[1:])
         rec = self.record("reduce_scatter", tensor, _nbytes(tensor))
         try:
-            dist.reduce_scatter(out, parts, group=self.group)
+            _reduce_scatter_blocks(self, out, blocks)
         finally:
             self.done(rec, tensor)
         return out
@@ -150,6 +266,41 @@ class CommGroup:
         if self.size == 1:
             return tensor
         return tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
+
+
+class DeviceMismatch(RuntimeError):
+    """A tensor handed to a collective is not on its group's device."""
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``a`` is ``b``, where a device without an index (``cuda``) matches any index of its
+    type: ``torch.device("cuda") != torch.device("cuda", 0)`` would refuse what is fine."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+# torch 2.13 renamed the single-tensor collectives (the old names still work but warn);
+# the older torch versions pyproject.toml allows have only the old names.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_LIST_REDUCE_SCATTER: set[str] = set()  # backends found not to support the tensor form
+
+
+def _reduce_scatter_blocks(group: CommGroup, out: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Reduce-scatter ``blocks`` (``[size, *out.shape]``, contiguous) into ``out``.
+
+    The tensor form where the backend supports it; where it says it does not (an error
+    raised on every rank alike before anything is sent), the list form, remembered for
+    the backend so that the failed attempt is made once per process.
+    """
+    if group.backend not in _LIST_REDUCE_SCATTER:
+        try:
+            _REDUCE_SCATTER_SINGLE(out.view(-1), blocks.view(-1), group=group.group)
+            return
+        except (RuntimeError, NotImplementedError) as exc:
+            if "support" not in str(exc).lower():
+                raise
+            _LIST_REDUCE_SCATTER.add(group.backend)
+    dist.reduce_scatter(out, list(blocks.unbind(0)), group=group.group)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -77,17 +77,25 @@ class GradientReducer:
     """See the module docstring. With ``shard=True`` (ZeRO-1) the buffer is padded to a
     multiple of the DP size and :meth:`finish` reduce-scatters it instead: each DP rank
     receives the average of its own 1/dp slice (``shard_grad``), which is all its
-    optimizer shard needs."""
+    optimizer shard needs.
+
+    The buffer lives on ``device``: by default the DP group's device (the rank's device,
+    set by ``setup_distributed``), else the parameters' device. It must not be inferred
+    from the parameters alone: a pipeline stage may hold none (``--pp-layers 1,3,0,4``)
+    and still takes part in the DP group's collectives (an empty all-reduce, or ZeRO's
+    reduce-scatter of padding), and a CPU buffer there is refused by NCCL.
+    """
 
     def __init__(self, model: nn.Module, dp: CommGroup, *, accumulations: int, bucket_mb: float = 25.0,
-                 grad_dtype: torch.dtype | None = None, shard: bool = False):
+                 grad_dtype: torch.dtype | None = None, shard: bool = False,
+                 device: torch.device | str | None = None):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
         self.dp, self.accumulations, self.shard = dp, accumulations, shard
         self.params = [p for _, p in reversed(named)]  # the buffer's order
         params = self.params
         dtype = grad_dtype or _grad_dtype(params)
-        device = params[0].device if params else torch.device("cpu")
+        device = _buffer_device(device, dp, params)
         numel = sum(p.numel() for p in params)
         self.padded = -(-numel // dp.size) * dp.size if shard else numel
         self.buffer = torch.zeros(self.padded, dtype=dtype, device=device)
@@ -139,6 +147,7 @@ class GradientReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         view = self.buffer[bucket.start: bucket.end]
+        self.dp.check_device("all_reduce (gradient bucket)", view)
         self.dp.counter.add("all_reduce", self.dp.name, view)
         bucket.record = self.dp.recorder.issue("all_reduce", self.dp.name, self.dp.ranks,
                                                view.numel() * view.element_size())
@@ -194,6 +203,17 @@ class GradientReducer:
 
     def bytes_per_step(self) -> int:
         return self.buffer.numel() * self.buffer.element_size() if self.dp.size > 1 else 0
+
+
+def _buffer_device(device: torch.device | str | None, dp: CommGroup,
+                   params: list[nn.Parameter]) -> torch.device:
+    """Where the gradient buffer lives: the device given, else the DP group's, else the
+    parameters' (CPU only when none of them says: a one-process CPU run or a test)."""
+    if device is not None:
+        return torch.device(device)
+    if dp.device is not None:
+        return dp.device
+    return params[0].device if params else torch.device("cpu")
 
 
 def _grad_dtype(params: list[nn.Parameter]) -> torch.dtype:

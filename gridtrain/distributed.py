@@ -23,6 +23,7 @@ import torch.distributed as dist
 from gridtrain import watchdog
 from gridtrain.comm import ByteCounter, CommGroup
 from gridtrain.config import Config
+from gridtrain.devices import cuda_device_from_env, process_group_device
 from gridtrain.grid import ProcessGrid, ProcessGroups, create_process_groups
 from gridtrain.launch import backend_for, init_from_env, resolve_device_type
 from gridtrain.recompute import Recomputation, policy_from
@@ -73,8 +74,19 @@ def init_default_group(cfg: Config) -> None:
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
         init_from_env(backend, watchdog.backstop_timeout_s(cfg.training.dist_timeout_s))
     else:
+        device_id = process_group_device(backend)
+        extra = {"device_id": device_id} if device_id is not None else {}
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timedelta(seconds=cfg.training.dist_timeout_s))
+                                timeout=timedelta(seconds=cfg.training.dist_timeout_s), **extra)
+
+
+def rank_device(device_type: str, environ=None) -> torch.device:
+    """The device this rank computes on: its GPU by the launcher's rule
+    (:func:`gridtrain.devices.cuda_device_from_env`, the one the process group was bound
+    with), else the CPU."""
+    if device_type == "cuda":
+        return cuda_device_from_env(environ)
+    return torch.device(device_type)
 
 
 def setup_distributed(cfg: Config) -> DistributedContext:
@@ -86,13 +98,9 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp)
     timeout_s = cfg.training.dist_timeout_s
     groups = create_process_groups(grid, rank, timeout=timedelta(seconds=watchdog.backstop_timeout_s(timeout_s)))
-    device_type = resolve_device_type(cfg.training.device)
-    if device_type == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank)
+    device = rank_device(resolve_device_type(cfg.training.device))
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     # Dropout masks differ between pipeline stages (they hold different layers) but not
     # between DP replicas or TP ranks, as in Megatron; TP regions draw from their own
     # per-rank stream.
@@ -104,23 +112,25 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     counter = ByteCounter()
     recorder = watchdog.process_recorder()
     watchdog.start_watchdog(recorder, rank, world, timeout_s, device)
-    tp = TensorParallel(CommGroup.of("tp", groups.tp, counter),
+    # Every group knows the rank's device: its collectives refuse a tensor elsewhere, and
+    # code with no tensor of its own (a stage without parameters) allocates there.
+    tp = TensorParallel(CommGroup.of("tp", groups.tp, counter, device=device),
                         sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng)
     return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
                               dtype=cfg.training.dtype, tp=tp,
                               recompute=Recomputation(policy_from(cfg.training), rng),
-                              dp=CommGroup.of("dp", groups.dp, counter),
-                              mp=CommGroup.of("mp", groups.mp, counter),
-                              pp=CommGroup.of("pp", groups.pp, counter),
-                              embedding=_embedding_group(grid, rank, groups, counter), bytes=counter,
+                              dp=CommGroup.of("dp", groups.dp, counter, device=device),
+                              mp=CommGroup.of("mp", groups.mp, counter, device=device),
+                              pp=CommGroup.of("pp", groups.pp, counter, device=device),
+                              embedding=_embedding_group(grid, rank, groups, counter, device), bytes=counter,
                               recorder=recorder)
 
 
 def _embedding_group(grid: ProcessGrid, rank: int, groups: ProcessGroups,
-                     counter: ByteCounter) -> CommGroup | None:
+                     counter: ByteCounter, device: torch.device) -> CommGroup | None:
     if grid.pp == 1 or not (grid.is_first_stage(rank) or grid.is_last_stage(rank)):
         return None
-    return CommGroup.of("embedding", groups.embedding, counter)
+    return CommGroup.of("embedding", groups.embedding, counter, device=device)
 
 
 def shutdown() -> None:

@@ -20,20 +20,67 @@ The update is AdamW exactly as ``torch.optim.AdamW`` computes it (decoupled weig
 on matrices and embeddings only, bias-corrected moments), so a sharded run trains the
 same model as an unsharded one. Clipping takes one norm over the owned slices of all DP
 ranks and all model-parallel ranks, counting TP-replicated parameters and the tied head
-copy once (a per-element mask).
+copy once.
+
+**Memory.** The only tensors this optimizer keeps are its three shard-sized vectors:
+master weights and the two moments, ``3 x padded / dp`` elements (12 bytes per
+parameter over dp for fp32 masters; :meth:`DistributedOptimizer.state_bytes`). Which
+elements are weight-decayed and which count towards the gradient norm is a per-parameter
+property, so it is kept as a few ``(begin, end)`` ranges of the shard rather than as
+dense masks: dense masks would cost another 8 bytes per owned element, and a mask built
+for the whole model and then sliced (a view keeps its whole storage alive) 8 bytes per
+parameter on every rank whatever dp is. The updated weights are all-gathered in the
+parameters' own dtype straight into one flat buffer (half the bytes of gathering fp32
+masters for bf16/fp16, and no list of per-rank copies to concatenate).
+
+**Checkpoints** hold whole tensors per parameter, whatever the layout (checkpoint.py):
+:meth:`DistributedOptimizer.state_by_param` gathers the shards to the DP group's first
+rank only, which is where the checkpoint is written (the other ranks of a DP group hold
+the same weights and write nothing), and hands over the master weights with the moments,
+so that a bf16 or fp16 run resumes from its fp32 masters instead of from the rounded
+16-bit parameters. :class:`LossScaler` has its own ``state_dict`` for the same reason:
+an fp16 run resumed with a fresh scale would skip steps the uninterrupted run did not.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gridtrain.comm import CommGroup
 from gridtrain.config import TrainingConfig
 from gridtrain.data_parallel import GradientReducer
 from gridtrain.tensor_parallel import is_tp_duplicate
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """The part of one parameter that lies in this rank's shard: elements ``lo:hi`` of the
+    flattened parameter are elements ``at:at + hi - lo`` of the shard."""
+
+    param: nn.Parameter
+    lo: int
+    hi: int
+    at: int
+
+    @property
+    def end(self) -> int:
+        return self.at + self.hi - self.lo
+
+
+def _runs(pieces: list[_Piece]) -> list[tuple[int, int]]:
+    """The pieces' shard ranges, adjacent ones merged (fewer, longer operations)."""
+    runs: list[tuple[int, int]] = []
+    for piece in pieces:
+        if runs and runs[-1][1] == piece.at:
+            runs[-1] = (runs[-1][0], piece.end)
+        else:
+            runs.append((piece.at, piece.end))
+    return runs
 
 
 class DistributedOptimizer:
@@ -48,23 +95,42 @@ class DistributedOptimizer:
         size = reducer.padded // (dp.size if reducer.shard else 1)
         self.start = dp.rank * size if reducer.shard else 0
         self.end = self.start + size
-        device = reducer.buffer.device
-        self.master = self._flat(lambda p: p.detach(), master_dtype, device)[self.start:self.end].clone()
+        self.device = reducer.buffer.device
+        self.pieces = self._pieces()
+        self.master = torch.zeros(size, dtype=master_dtype, device=self.device)
+        self._master_from_params()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.decay = self._flat(lambda p: torch.full_like(p, float(p.ndim >= 2)), master_dtype, device)[self.start:self.end]
-        counted = lambda p: torch.full_like(p, float(not is_tp_duplicate(p, tp_rank)  # noqa: E731
-                                                    and not getattr(p, "tied_copy", False)))
-        self.count_once = self._flat(counted, master_dtype, device)[self.start:self.end]
+        # views of the master weights (no memory of their own): the decayed elements
+        self._decayed = [self.master[a:b] for a, b in _runs([q for q in self.pieces if q.param.ndim >= 2])]
+        # ranges of the shard that count towards the gradient norm: not a TP-replicated copy
+        # held by a TP rank other than the first, nor the last stage's tied head copy
+        self._counted = _runs([q for q in self.pieces if not is_tp_duplicate(q.param, tp_rank)
+                               and not getattr(q.param, "tied_copy", False)])
         self.steps = 0
         self.lr = t.lr
         self.param_groups = [{"lr": t.lr}]  # read by set_lr
 
-    def _flat(self, fn, dtype: torch.dtype, device) -> torch.Tensor:
-        out = torch.zeros(self.reducer.padded, dtype=dtype, device=device)
+    def _pieces(self) -> list[_Piece]:
+        pieces = []
         for p, o in zip(self.params, self.offsets):
-            out[o: o + p.numel()] = fn(p).reshape(-1).to(dtype)
-        return out
+            lo, hi = max(o, self.start), min(o + p.numel(), self.end)
+            if lo < hi:
+                pieces.append(_Piece(p, lo - o, hi - o, lo - self.start))
+        return pieces
+
+    @torch.no_grad()
+    def _master_from_params(self) -> None:
+        for q in self.pieces:
+            self.master[q.at:q.end] = q.param.detach().reshape(-1)[q.lo:q.hi]
+
+    def state_bytes(self) -> int:
+        """Bytes of every tensor storage this optimizer keeps alive between steps, each
+        counted once and whole (a view of a larger tensor counts that tensor's storage):
+        ``3 x padded / dp`` elements of the master dtype, nothing else."""
+        held = [self.master, self.exp_avg, self.exp_avg_sq, *self._decayed]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+        return sum(storages.values())
 
     def _grad(self) -> torch.Tensor:
         if self.reducer.shard:
@@ -73,20 +139,26 @@ class DistributedOptimizer:
 
     def unscale_and_check(self, scale: float) -> bool:
         """Divide this rank's gradient slice by the loss scale; True when every rank's
-        gradients are finite (an fp16 overflow anywhere makes every rank skip the step)."""
+        gradients are finite (an fp16 overflow anywhere makes every rank skip the step).
+
+        The flag stays on the device through both all-reduces; reading it at the end is
+        this method's one host synchronisation (a named sync point: whether the step is
+        taken decides what the host does next)."""
         grad = self._grad()
         if scale != 1.0:
             grad.div_(scale)
-        bad = torch.tensor(0.0 if bool(torch.isfinite(grad).all()) else 1.0, dtype=torch.float64,
-                           device=grad.device)
-        self.dp.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        self.mp.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        return float(bad) == 0.0
+        bad = torch.isfinite(grad).all().logical_not().to(torch.float64)  # empty slice: finite
+        self.dp.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self.mp.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)  # named sync point: the overflow flag
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """One global norm (DP shards x model-parallel ranks); clip this rank's slice."""
         grad = self._grad()
-        sq = (grad.to(self.master.dtype).square() * self.count_once).sum().double()
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        views = [grad[a:b].to(self.master.dtype) for a, b in self._counted]
+        if views:
+            sq = torch.stack([n.double() for n in torch._foreach_norm(views)]).square().sum()
         if self.reducer.shard:
             self.dp.all_reduce(sq)
         self.mp.all_reduce(sq)
@@ -100,7 +172,8 @@ class DistributedOptimizer:
         t, lr = self.t, self.param_groups[0]["lr"]
         self.steps += 1
         grad = self._grad().to(self.master.dtype)
-        self.master.mul_(1 - lr * t.weight_decay * self.decay)
+        if self._decayed and lr * t.weight_decay != 0:
+            torch._foreach_mul_(self._decayed, 1 - lr * t.weight_decay)
         self.exp_avg.lerp_(grad, 1 - t.beta1)
         self.exp_avg_sq.mul_(t.beta2).addcmul_(grad, grad, value=1 - t.beta2)
         step_size = lr / (1 - t.beta1 ** self.steps)
@@ -108,42 +181,67 @@ class DistributedOptimizer:
         self.master.addcdiv_(self.exp_avg, denom, value=-step_size)
         self._publish()
 
+    @torch.no_grad()
     def _publish(self) -> None:
-        """Copy the (gathered) master weights into the model's parameters."""
-        full = self.dp.all_gather(self.master, 0) if self.reducer.shard else self.master
+        """Copy the master weights into the model's parameters: with ZeRO-1, every rank's
+        slice rounded to the parameters' dtype first and gathered into one flat buffer."""
+        if not self.params:
+            return
+        full = self.master
+        if self.reducer.shard and self.dp.size > 1:
+            full = torch.empty(self.reducer.padded, dtype=self.params[0].dtype, device=self.device)
+            self.dp.all_gather_into(full, self.master.to(full.dtype))
         for p, o in zip(self.params, self.offsets):
             p.copy_(full[o: o + p.numel()].view_as(p))
 
     # ---- checkpoints: whole per-parameter state, whatever the sharding --------------------
 
-    def state_by_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """AdamW state per parameter, as torch.optim.AdamW names it; collective over DP."""
-        moments = [self.dp.all_gather(m, 0) if self.reducer.shard else m for m in (self.exp_avg, self.exp_avg_sq)]
-        # one step tensor per parameter (torch's AdamW increments each in place) and
-        # copies rather than views (views would share one storage when saved)
-        return {p: {"step": torch.tensor(float(self.steps)),
-                    "exp_avg": moments[0][o: o + p.numel()].view_as(p).clone(),
-                    "exp_avg_sq": moments[1][o: o + p.numel()].view_as(p).clone()}
-                for p, o in zip(self.params, self.offsets)}
+    def state_by_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]] | None:
+        """AdamW state per parameter, as torch.optim.AdamW names it, plus ``master`` (the
+        master weights, whole, in the master dtype), on the DP group's first rank; None on
+        the others. Collective over DP with ZeRO-1: each shard goes only to the rank that
+        writes the checkpoint (one flat vector at a time, so that rank holds at most one
+        gathered vector beside the per-parameter copies it returns)."""
+        first = self.dp.rank == 0
+        state: dict[nn.Parameter, dict[str, torch.Tensor]] = {
+            p: {"step": torch.tensor(float(self.steps))} for p in self.params} if first else None
+        for key, shard in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+            full = self.dp.gather_to_first(shard) if self.reducer.shard else shard
+            if first:
+                # copies rather than views (views would share one storage when saved)
+                for p, o in zip(self.params, self.offsets):
+                    state[p][key] = full[o: o + p.numel()].view_as(p).clone()
+            del full
+        return state
 
+    @torch.no_grad()
     def load_state_by_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
-        """The inverse of :meth:`state_by_param`; master weights restart from the parameters."""
-        full = [torch.zeros(self.reducer.padded, dtype=self.master.dtype, device=self.master.device)
-                for _ in range(2)]
-        for p, o in zip(self.params, self.offsets):
-            state = states.get(p)
-            if state:
+        """The inverse of :meth:`state_by_param`, for whatever this rank owns: each
+        parameter's whole state sliced to the pieces of it in this rank's shard. Master
+        weights come from ``master`` where the checkpoint has them, else from the
+        parameters as loaded; moments from the checkpoint, else zero."""
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        self._master_from_params()
+        for q in self.pieces:
+            state = states.get(q.param) or {}
+            if "step" in state:
                 self.steps = int(state["step"])
-                for flat, key in zip(full, ("exp_avg", "exp_avg_sq")):
-                    flat[o: o + p.numel()] = state[key].reshape(-1).to(flat.dtype)
-        self.exp_avg, self.exp_avg_sq = (f[self.start:self.end].clone() for f in full)
-        self.master = self._flat(lambda p: p.detach(), self.master.dtype, self.master.device)[self.start:self.end].clone()
+            for key, flat in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+                if key in state:
+                    flat[q.at:q.end] = state[key].reshape(-1)[q.lo:q.hi].to(flat.dtype)
+
+
 
 
 class LossScaler:
     """Dynamic loss scaling for fp16 (Micikevicius et al., 2018): multiply the loss by S so
     that small gradients survive fp16's narrow range; on an overflow skip the step and
-    halve S; after ``growth_interval`` good steps in a row double it."""
+    halve S; after ``growth_interval`` good steps in a row double it.
+
+    Its state (the scale, the good steps since the last change, the steps skipped) is
+    saved with checkpoints: a resumed fp16 run must scale, skip and grow exactly when the
+    uninterrupted run would."""
 
     def __init__(self, initial: float = 2.0 ** 16, growth_interval: int = 1000, min_scale: float = 1.0):
         self.scale, self.growth_interval, self.min_scale = initial, growth_interval, min_scale
@@ -159,3 +257,13 @@ class LossScaler:
         self.good_steps += 1
         if self.good_steps % self.growth_interval == 0:
             self.scale *= 2
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """The saved scale and counters; the growth interval and minimum stay this run's
+        (they are flags, and a resumed run may change them)."""
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped = int(state["skipped"])

@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 from gridtrain import worker
+from gridtrain.devices import (DeviceError, cuda_device_from_env, gpu_shortage, local_device_index,  # noqa: F401
+                               local_placement, process_group_device)
 from gridtrain.stops import EXIT_HANG, Hang, Preempted, RunStopped
 from gridtrain.worker import WorkerSpec
 
@@ -317,7 +319,12 @@ def run_workers(
 
 
 def resolve_device_type(requested: str | None) -> str:
-    """``--device``, or by default cuda when a GPU is visible, else cpu."""
+    """``--device``, or by default cuda when a GPU is visible, else cpu.
+
+    Every place that needs the run's device type asks here (the launcher's backend, the
+    workers' device, the pre-spawn checks), so a default of cuda is treated exactly as
+    ``--device cuda``.
+    """
     if requested is not None:
         return requested
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -334,8 +341,9 @@ def init_from_env(
     """Join a job launched by torchrun (or any launcher that sets RANK/WORLD_SIZE).
 
     Picks nccl when CUDA is available and gloo otherwise unless ``backend`` is
-    given, and binds this process to GPU ``LOCAL_RANK`` before creating the
-    group (NCCL needs the device set first). Returns (rank, world_size, local_rank).
+    given. Under NCCL it binds this process to its GPU (:func:`cuda_device_from_env`,
+    LOCAL_RANK among LOCAL_WORLD_SIZE) before creating the group and passes it as
+    ``device_id``. Returns (rank, world_size, local_rank).
     """
     required = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     missing = [name for name in required if name not in os.environ]
@@ -345,15 +353,15 @@ def init_from_env(
             "or use --nproc to spawn local workers"
         )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank, _ = local_placement()
     if backend is None:
         backend = backend_for(resolve_device_type(None))
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+    device_id = process_group_device(backend)  # NCCL needs the device set first
     if not dist.is_initialized():
         timeout = timedelta(seconds=collective_timeout_s)
+        extra = {"device_id": device_id} if device_id is not None else {}
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                store=job_store(timeout))
+                                store=job_store(timeout), **extra)
     return rank, world_size, local_rank
 
 

@@ -57,16 +57,22 @@ def grad_norm_squared(params: Iterable[torch.Tensor], device: torch.device | str
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group: CommGroup | None = None,
-                   norm_params: list[torch.Tensor] | None = None) -> float:
+                   norm_params: list[torch.Tensor] | None = None,
+                   device: torch.device | str | None = None) -> float:
     """Clip ``params`` to a global norm; returns the norm before clipping.
 
     The norm is taken over ``norm_params`` (default: ``params``) and ``group`` sums the
     squared norms of this rank's parameters with its peers' (the model-parallel group
     once the model is split). A parameter replicated over that group must appear in
     ``norm_params`` on one rank only, so that nothing is counted twice.
+
+    A rank whose stage holds no parameters still takes part in that sum with a zero, and
+    the zero must be on the rank's device (NCCL refuses a CPU tensor): ``device`` when
+    given, else ``group.device``; the parameters' device is used only when neither is
+    known (no group, or a group without a device), and CPU only when nothing says.
     """
-    device = params[0].device if params else "cpu"
-    total_sq = grad_norm_squared(params if norm_params is None else norm_params, device)
+    total_sq = grad_norm_squared(params if norm_params is None else norm_params,
+                                 _norm_device(device, group, params))
     if group is not None:
         group.all_reduce(total_sq)
     norm = float(total_sq.sqrt())
@@ -75,3 +81,12 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group: CommGroup
         if grads:
             torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
     return norm
+
+
+def _norm_device(device: torch.device | str | None, group: CommGroup | None,
+                 params: list[torch.Tensor]) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if group is not None and group.device is not None:
+        return group.device
+    return params[0].device if params else torch.device("cpu")

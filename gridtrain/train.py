@@ -34,7 +34,8 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     report = RunReport(trainer)
     t, validates = cfg.training, trainer.data.valid is not None
     health = Health(t.dtype, t.min_loss_scale)
-    preemption = Preemption(CommGroup.of("world", dist.group.WORLD, trainer.ctx.bytes)) if t.save else None
+    world = CommGroup.of("world", dist.group.WORLD, trainer.ctx.bytes, device=trainer.ctx.device)
+    preemption = Preemption(world) if t.save else None
     try:
         for step in range(trainer.start_step, t.steps):
             done = step + 1  # steps count from 1, as in the metrics file and the hang report

@@ -144,7 +144,8 @@ class Trainer:
         if not self._weights_finite():
             raise Diverged(f"step {step}: some weights are not finite (inf or NaN); not saved, the latest "
                            f"checkpoint in {self.cfg.training.save} is from before; lower --lr", step)
-        checkpoint.save_checkpoint(self.cfg.training.save, step, self.model, self.optimizer, self.cfg, self.ctx)
+        checkpoint.save_checkpoint(self.cfg.training.save, step, self.model, self.optimizer, self.cfg, self.ctx,
+                                   scaler=self.scaler)
 
     def _weights_finite(self) -> bool:
         """Whether every rank's parameters are all finite (collective over the world)."""
@@ -173,11 +174,12 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.grid.dp)
     pipeline = build_pipeline(model, cfg, ctx, forward_step, micro_batches)
     reducer = GradientReducer(model, ctx.dp, accumulations=micro_batches,
-                              bucket_mb=cfg.parallel.bucket_mb, shard=t.zero == 1)
+                              bucket_mb=cfg.parallel.bucket_mb, shard=t.zero == 1, device=ctx.device)
     optimizer = make_optimizer(model, reducer, cfg, ctx)
     scaler = LossScaler(t.loss_scale, t.loss_scale_window, t.min_loss_scale) if t.dtype == "fp16" else None
     source = resume_source(cfg)
-    start = checkpoint.load_checkpoint(source, model, optimizer, ctx) if source is not None else 0
+    # the scaler resumes too: a fresh loss scale would skip steps the saved run did not
+    start = checkpoint.load_checkpoint(source, model, optimizer, ctx, scaler=scaler) if source is not None else 0
     return Trainer(cfg=cfg, ctx=ctx, model=model, pipeline=pipeline, reducer=reducer, optimizer=optimizer,
                    scaler=scaler, num_micro_batches=micro_batches, data=data, sampler=sampler,
                    start_step=start, resumed_from=source)

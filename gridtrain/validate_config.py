@@ -40,7 +40,9 @@ from gridtrain.config import (ATTENTION, DEVICES, DTYPES, RECOMPUTE, RECOMPUTE_M
                               DataConfig, ModelConfig, ParallelConfig, TrainingConfig, check_types,
                               under_torchrun, world_size_of)
 from gridtrain.data import DataError, check_enough_tokens, count_tokens, load_tokenizer
+from gridtrain.devices import gpu_shortage
 from gridtrain.grid import GridError, ProcessGrid
+from gridtrain.launch import resolve_device_type
 from gridtrain.metrics import require_tensorboard
 from gridtrain.pipeline.partition import METHODS, PartitionError, check_counts
 from gridtrain.pipeline.schedules import ORDERS, ScheduleError, check_sizes
@@ -319,7 +321,7 @@ def _validate_host(cfg: Config) -> None:
     p, t = cfg.parallel, cfg.training
     if p.nproc is None or under_torchrun() or "RANK" in os.environ:
         return
-    if (t.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu":
+    if resolve_device_type(t.device) != "cpu":
         return
     cores = os.cpu_count() or 1
     limit = int(cores / CORES_PER_WORKER)
@@ -334,12 +336,29 @@ def _validate_host(cfg: Config) -> None:
                           f"lower --nproc to at most {limit}, or launch across hosts with torchrun")
 
 
+def local_workers(p: ParallelConfig) -> tuple[int, str]:
+    """How many workers of this run share this node's GPUs, and where that number comes
+    from (for the message): torchrun's LOCAL_WORLD_SIZE (``--nproc-per-node``), else
+    ``--nproc``, else one process."""
+    if under_torchrun() or (p.nproc is None and "LOCAL_WORLD_SIZE" in os.environ):
+        n = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return n, f"LOCAL_WORLD_SIZE={n} (torchrun --nproc-per-node)"
+    if p.nproc is not None:
+        return p.nproc, f"--nproc {p.nproc}"
+    return 1, "one process"
+
+
 def _validate_cuda(p: ParallelConfig, t: TrainingConfig) -> None:
-    if t.device == "cuda":
-        _require(torch.cuda.is_available(), "--device cuda: no CUDA device is available; use --device cpu")
-        found = torch.cuda.device_count()
-        _require(p.nproc is None or found >= p.nproc,
-                 f"--nproc {p.nproc} needs {p.nproc} CUDA devices, found {found}; lower --nproc")
+    """A run on cuda -- asked for, or the default where a GPU is visible -- needs one GPU
+    per worker on this node (NCCL refuses two ranks on one GPU); refused here, before any
+    worker is spawned, with the rule the workers themselves apply
+    (:func:`gridtrain.devices.gpu_shortage`)."""
+    if resolve_device_type(t.device) != "cuda":
+        return
+    _require(torch.cuda.is_available(), "--device cuda: no CUDA device is available; use --device cpu")
+    workers, source = local_workers(p)
+    problem = gpu_shortage(workers, torch.cuda.device_count(), source)
+    _require(problem is None, problem or "")
 
 
 def validate(cfg: Config, world_size: int | None = None, *, data: bool = True) -> Config:

@@ -62,17 +62,26 @@ def _init_worker_process_group(spec: WorkerSpec) -> None:
 
     Threads are capped at cores / workers: N workers each using every core
     oversubscribe the CPU and run many times slower than N single-threaded ones.
+
+    Under NCCL the worker binds its GPU first and passes it as ``device_id``; the GPU
+    is chosen by the package's one rule (``devices.local_device_index`` of LOCAL_RANK
+    among LOCAL_WORLD_SIZE, which :func:`_set_worker_env` has just set), the same that
+    distributed.py uses for the tensors, so the group and the tensors agree. More
+    workers than GPUs is refused there with one line (validate_config.py refuses it
+    earlier, before spawning; this is the backstop for the Python API).
     """
     import torch
     import torch.distributed as dist
 
+    from gridtrain.devices import process_group_device
+
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
-    if spec.backend == "nccl" and torch.cuda.is_available():
-        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+    device_id = process_group_device(spec.backend)
     timeout = timedelta(seconds=spec.collective_timeout_s)
     store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False, timeout=timeout)
+    extra = {"device_id": device_id} if device_id is not None else {}
     dist.init_process_group(
-        spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout
+        spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout, **extra
     )
 
 

@@ -244,6 +244,7 @@ class PipelineStage:
                     self.recorder.done(rec, tensor)
 
     def _p2p(self, op, tensor: torch.Tensor, peer_stage: int) -> dist.P2POp:
+        self.pp.check_device("send" if op is dist.isend else "recv", tensor)
         if op is dist.isend:
             tensor = tensor.contiguous()
             if tensor.dtype != self.dtype or tuple(tensor.shape) != self.shape:
