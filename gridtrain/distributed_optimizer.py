@@ -30,6 +30,7 @@ import math
 import torch
 from torch import nn
 
+from gridtrain import host_sync
 from gridtrain.comm import CommGroup
 from gridtrain.config import TrainingConfig
 from gridtrain.data_parallel import GradientReducer
@@ -77,11 +78,10 @@ class DistributedOptimizer:
         grad = self._grad()
         if scale != 1.0:
             grad.div_(scale)
-        bad = torch.tensor(0.0 if bool(torch.isfinite(grad).all()) else 1.0, dtype=torch.float64,
-                           device=grad.device)
+        bad = (~torch.isfinite(grad).all()).to(torch.float64)  # on the device: no host read here
         self.dp.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         self.mp.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        return float(bad) == 0.0
+        return host_sync.read("fp16_overflow", bad, float, stand_in=0.0) == 0.0
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """One global norm (DP shards x model-parallel ranks); clip this rank's slice."""
@@ -90,7 +90,7 @@ class DistributedOptimizer:
         if self.reducer.shard:
             self.dp.all_reduce(sq)
         self.mp.all_reduce(sq)
-        norm = math.sqrt(float(sq))
+        norm = math.sqrt(host_sync.read("grad_norm", sq, float, stand_in=(2.0 * max_norm if max_norm > 0 else 1.0) ** 2))
         if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
             grad.mul_(max_norm / (norm + 1e-6))
         return norm

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gridtrain import checkpoint
+from gridtrain import checkpoint, host_sync
 from gridtrain.config import Config
 from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
 from gridtrain.data_parallel import GradientReducer, broadcast_parameters
@@ -234,12 +234,15 @@ def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int,
 
 def _global_token_count(batches: list[Batch], ctx: DistributedContext) -> int:
     """Loss-bearing tokens in the whole global batch (all DP ranks), known before backward."""
-    local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-    count = torch.tensor([local], dtype=torch.int64, device=ctx.device)
+    # summed on the device: one host read for the whole step, not one per micro-batch
+    local = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
+    count = local.reshape(1).to(device=ctx.device, dtype=torch.int64)
     ctx.dp.all_reduce(count)
-    if int(count) == 0:
+    every_label = ctx.grid.dp * sum(b["labels"].numel() for b in batches)  # the dry run's stand-in
+    tokens = host_sync.read("token_count", count, int, stand_in=every_label)
+    if tokens == 0:
         raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
-    return int(count)
+    return tokens
 
 
 def _mean_loss(loss_sum: torch.Tensor | None, global_tokens: int, holds_loss: bool,
@@ -248,4 +251,4 @@ def _mean_loss(loss_sum: torch.Tensor | None, global_tokens: int, holds_loss: bo
     value = torch.zeros((), dtype=torch.float64, device=ctx.device)
     if holds_loss:
         value = ctx.dp.all_reduce(loss_sum) / global_tokens
-    return float(ctx.pp.broadcast(value, src_index=ctx.grid.pp - 1))
+    return host_sync.read("loss", ctx.pp.broadcast(value, src_index=ctx.grid.pp - 1), float, stand_in=0.0)

@@ -1,0 +1,371 @@
+"""The dry run: one training step of chosen ranks of an N-rank layout, in this process,
+on fake tensors, to measure memory per rank and check device discipline at any scale.
+
+``gridtrain train <flags> --dry-run --world-size N`` runs, for each chosen rank, the
+project's own code path: :func:`gridtrain.trainer.build` (process groups, model,
+pipeline stage, gradient reducer, optimizer) and :meth:`Trainer.train_step` (every
+micro-batch's forward and backward in schedule order, the gradient reductions, clipping
+and the optimizer step) with micro-batches of token ids made up on the spot (no data set
+is read). Nothing is allocated and nothing is communicated:
+
+* tensors are torch's fake tensors (``FakeTensorMode``): they carry shape, dtype and
+  device but no data, so gpt2-xl on 1024 ranks costs no memory here;
+* the process group is torch's fake one (backend ``"fake"``, ``FakeStore``): rank r of
+  N, every collective returns at once. The default group is destroyed and created again
+  for each chosen rank, so each rank builds exactly the groups it would build in a job.
+
+What it measures, per rank (``RankMemory``): parameters and their bytes, gradient bytes
+(the reducer's flat buffer and any ``.grad`` that is not a view of it), optimizer-state
+bytes, the activation peak (bytes saved for backward at once: the same meter as
+``--memory-report``, memory.ActivationMeter), and the total peak during the step from
+:class:`LiveBytes`, a dispatch mode that follows every storage an operation creates until
+it is freed, as torch's ``MemTracker`` (torch.distributed._tools.mem_tracker) does.
+MemTracker itself is not used: its per-module statistics refuse a module that runs
+forward more than once per step, which every micro-batch after the first does.
+
+What it checks:
+
+* **host synchronisation**: a fake tensor cannot be read, so ``float()``/``int()``/
+  ``bool()``/``.item()`` on device data inside the step raises. The step's deliberate
+  reads are named points (:mod:`gridtrain.host_sync`); the dry run lets those through with
+  a stand-in value and reports which were hit; any other read fails the dry run with its
+  call site;
+* **device discipline**: every tensor handed to a collective or point-to-point operation
+  must be on the rank's device (NCCL takes only GPU tensors; gloo forgives CPU ones). A
+  dispatch mode sees each ``c10d`` operation and raises :class:`DeviceDisciplineError`
+  naming the gridtrain line that issued it.
+
+Patches, all undone on exit and all here (:func:`_patched`):
+
+* ``gridtrain.watchdog.start_watchdog`` does nothing: the hang watchdog would start a
+  thread polling a store that no other rank writes;
+* ``torch.utils.swap_tensors`` first clears the fake mode's memo of converted tensors:
+  ``Module.to`` swaps fake parameters in place, which torch refuses while a weak
+  reference (that memo's) points at them;
+* for ``cuda``: ``torch.cuda.set_device`` does nothing, and the CUDA generator's state
+  (``get_rng_state``/``set_rng_state``/``manual_seed``) is a CPU byte tensor kept here,
+  because none of these can run without a GPU.
+
+Fake CUDA tensors need a CUDA build of torch (no GPU): on a CPU-only build autograd
+cannot record a graph on them (its per-device stream lookup has no CUDA
+implementation), so there ``--device cuda`` is refused with one line and the dry run
+defaults to ``cpu``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import time
+import traceback
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gridtrain import host_sync, memory, watchdog
+from gridtrain.config import Config, ConfigError
+from gridtrain.grid import ProcessGrid
+
+
+class DeviceDisciplineError(RuntimeError):
+    """A tensor on the wrong device was handed to a collective or P2P operation."""
+
+
+class UnnamedHostSync(RuntimeError):
+    """The step read device data on the host outside a named point (host_sync.py)."""
+
+
+@dataclass
+class RankMemory:
+    """One dry-run rank: where it sits and what it holds (bytes on its device)."""
+
+    rank: int
+    dp: int
+    pp: int
+    tp: int
+    parameters: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_peak_bytes: int
+    peak_bytes: int
+    sync_points: list[str] = field(default_factory=list)  # named host reads the step made
+    seconds: float = 0.0
+
+
+# ---- which ranks ---------------------------------------------------------------------------------
+
+def choose_ranks(grid: ProcessGrid, spec: str) -> list[int]:
+    """``edges``: DP/TP rank 0 of the first, a middle and the last pipeline stage (where
+    the embedding, a plain stage and the head live, and where 1F1B keeps the most and
+    the fewest micro-batches); ``all``; or a comma-separated list of ranks."""
+    if spec == "edges":
+        stages = sorted({0, grid.pp // 2, grid.pp - 1})
+        return [grid.rank_of(0, s, 0) for s in stages]
+    if spec == "all":
+        return list(range(grid.world_size))
+    try:
+        ranks = [int(r) for r in spec.split(",")]
+    except ValueError:
+        raise ConfigError(f"--dry-run-ranks {spec!r}: use edges, all, or ranks like 0,5,9") from None
+    bad = [r for r in ranks if not 0 <= r < grid.world_size]
+    if bad:
+        raise ConfigError(f"--dry-run-ranks: rank(s) {bad} outside [0, {grid.world_size}); pick ranks below "
+                          f"--world-size")
+    return list(dict.fromkeys(ranks))
+
+
+def dry_run_device(requested: str | None) -> str:
+    """cuda by default where torch can make fake CUDA tensors (a CUDA build), else cpu."""
+    cuda_built = torch.backends.cuda.is_built()
+    if requested == "cuda" and not cuda_built:
+        raise ConfigError("--dry-run --device cuda needs a CUDA build of torch (no GPU needed); this torch "
+                          f"({torch.__version__}) is CPU-only: use --device cpu")
+    return requested or ("cuda" if cuda_built else "cpu")
+
+
+# ---- patches -------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _patched(fake_mode, device_type: str):
+    """What the real step needs that a fake world lacks (see the module docstring)."""
+    saved = []
+
+    def patch(owner, name, value):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    original_swap = torch.utils.swap_tensors
+
+    def swap_tensors(t1, t2):
+        fake_mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
+        return original_swap(t1, t2)
+
+    patch(torch.utils, "swap_tensors", swap_tensors)
+    patch(watchdog, "start_watchdog", lambda *args, **kwargs: None)
+    if device_type == "cuda":
+        states: dict[int, torch.Tensor] = {}
+
+        def index(device=None) -> int:
+            device = torch.device("cuda", 0) if device is None else torch.device(device)
+            return 0 if device.index is None else device.index
+
+        def get_rng_state(device="cuda"):
+            return states.setdefault(index(device), torch.zeros(16, dtype=torch.uint8)).clone()
+
+        def set_rng_state(state, device="cuda"):
+            states[index(device)] = state.clone()
+
+        def manual_seed(seed):
+            states[0] = torch.tensor(list(int(seed).to_bytes(8, "little")) + [0] * 8, dtype=torch.uint8)
+
+        patch(torch.cuda, "set_device", lambda device: None)
+        patch(torch.cuda, "get_rng_state", get_rng_state)
+        patch(torch.cuda, "set_rng_state", set_rng_state)
+        patch(torch.cuda, "manual_seed", manual_seed)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+class _CollectiveDevices(TorchDispatchMode):
+    """Raise when a ``c10d`` operation gets a tensor that is not on ``device``."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.calls += 1
+            for t in _tensors((args, kwargs)):
+                if t.device.type != self.device.type:
+                    raise DeviceDisciplineError(f"{func.name()} got a {t.device.type} tensor {tuple(t.shape)} "
+                                                f"{t.dtype} on a {self.device.type} rank, at {_call_site()}")
+        return func(*args, **kwargs)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages alive on ``device_type`` and their peak: every storage an
+    operation outputs (and any given to :meth:`track`) is counted once until it is freed
+    (a weak reference's callback). Storage bytes, without the caching allocator's
+    rounding, so that the figure is a property of the step, not of the allocator."""
+
+    def __init__(self, device_type: str):
+        super().__init__()
+        self.device_type = device_type
+        self.live: dict[int, int] = {}
+        self.refs: dict[int, weakref.ref] = {}
+        self.current = self.peak = 0
+
+    def track(self, *tensors) -> None:
+        for t in _tensors(list(tensors)):
+            if t.device.type != self.device_type:
+                continue
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in self.live:
+                continue
+            self.live[key] = st.nbytes()
+            self.current += st.nbytes()
+            self.refs[key] = weakref.ref(st, lambda _, key=key: self._free(key))
+        self.peak = max(self.peak, self.current)
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+        self.refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(out)
+        return out
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            yield from _tensors(x)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            yield from _tensors(x)
+
+
+def _call_site() -> str:
+    """The innermost gridtrain frame outside this module: who issued the operation."""
+    for frame in reversed(traceback.extract_stack()):
+        if "gridtrain" in frame.filename and not frame.filename.endswith("dryrun.py"):
+            return f"{Path(frame.filename).name}:{frame.lineno} ({frame.name})"
+    return "outside gridtrain"
+
+
+# ---- one rank -------------------------------------------------------------------------------------
+
+def _fake_batches(cfg: Config, trainer) -> list[dict[str, torch.Tensor]] | None:
+    """Micro-batches of token ids on the stages that embed or compute the loss."""
+    grid, rank = trainer.ctx.grid, trainer.ctx.rank
+    if not (grid.is_first_stage(rank) or grid.is_last_stage(rank)):
+        return None
+    shape = (cfg.training.micro_batch_size, cfg.model.seq_len)
+    device = trainer.ctx.device
+    return [{"tokens": torch.randint(0, cfg.model.vocab_size, shape, device=device),
+             "labels": torch.randint(0, cfg.model.vocab_size, shape, device=device)}
+            for _ in range(trainer.num_micro_batches)]
+
+
+def _storages(tensors) -> dict[int, int]:
+    """Bytes per distinct storage (views of one buffer count once)."""
+    out = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            out[st._cdata] = st.nbytes()
+    return out
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return [optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq, optimizer.decay, optimizer.count_once]
+
+
+def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankMemory:
+    """Build rank ``rank`` of the layout and run one step on fake tensors."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from gridtrain.providers import gpt_forward_step, gpt_model_provider
+    from gridtrain.trainer import build
+
+    began = time.perf_counter()
+    cfg = copy.deepcopy(cfg)
+    cfg.training.device = device_type
+    cfg.parallel.nproc = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        fake = FakeTensorMode()
+        with _patched(fake, device_type), fake:
+            trainer = build(cfg, gpt_model_provider, gpt_forward_step)
+            ctx, model = trainer.ctx, trainer.model
+            batches = _fake_batches(cfg, trainer)
+            meter = memory.ActivationMeter.for_model(model)
+            tracker = LiveBytes(ctx.device.type)
+            tracker.track(list(model.parameters()), list(model.buffers()), trainer.reducer.buffer,
+                          _optimizer_tensors(trainer.optimizer))
+            trainer.set_lr(0)
+            try:
+                with tracker, _CollectiveDevices(ctx.device), memory.saved_activations(meter), \
+                        host_sync.allowing() as hits:
+                    trainer.train_step(batches)
+            except DataDependentOutputException as e:
+                raise UnnamedHostSync(f"rank {rank}: the step read device data on the host outside a named "
+                                      f"sync point ({e}); at {_host_read_site(e)}") from e
+            params = [p for p in model.parameters()]
+            param_storages = _storages(params)
+            grads = _storages([trainer.reducer.buffer, trainer.reducer.shard_grad]
+                              + [p.grad for p in params if p.grad is not None])
+            for key in param_storages:
+                grads.pop(key, None)
+            optim = _storages(_optimizer_tensors(trainer.optimizer))
+            c = ctx.coords
+            return RankMemory(rank=rank, dp=c.dp, pp=c.pp, tp=c.tp,
+                              parameters=sum(p.numel() for p in params),
+                              parameter_bytes=sum(param_storages.values()),
+                              gradient_bytes=sum(grads.values()), optimizer_bytes=sum(optim.values()),
+                              activation_peak_bytes=meter.peak_bytes,
+                              peak_bytes=tracker.peak,
+                              sync_points=sorted(set(hits)), seconds=time.perf_counter() - began)
+    finally:
+        dist.destroy_process_group()
+
+
+def _host_read_site(error: BaseException) -> str:
+    """The innermost gridtrain frame of the traceback that read a fake tensor."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        if "gridtrain" in frame.filename and not frame.filename.endswith("dryrun.py"):
+            return f"{Path(frame.filename).name}:{frame.lineno} ({frame.name})"
+    return "unknown"
+
+
+# ---- the command ----------------------------------------------------------------------------------
+
+def dry_run(cfg: Config, world_size: int, ranks: str = "edges", report: str | None = None,
+            out=print) -> dict:
+    """Run the chosen ranks; print a table; write the JSON report; return it."""
+    p = cfg.parallel
+    grid = ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp)
+    device_type = dry_run_device(cfg.training.device)
+    chosen = choose_ranks(grid, ranks)
+    out(f"dry run: {grid.describe()}, ranks {chosen}, device {device_type} (fake tensors, fake process group)")
+    results = [run_rank(cfg, world_size, r, device_type) for r in chosen]
+    for line in table_lines(results):
+        out(line)
+    data = {"world_size": world_size, "ranks": [asdict(r) for r in results]}
+    if report:
+        Path(report).write_text(json.dumps(data, indent=1) + "\n")
+        out(f"wrote {report}")
+    return data
+
+
+def table_lines(results: list[RankMemory]) -> list[str]:
+    gib = lambda n: f"{n / 2**20:10.1f}"  # noqa: E731
+    lines = [f"{'rank':>6} {'dp':>4} {'pp':>3} {'tp':>3} {'parameters':>13} {'params MiB':>10} {'grads MiB':>10} "
+             f"{'optim MiB':>10} {'act peak MiB':>12} {'peak MiB':>10} {'s':>6}  host syncs"]
+    for r in results:
+        lines.append(f"{r.rank:>6} {r.dp:>4} {r.pp:>3} {r.tp:>3} {r.parameters:>13,} {gib(r.parameter_bytes):>10} "
+                     f"{gib(r.gradient_bytes)} {gib(r.optimizer_bytes)} {gib(r.activation_peak_bytes):>12} "
+                     f"{gib(r.peak_bytes)} {r.seconds:6.1f}  {','.join(r.sync_points)}")
+    return lines
