@@ -40,8 +40,10 @@ Patches, all undone on exit and all here (:func:`_patched`):
 * ``gridtrain.watchdog.start_watchdog`` does nothing: the hang watchdog would start a
   thread polling a store that no other rank writes;
 * ``torch.utils.swap_tensors`` first clears the fake mode's memo of converted tensors:
-  ``Module.to`` swaps fake parameters in place, which torch refuses while a weak
-  reference (that memo's) points at them;
+  ``Module.to`` swaps fake parameters in place (never ``.data =``, as for real ones),
+  which torch refuses while a weak reference (that memo's) points at them; and it gives
+  the new tensor the old one's attributes first, since a swap exchanges ``__dict__`` and
+  the parameters' ``tp_spec``, ``tied_copy``, ``sequence_parallel`` would be lost;
 * for ``cuda``: ``torch.cuda.set_device`` does nothing, and the CUDA generator's state
   (``get_rng_state``/``set_rng_state``/``manual_seed``) is a CPU byte tensor kept here,
   because none of these can run without a GPU.
@@ -144,6 +146,7 @@ def _patched(fake_mode, device_type: str):
 
     def swap_tensors(t1, t2):
         fake_mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
+        t2.__dict__.update(t1.__dict__)  # swapping exchanges __dict__: keep tp_spec, tied_copy, ...
         return original_swap(t1, t2)
 
     patch(torch.utils, "swap_tensors", swap_tensors)
