@@ -343,6 +343,84 @@ def _host_read_site(error: BaseException) -> str:
     return "unknown"
 
 
+# ---- closed forms ----------------------------------------------------------------------------------
+
+def stage_layers(cfg: Config, grid: ProcessGrid, stage: int) -> list[tuple[tuple[int, ...], bool, bool]]:
+    """(block ids, embeds, ends) of each model chunk of pipeline stage ``stage``, from the
+    partition alone (uniform, parameters or --pp-layers; not the measured ``time``)."""
+    from gridtrain.providers import unit_costs
+    from gridtrain.pipeline.partition import partition
+
+    p, v = grid.pp, cfg.parallel.vpp
+    explicit = cfg.parallel.pp_layers
+    if explicit is None and cfg.parallel.pp_partition == "time":
+        raise ValueError("no closed form for --pp-partition time (measured)")
+    costs = None if explicit is not None else unit_costs(cfg, cfg.parallel.pp_partition)
+    layers = partition(cfg.model.n_layer, p * v, explicit=explicit, costs=costs)
+    return [(tuple(layers[c * p + stage]), c * p + stage == 0, c * p + stage == p * v - 1) for c in range(v)]
+
+
+def expected_parameters(cfg: Config, grid: ProcessGrid, rank: int) -> int:
+    """Parameters rank ``rank`` holds, from the model's shape and the layout: per block,
+    column-parallel QKV and MLP expansion (weights and biases / t), row-parallel
+    projections (weights / t, whole biases), whole LayerNorms; the vocabulary-parallel
+    token table (padded vocabulary / t rows) and whole position table on the first
+    stage; the final norm and, unless the stage also embeds, a copy of the (tied) table
+    on the last."""
+    m, t = cfg.model, grid.tp
+    d, f = m.d_model, m.ffn_size
+    block = 4 * d + (3 * d * d + 3 * d) // t + d * d // t + d + (d * f + f) // t + f * d // t + d
+    table = m.padded_vocab_size(t) // t * d
+    chunks = stage_layers(cfg, grid, grid.coords(rank).pp)
+    embeds, ends = any(c[1] for c in chunks), any(c[2] for c in chunks)
+    n = block * sum(len(c[0]) for c in chunks)
+    if embeds:
+        n += table + m.seq_len * d
+    if ends:
+        n += 2 * d + (table if not (m.tie_embeddings and embeds) else 0)
+    return n
+
+
+def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
+    """parameter, gradient and optimizer bytes of a rank, as the code allocates them:
+
+    * parameters in the run's dtype;
+    * gradients: the reducer's flat buffer (fp32 for 16-bit parameters, else the
+      parameters' dtype); with ZeRO-1 padded to a multiple of dp, plus this rank's
+      reduce-scattered 1/dp slice;
+    * optimizer: torch's AdamW (fp32/fp64 without ZeRO) keeps two moments per parameter
+      and a 4-byte step count per parameter tensor; the flat optimizer (16-bit or ZeRO-1)
+      keeps master weights and two moments for its slice (all of it without ZeRO) and two
+      masks, the decay flags and count-once flags, that are views of whole-model flat
+      tensors, so their storage is the whole padded vector (issue 12, item 4)."""
+    n = expected_parameters(cfg, grid, rank)
+    from gridtrain.distributed import TORCH_DTYPES
+
+    t = cfg.training
+    dtype = TORCH_DTYPES[t.dtype]
+    e = dtype.itemsize
+    wide = 8 if dtype == torch.float64 else 4  # gradient buffer and master weights
+    padded = -(-n // grid.dp) * grid.dp if t.zero == 1 else n
+    grads = padded * wide + (padded // grid.dp * wide if t.zero == 1 else 0)
+    if t.zero == 0 and dtype in (torch.float32, torch.float64):
+        tensors = _parameter_tensors(cfg, grid, rank)
+        optim = 2 * n * e + 4 * tensors
+    else:
+        owned = padded // grid.dp if t.zero == 1 else n
+        optim = 3 * owned * wide + 2 * padded * wide
+    return {"parameters": n, "parameter_bytes": n * e, "gradient_bytes": grads, "optimizer_bytes": optim}
+
+
+def _parameter_tensors(cfg: Config, grid: ProcessGrid, rank: int) -> int:
+    """Parameter tensors of a rank (AdamW keeps one step count per tensor)."""
+    chunks = stage_layers(cfg, grid, grid.coords(rank).pp)
+    embeds, ends = any(c[1] for c in chunks), any(c[2] for c in chunks)
+    n = 12 * sum(len(c[0]) for c in chunks)  # 2 LayerNorms x 2, 4 linears x (weight, bias)
+    n += 2 if embeds else 0
+    n += (2 + (0 if cfg.model.tie_embeddings and embeds else 1)) if ends else 0
+    return n
+
+
 # ---- the command ----------------------------------------------------------------------------------
 
 def dry_run(cfg: Config, world_size: int, ranks: str = "edges", report: str | None = None,
