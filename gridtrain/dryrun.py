@@ -44,6 +44,9 @@ Patches, all undone on exit and all here (:func:`_patched`):
   which torch refuses while a weak reference (that memo's) points at them; and it gives
   the new tensor the old one's attributes first, since a swap exchanges ``__dict__`` and
   the parameters' ``tp_spec``, ``tied_copy``, ``sequence_parallel`` would be lost;
+* ``torch.set_rng_state`` ignores a fake state: the TP tracker's stream states are
+  clones, made under the fake mode, of real generator states, and fake random
+  operations draw nothing from any generator anyway;
 * for ``cuda``: ``torch.cuda.set_device`` does nothing, and the CUDA generator's state
   (``get_rng_state``/``set_rng_state``/``manual_seed``) is a CPU byte tensor kept here,
   because none of these can run without a GPU.
@@ -136,6 +139,8 @@ def dry_run_device(requested: str | None) -> str:
 @contextlib.contextmanager
 def _patched(fake_mode, device_type: str):
     """What the real step needs that a fake world lacks (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     saved = []
 
     def patch(owner, name, value):
@@ -151,6 +156,13 @@ def _patched(fake_mode, device_type: str):
 
     patch(torch.utils, "swap_tensors", swap_tensors)
     patch(watchdog, "start_watchdog", lambda *args, **kwargs: None)
+    original_set_rng_state = torch.set_rng_state
+
+    def set_rng_state(state):
+        if not isinstance(state, FakeTensor):
+            original_set_rng_state(state)
+
+    patch(torch, "set_rng_state", set_rng_state)
     if device_type == "cuda":
         states: dict[int, torch.Tensor] = {}
 
@@ -298,7 +310,9 @@ def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankM
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        fake = FakeTensorMode()
+        # real inputs allowed: the RNG states that recomputation captures and replays
+        # (torch.get_rng_state) are real host tensors, by design
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
         with _patched(fake, device_type), fake:
             trainer = build(cfg, gpt_model_provider, gpt_forward_step)
             ctx, model = trainer.ctx, trainer.model
