@@ -435,6 +435,41 @@ def _parameter_tensors(cfg: Config, grid: ProcessGrid, rank: int) -> int:
     return n
 
 
+def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_type: str) -> float:
+    """The formula's activation peak of a stage's transformer blocks: the most
+    micro-batch chunks the schedule holds between F and B (pipeline/validate.py) times
+    the per-block bytes of memory.korthikanti_bytes (docs/memory.md) summed over a
+    chunk's blocks; with full recomputation plus one region's rebuilt activations (held
+    transiently in backward). The embedding and the head (the loss's softmax over the
+    vocabulary slice) are not in the formula: compare stages without them (the middle
+    ones), or expect them on top. Describes ``--attention math`` (the fused kernel keeps
+    no s x s scores) and ``keep_last`` off."""
+    from gridtrain.distributed import TORCH_DTYPES
+    from gridtrain.pipeline.schedules import build_schedule
+    from gridtrain.pipeline.validate import peak_held
+    from gridtrain.recompute import policy_from
+
+    m, t = cfg.model, cfg.training
+    e = TORCH_DTYPES[t.dtype].itemsize
+    sp = cfg.parallel.sequence_parallel and grid.tp > 1
+    shape = dict(seq=m.seq_len, batch=t.micro_batch_size, hidden=m.d_model, heads=m.n_head, ffn=m.ffn_size,
+                 tp=grid.tp, sequence_parallel=sp, element_bytes=e,
+                 mask_bytes=memory.dropout_mask_bytes(torch.device(device_type), e), dropout=m.dropout > 0)
+    stage = grid.coords(rank).pp
+    micro_batches = t.global_batch_size // (t.micro_batch_size * grid.dp)
+    actions = build_schedule(cfg.parallel.schedule, grid.pp, micro_batches, cfg.parallel.vpp)[stage]
+    held = peak_held(actions)
+    policy = policy_from(t)
+    chunks = stage_layers(cfg, grid, stage)
+    per_chunk = max(sum(memory.expected_by_layer(policy.block_runs(ids), policy.mode, micro_batches, False,
+                                                 **shape).values()) for ids, _, _ in chunks)
+    rebuilt = 0.0
+    if policy.mode == "full":
+        longest = max((len(r) for ids, _, _ in chunks for r, redo in policy.block_runs(ids) if redo), default=0)
+        rebuilt = longest * memory.korthikanti_bytes(recompute="none", **shape)
+    return held * per_chunk + rebuilt
+
+
 # ---- the command ----------------------------------------------------------------------------------
 
 def dry_run(cfg: Config, world_size: int, ranks: str = "edges", report: str | None = None,
