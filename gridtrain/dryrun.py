@@ -257,11 +257,17 @@ def _tensors(tree):
 
 
 def _call_site() -> str:
-    """The innermost gridtrain frame outside this module: who issued the operation."""
-    for frame in reversed(traceback.extract_stack()):
-        if "gridtrain" in frame.filename and not frame.filename.endswith("dryrun.py"):
+    """The innermost frame outside torch and this module: who issued the operation."""
+    return _innermost(traceback.extract_stack())
+
+
+def _innermost(frames) -> str:
+    torch_dir = str(Path(torch.__file__).parent)
+    for frame in reversed(frames):
+        if not frame.filename.startswith(torch_dir) and frame.filename != __file__ \
+                and "contextlib" not in frame.filename:
             return f"{Path(frame.filename).name}:{frame.lineno} ({frame.name})"
-    return "outside gridtrain"
+    return "unknown"
 
 
 # ---- one rank -------------------------------------------------------------------------------------
@@ -294,6 +300,33 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     return [optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq, optimizer.decay, optimizer.count_once]
 
 
+def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
+    """One ``train_step`` of ``trainer`` under the meters, and what the rank holds after
+    it. The same for fake tensors (the dry run) and real ones (tests compare the two;
+    ``fake=False``: the named host reads return the real values)."""
+    ctx, model = trainer.ctx, trainer.model
+    meter = memory.ActivationMeter.for_model(model)
+    tracker = LiveBytes(ctx.device.type)
+    tracker.track(list(model.parameters()), list(model.buffers()), trainer.reducer.buffer,
+                  _optimizer_tensors(trainer.optimizer))
+    trainer.set_lr(0)
+    syncs = host_sync.allowing() if fake else contextlib.nullcontext([])
+    with tracker, _CollectiveDevices(ctx.device), memory.saved_activations(meter), syncs as hits:
+        trainer.train_step(batches)
+    params = list(model.parameters())
+    param_storages = _storages(params)
+    grads = _storages([trainer.reducer.buffer, trainer.reducer.shard_grad]
+                      + [p.grad for p in params if p.grad is not None])
+    for key in param_storages:
+        grads.pop(key, None)
+    optim = _storages(_optimizer_tensors(trainer.optimizer))
+    c = ctx.coords
+    return RankMemory(rank=ctx.rank, dp=c.dp, pp=c.pp, tp=c.tp, parameters=sum(p.numel() for p in params),
+                      parameter_bytes=sum(param_storages.values()), gradient_bytes=sum(grads.values()),
+                      optimizer_bytes=sum(optim.values()), activation_peak_bytes=meter.peak_bytes,
+                      peak_bytes=tracker.peak, sync_points=sorted(set(hits)))
+
+
 def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankMemory:
     """Build rank ``rank`` of the layout and run one step on fake tensors."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
@@ -315,46 +348,20 @@ def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankM
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with _patched(fake, device_type), fake:
             trainer = build(cfg, gpt_model_provider, gpt_forward_step)
-            ctx, model = trainer.ctx, trainer.model
-            batches = _fake_batches(cfg, trainer)
-            meter = memory.ActivationMeter.for_model(model)
-            tracker = LiveBytes(ctx.device.type)
-            tracker.track(list(model.parameters()), list(model.buffers()), trainer.reducer.buffer,
-                          _optimizer_tensors(trainer.optimizer))
-            trainer.set_lr(0)
             try:
-                with tracker, _CollectiveDevices(ctx.device), memory.saved_activations(meter), \
-                        host_sync.allowing() as hits:
-                    trainer.train_step(batches)
+                result = measure_step(trainer, _fake_batches(cfg, trainer))
             except DataDependentOutputException as e:
                 raise UnnamedHostSync(f"rank {rank}: the step read device data on the host outside a named "
                                       f"sync point ({e}); at {_host_read_site(e)}") from e
-            params = [p for p in model.parameters()]
-            param_storages = _storages(params)
-            grads = _storages([trainer.reducer.buffer, trainer.reducer.shard_grad]
-                              + [p.grad for p in params if p.grad is not None])
-            for key in param_storages:
-                grads.pop(key, None)
-            optim = _storages(_optimizer_tensors(trainer.optimizer))
-            c = ctx.coords
-            return RankMemory(rank=rank, dp=c.dp, pp=c.pp, tp=c.tp,
-                              parameters=sum(p.numel() for p in params),
-                              parameter_bytes=sum(param_storages.values()),
-                              gradient_bytes=sum(grads.values()), optimizer_bytes=sum(optim.values()),
-                              activation_peak_bytes=meter.peak_bytes,
-                              peak_bytes=tracker.peak,
-                              sync_points=sorted(set(hits)), seconds=time.perf_counter() - began)
+            result.seconds = time.perf_counter() - began
+            return result
     finally:
         dist.destroy_process_group()
 
 
 def _host_read_site(error: BaseException) -> str:
-    """The innermost gridtrain frame of the traceback that read a fake tensor."""
-    frames = traceback.extract_tb(error.__traceback__)
-    for frame in reversed(frames):
-        if "gridtrain" in frame.filename and not frame.filename.endswith("dryrun.py"):
-            return f"{Path(frame.filename).name}:{frame.lineno} ({frame.name})"
-    return "unknown"
+    """The innermost frame outside torch of the traceback that read a fake tensor."""
+    return _innermost(traceback.extract_tb(error.__traceback__))
 
 
 # ---- closed forms ----------------------------------------------------------------------------------
