@@ -136,7 +136,7 @@ def test_command_line_writes_the_report(tmp_path, capsys):
 
     out = tmp_path / "report.json"
     assert main(["train", "--model", "tiny", "--tp", "2", "--pp", "2", "--device", "cpu", "--dry-run",
-                 "--world-size", "16", "--dry-run-report", str(out)]) == 0
+                 "--world-size", "16", "--global-batch-size", "32", "--dry-run-report", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["world_size"] == 16
     assert [(r["rank"], r["pp"]) for r in report["ranks"]] == [(0, 0), (8, 1)]
