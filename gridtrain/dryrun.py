@@ -474,7 +474,15 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     if policy.mode == "full":
         longest = max((len(r) for ids, _, _ in chunks for r, redo in policy.block_runs(ids) if redo), default=0)
         rebuilt = longest * memory.korthikanti_bytes(recompute="none", **shape)
-    return held * per_chunk + rebuilt
+    head = 0.0
+    if any(ends for _, _, ends in chunks):
+        # the loss: the softmax over this rank's vocabulary slice in fp32 (kept by the
+        # cross entropy for backward), the target index (int64) and two flags per token;
+        # the final norm's input and the head's input (a sequence shard under SP)
+        tokens = m.seq_len * t.micro_batch_size
+        head = tokens * (m.padded_vocab_size(grid.tp) // grid.tp * 4 + 8 + 2) \
+            + 2 * tokens * m.d_model * e / (grid.tp if sp else 1)
+    return held * per_chunk + rebuilt + head
 
 
 # ---- the command ----------------------------------------------------------------------------------
