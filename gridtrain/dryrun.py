@@ -443,17 +443,17 @@ def _parameter_tensors(cfg: Config, grid: ProcessGrid, rank: int) -> int:
 
 
 def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_type: str) -> float:
-    """The formula's activation peak of a stage's transformer blocks: the most
-    micro-batch chunks the schedule holds between F and B (pipeline/validate.py) times
-    the per-block bytes of memory.korthikanti_bytes (docs/memory.md) summed over a
-    chunk's blocks; with full recomputation plus one region's rebuilt activations (held
-    transiently in backward). The embedding and the head (the loss's softmax over the
-    vocabulary slice) are not in the formula: compare stages without them (the middle
-    ones), or expect them on top. Describes ``--attention math`` (the fused kernel keeps
-    no s x s scores) and ``keep_last`` off."""
+    """The formula's activation peak of a stage: the schedule's action list walked, each
+    F adding and each B removing its chunk's bytes: the per-block bytes of
+    memory.korthikanti_bytes (docs/memory.md) summed over the chunk's blocks, plus, for
+    the chunk that ends the model, the head (the loss's fp32 softmax over the vocabulary
+    slice dominates it); with full recomputation plus one region's rebuilt activations
+    (held transiently in backward), and for the chunk that embeds, the token ids,
+    positions and dropout mask of the embedding.
+    Describes ``--attention math`` (the fused kernel keeps no s x s scores) and
+    ``--recompute-keep-last`` off."""
     from gridtrain.distributed import TORCH_DTYPES
-    from gridtrain.pipeline.schedules import build_schedule
-    from gridtrain.pipeline.validate import peak_held
+    from gridtrain.pipeline.schedules import B, F, build_schedule
     from gridtrain.recompute import policy_from
 
     m, t = cfg.model, cfg.training
@@ -465,24 +465,38 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     stage = grid.coords(rank).pp
     micro_batches = t.global_batch_size // (t.micro_batch_size * grid.dp)
     actions = build_schedule(cfg.parallel.schedule, grid.pp, micro_batches, cfg.parallel.vpp)[stage]
-    held = peak_held(actions)
     policy = policy_from(t)
     chunks = stage_layers(cfg, grid, stage)
-    per_chunk = max(sum(memory.expected_by_layer(policy.block_runs(ids), policy.mode, micro_batches, False,
-                                                 **shape).values()) for ids, _, _ in chunks)
-    rebuilt = 0.0
-    if policy.mode == "full":
-        longest = max((len(r) for ids, _, _ in chunks for r, redo in policy.block_runs(ids) if redo), default=0)
-        rebuilt = longest * memory.korthikanti_bytes(recompute="none", **shape)
-    head = 0.0
-    if any(ends for _, _, ends in chunks):
-        # the loss: the softmax over this rank's vocabulary slice in fp32 (kept by the
-        # cross entropy for backward), the target index (int64) and two flags per token;
-        # the final norm's input and the head's input (a sequence shard under SP)
-        tokens = m.seq_len * t.micro_batch_size
-        head = tokens * (m.padded_vocab_size(grid.tp) // grid.tp * 4 + 8 + 2) \
-            + 2 * tokens * m.d_model * e / (grid.tp if sp else 1)
-    return held * per_chunk + rebuilt + head
+    tokens = m.seq_len * t.micro_batch_size
+    # the loss: the softmax over this rank's vocabulary slice in fp32 (kept by the cross
+    # entropy for backward), the target index (int64) and two flags per token; the final
+    # norm's input and the head's input (a sequence shard under SP)
+    head = tokens * (m.padded_vocab_size(grid.tp) // grid.tp * 4 + 8 + 2) \
+        + 2 * tokens * m.d_model * e / (grid.tp if sp else 1)
+    # the embedding: the token ids and positions its lookups keep (int64), under TP the
+    # shifted ids and the out-of-range flags, and with dropout the mask
+    sp_div = grid.tp if sp else 1
+    embedding = tokens * 8 + m.seq_len // sp_div * 8 + (tokens * 9 if grid.tp > 1 else 0) \
+        + (tokens * m.d_model * shape["mask_bytes"] / sp_div if m.dropout > 0 else 0.0)
+    cost = [sum(memory.expected_by_layer(policy.block_runs(ids), policy.mode, micro_batches, False,
+                                         **shape).values()) + (head if ends else 0.0) + (embedding if embeds else 0.0)
+            for ids, embeds, ends in chunks]
+    # with full recomputation, B rebuilds one region (the longest) on top of what is held;
+    # its input is already counted (kept), and on the chunk that ends the model the
+    # head's backward has released the softmax by then
+    region = max((len(r) for ids, _, _ in chunks for r, redo in policy.block_runs(ids) if redo), default=0)
+    rebuilt = [region * memory.korthikanti_bytes(recompute="none", **shape)
+               - memory.korthikanti_bytes(recompute="full", **shape) - (head if ends else 0.0)
+               if region else 0.0 for _, _, ends in chunks]
+    held = peak = 0.0
+    for a in actions:  # what the schedule holds between each F and its B, chunk by chunk
+        if a.kind == F:
+            held += cost[a.chunk]
+            peak = max(peak, held)
+        elif a.kind == B:
+            peak = max(peak, held + rebuilt[a.chunk])
+            held -= cost[a.chunk]
+    return peak
 
 
 # ---- the command ----------------------------------------------------------------------------------
