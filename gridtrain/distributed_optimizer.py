@@ -90,7 +90,8 @@ class DistributedOptimizer:
         if self.reducer.shard:
             self.dp.all_reduce(sq)
         self.mp.all_reduce(sq)
-        norm = math.sqrt(host_sync.read("grad_norm", sq, float, stand_in=(2.0 * max_norm if max_norm > 0 else 1.0) ** 2))
+        stand_in = (2.0 * max_norm if max_norm > 0 else 1.0) ** 2  # the dry run's: above the limit
+        norm = math.sqrt(host_sync.read("grad_norm", sq, float, stand_in=stand_in))
         if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
             grad.mul_(max_norm / (norm + 1e-6))
         return norm
