@@ -273,15 +273,21 @@ def _innermost(frames) -> str:
 # ---- one rank -------------------------------------------------------------------------------------
 
 def _fake_batches(cfg: Config, trainer) -> list[dict[str, torch.Tensor]] | None:
-    """Micro-batches of token ids on the stages that embed or compute the loss."""
-    grid, rank = trainer.ctx.grid, trainer.ctx.rank
-    if not (grid.is_first_stage(rank) or grid.is_last_stage(rank)):
+    """Micro-batches of token ids on the stages that embed or compute the loss, made up
+    on the TP group's first rank (on the host, as a dataset gives them) and passed to the
+    others as trainer.read_micro_batches does (tensor_parallel.broadcast_batches)."""
+    from gridtrain.tensor_parallel import broadcast_batches
+    from gridtrain.trainer import batch_shapes
+
+    ctx = trainer.ctx
+    if not (ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
         return None
-    shape = (cfg.training.micro_batch_size, cfg.model.seq_len)
-    device = trainer.ctx.device
-    return [{"tokens": torch.randint(0, cfg.model.vocab_size, shape, device=device),
-             "labels": torch.randint(0, cfg.model.vocab_size, shape, device=device)}
-            for _ in range(trainer.num_micro_batches)]
+    n, shape = trainer.num_micro_batches, (cfg.training.micro_batch_size, cfg.model.seq_len)
+    batches = None
+    if ctx.tp.rank == 0:
+        batches = [{k: torch.randint(0, cfg.model.vocab_size, shape).to(ctx.device) for k in ("tokens", "labels")}
+                   for _ in range(n)]
+    return broadcast_batches(batches, n, ctx.tp, ctx.device, batch_shapes(cfg))
 
 
 def _storages(tensors) -> dict[int, int]:
