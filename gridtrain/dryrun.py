@@ -33,7 +33,7 @@ What it checks:
 * **device discipline**: every tensor handed to a collective or point-to-point operation
   must be on the rank's device (NCCL takes only GPU tensors; gloo forgives CPU ones). A
   dispatch mode sees each ``c10d`` operation and raises :class:`DeviceDisciplineError`
-  naming the gridtrain line that issued it.
+  naming the line (outside torch) that issued it.
 
 Patches, all undone on exit and all here (:func:`_patched`):
 
