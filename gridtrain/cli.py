@@ -103,6 +103,12 @@ def _train_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     for flag, help_text in SWITCHES.items():
         p.add_argument(flag, action="store_true", help=help_text)
+    g = p.add_argument_group("dry run", "one training step of chosen ranks of an N-rank layout, in this "
+                             "process, on fake tensors with a fake process group (gridtrain/dryrun.py)")
+    g.add_argument("--dry-run", action="store_true", help="measure memory per rank; allocate nothing")
+    g.add_argument("--world-size", type=int, help="ranks of the layout to simulate (with --dry-run)")
+    g.add_argument("--dry-run-ranks", help="edges (default) | all | R,R,...")
+    g.add_argument("--dry-run-report", help="write the per-rank memory as JSON here")
 
 
 def _generate_parser(sub) -> None:
@@ -161,9 +167,35 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def _train(args: argparse.Namespace) -> int:
+    dry = getattr(args, "dry_run", False)
+    for flag in ("world_size", "dry_run_ranks", "dry_run_report"):
+        if hasattr(args, flag) and not dry:
+            raise ConfigError(f"--{flag.replace('_', '-')} needs --dry-run")
+    if dry:
+        return _dry_run(args)
     from gridtrain.run import train_command
 
     return train_command(validate(config_from_args(args)))
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    """``train --dry-run``: validated as an N-rank job would be (its data is not read:
+    the step runs on made-up token ids), then gridtrain.dryrun."""
+    import copy
+
+    from gridtrain.dryrun import dry_run
+
+    world = getattr(args, "world_size", None)
+    if world is None or world < 1:
+        raise ConfigError("--dry-run needs --world-size N (N >= 1): the number of ranks of the layout")
+    cfg = config_from_args(args)
+    if cfg.parallel.nproc is not None:
+        raise ConfigError("--dry-run runs in this process; drop --nproc (use --world-size for the layout)")
+    checked = copy.deepcopy(cfg)
+    checked.training.device = None  # the dry run needs no GPU, even for cuda
+    validate(checked, world, data=False)
+    dry_run(cfg, world, getattr(args, "dry_run_ranks", None) or "edges", getattr(args, "dry_run_report", None))
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

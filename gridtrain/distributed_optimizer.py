@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gridtrain import host_sync
 from gridtrain.comm import CommGroup
 from gridtrain.config import TrainingConfig
 from gridtrain.data_parallel import GradientReducer
@@ -150,7 +151,7 @@ class DistributedOptimizer:
         bad = torch.isfinite(grad).all().logical_not().to(torch.float64)  # empty slice: finite
         self.dp.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.mp.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return not bool(bad)  # named sync point: the overflow flag
+        return host_sync.read("fp16_overflow", bad, float, stand_in=0.0) == 0.0
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """One global norm (DP shards x model-parallel ranks); clip this rank's slice."""
@@ -162,7 +163,8 @@ class DistributedOptimizer:
         if self.reducer.shard:
             self.dp.all_reduce(sq)
         self.mp.all_reduce(sq)
-        norm = math.sqrt(float(sq))
+        stand_in = (2.0 * max_norm if max_norm > 0 else 1.0) ** 2  # the dry run's: above the limit
+        norm = math.sqrt(host_sync.read("grad_norm", sq, float, stand_in=stand_in))
         if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
             grad.mul_(max_norm / (norm + 1e-6))
         return norm

@@ -49,7 +49,9 @@ def current_scope() -> str:
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (t.device.type, t.untyped_storage().data_ptr())
+    """The storage's identity (its StorageImpl), which fake tensors (the dry run) have
+    too; their data pointers are meaningless."""
+    return (t.device.type, t.untyped_storage()._cdata)
 
 
 def _storage_bytes(t: torch.Tensor) -> int:

@@ -288,26 +288,32 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, voc
 # ---- data ------------------------------------------------------------------------------------
 
 def broadcast_batches(batches: list[dict[str, torch.Tensor]] | None, n: int, tp: TensorParallel,
-                      device: torch.device) -> list[dict[str, torch.Tensor]]:
+                      device: torch.device,
+                      shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+                      ) -> list[dict[str, torch.Tensor]]:
     """The TP group's first rank reads the step's micro-batches; the others receive them.
 
-    Keys, shapes and dtypes travel first as a small object broadcast, then one tensor
-    per key holding all ``n`` micro-batches stacked (as Megatron's broadcast_data does).
-    Both are recorded in the flight recorder, so a TP rank that never comes for its
-    batch is named in a hang report.
+    One tensor per key travels, holding all ``n`` micro-batches stacked (as Megatron's
+    broadcast_data does). Every rank must know each key's micro-batch shape and dtype:
+    ``shapes`` when the caller knows them (the training loop does: ``[micro-batch,
+    seq]`` int64), so that nothing passes through the host; otherwise they travel first
+    as a small object broadcast (pickled on the host: a host synchronisation). Both are
+    recorded in the flight recorder, so a TP rank that never comes for its batch is
+    named in a hang report.
     """
     if tp.size == 1:
         return batches
     src = tp.rank == 0
-    meta = [None]
-    if src:
-        meta[0] = {k: (tuple(v.shape), v.dtype) for k, v in batches[0].items()}
-    rec = tp.comm.record("broadcast_object", None, 0)  # flight recorder (watchdog.py); size unknown
-    try:
-        torch.distributed.broadcast_object_list(meta, src=tp.comm.global_rank(0), group=tp.comm.group,
-                                                device=device if device.type == "cuda" else None)
-    finally:
-        tp.comm.done(rec)
+    meta = [shapes]
+    if shapes is None:
+        if src:
+            meta[0] = {k: (tuple(v.shape), v.dtype) for k, v in batches[0].items()}
+        rec = tp.comm.record("broadcast_object", None, 0)  # flight recorder (watchdog.py); size unknown
+        try:
+            torch.distributed.broadcast_object_list(meta, src=tp.comm.global_rank(0), group=tp.comm.group,
+                                                    device=device if device.type == "cuda" else None)
+        finally:
+            tp.comm.done(rec)
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
     for key, (shape, dtype) in sorted(meta[0].items()):
         stacked = (torch.stack([b[key] for b in batches]).to(device) if src

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gridtrain import checkpoint
+from gridtrain import checkpoint, host_sync
 from gridtrain.config import Config
 from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
 from gridtrain.data_parallel import GradientReducer, broadcast_parameters
@@ -90,7 +90,7 @@ class Trainer:
 
     def read_batches(self, step: int) -> list[Batch] | None:
         """This rank's micro-batches of the global batch of ``step``."""
-        return read_micro_batches(self.data.train, self.sampler, step, self.ctx)
+        return read_micro_batches(self.data.train, self.sampler, step, self.ctx, batch_shapes(self.cfg))
 
     def train_step(self, batches: list[Batch] | None) -> StepOutput:
         """One optimizer step: the stage's schedule (forward, backward and gradient
@@ -126,7 +126,7 @@ class Trainer:
         holds_loss = ctx.grid.is_last_stage(ctx.rank)
         totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
         for step in range(min(t.eval_iters, max(1, len(dataset) // t.global_batch_size))):
-            batches = read_micro_batches(dataset, sampler, step, ctx)
+            batches = read_micro_batches(dataset, sampler, step, ctx, batch_shapes(self.cfg))
             loss_sum = self.pipeline.forward_only(batches)
             if holds_loss:
                 totals[0] += loss_sum
@@ -221,27 +221,38 @@ def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx:
     return DistributedOptimizer(reducer, t, dp=ctx.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master)
 
 
-def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int,
-                       ctx: DistributedContext) -> list[Batch] | None:
+def batch_shapes(cfg: Config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each key of a micro-batch (data.collate) with its shape and dtype, known to every
+    rank from the configuration (so TP ranks need not be told them)."""
+    shape = (cfg.training.micro_batch_size, cfg.model.seq_len)
+    return {"tokens": (shape, torch.int64), "labels": (shape, torch.int64)}
+
+
+def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int, ctx: DistributedContext,
+                       shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> list[Batch] | None:
     """This rank's micro-batches of ``step``, on the stages that embed tokens or compute
-    the loss (None elsewhere): read by the TP group's first rank and broadcast."""
+    the loss (None elsewhere): read by the TP group's first rank and broadcast (``shapes``:
+    see :func:`batch_shapes`; None: they are broadcast too)."""
     if not (ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
         return None
     ids = sampler.micro_batches(step)
     batches = None
     if ctx.tp.rank == 0:
         batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in collate(dataset, i).items()} for i in ids]
-    return broadcast_batches(batches, len(ids), ctx.tp, ctx.device)
+    return broadcast_batches(batches, len(ids), ctx.tp, ctx.device, shapes)
 
 
 def _global_token_count(batches: list[Batch], ctx: DistributedContext) -> int:
     """Loss-bearing tokens in the whole global batch (all DP ranks), known before backward."""
-    local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-    count = torch.tensor([local], dtype=torch.int64, device=ctx.device)
+    # summed on the device: one host read for the whole step, not one per micro-batch
+    local = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
+    count = local.reshape(1).to(device=ctx.device, dtype=torch.int64)
     ctx.dp.all_reduce(count)
-    if int(count) == 0:
+    every_label = ctx.grid.dp * sum(b["labels"].numel() for b in batches)  # the dry run's stand-in
+    tokens = host_sync.read("token_count", count, int, stand_in=every_label)
+    if tokens == 0:
         raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
-    return int(count)
+    return tokens
 
 
 def _mean_loss(loss_sum: torch.Tensor | None, global_tokens: int, holds_loss: bool,
@@ -250,4 +261,4 @@ def _mean_loss(loss_sum: torch.Tensor | None, global_tokens: int, holds_loss: bo
     value = torch.zeros((), dtype=torch.float64, device=ctx.device)
     if holds_loss:
         value = ctx.dp.all_reduce(loss_sum) / global_tokens
-    return float(ctx.pp.broadcast(value, src_index=ctx.grid.pp - 1))
+    return host_sync.read("loss", ctx.pp.broadcast(value, src_index=ctx.grid.pp - 1), float, stand_in=0.0)
