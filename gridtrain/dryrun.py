@@ -417,9 +417,8 @@ def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
       reduce-scattered 1/dp slice;
     * optimizer: torch's AdamW (fp32/fp64 without ZeRO) keeps two moments per parameter
       and a 4-byte step count per parameter tensor; the flat optimizer (16-bit or ZeRO-1)
-      keeps master weights and two moments for its slice (all of it without ZeRO) and two
-      masks, the decay flags and count-once flags, that are views of whole-model flat
-      tensors, so their storage is the whole padded vector (issue 12, item 4)."""
+      keeps master weights and two moments for its slice (all of it without ZeRO) and
+      nothing else (``DistributedOptimizer.state_bytes``)."""
     n = expected_parameters(cfg, grid, rank)
     from gridtrain.distributed import TORCH_DTYPES
 
@@ -434,7 +433,7 @@ def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
         optim = 2 * n * e + 4 * tensors
     else:
         owned = padded // grid.dp if t.zero == 1 else n
-        optim = 3 * owned * wide + 2 * padded * wide
+        optim = 3 * owned * wide
     return {"parameters": n, "parameter_bytes": n * e, "gradient_bytes": grads, "optimizer_bytes": optim}
 
 
