@@ -303,7 +303,7 @@ def _storages(tensors) -> dict[int, int]:
 def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
     if isinstance(optimizer, torch.optim.Optimizer):
         return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return [optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq, optimizer.decay, optimizer.count_once]
+    return [optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq]
 
 
 def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
