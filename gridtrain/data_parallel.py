@@ -28,7 +28,6 @@ for the rest of backward).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gridtrain.comm import CommGroup
+from gridtrain.timing import Clock, HostClock, Mark, clock_for
 
 
 def broadcast_parameters(model: nn.Module, dp: CommGroup) -> None:
@@ -55,22 +55,39 @@ class Bucket:
     ready: int = 0
     work: object | None = None
     record: object | None = None  # the flight recorder's entry (watchdog.py)
-    launched_at: float = 0.0
-    done_at: float | None = None
+    launched_at: Mark = None  # clock marks (timing.py)
+    done_at: Mark = None
 
 
 @dataclass
 class OverlapStats:
     """Seconds of all-reduce in flight, and how many of them passed before the step
-    started waiting (hidden behind backward) rather than while it waited (exposed)."""
+    started waiting (hidden behind backward) rather than while it waited (exposed).
 
-    in_flight_s: float = 0.0
-    hidden_s: float = 0.0
+    Kept as clock marks per bucket (launch, done, start of the wait) and turned into
+    seconds when read. On the host clock "done" is when polling first saw the bucket
+    complete; on a GPU it is an event recorded after the bucket's wait, which completes
+    when both the all-reduce and the backward queued before it have: a bucket that
+    finished during backward then counts as in flight until backward's end, all of it
+    hidden (the hidden fraction stays right; the in-flight seconds are an upper bound)."""
+
+    clock: Clock = field(default_factory=HostClock)
+    buckets: list[tuple[Mark, Mark, Mark]] = field(default_factory=list)  # (launched, done, waiting from)
     unused: list[str] = field(default_factory=list)  # parameters that got no gradient
 
     @property
+    def in_flight_s(self) -> float:
+        return sum(self.clock.seconds(launched, done) for launched, done, _ in self.buckets)
+
+    @property
+    def hidden_s(self) -> float:
+        return sum(max(0.0, min(self.clock.seconds(launched, done), self.clock.seconds(launched, waiting)))
+                   for launched, done, waiting in self.buckets)
+
+    @property
     def fraction(self) -> float:
-        return self.hidden_s / self.in_flight_s if self.in_flight_s > 0 else 0.0
+        in_flight = self.in_flight_s
+        return self.hidden_s / in_flight if in_flight > 0 else 0.0
 
 
 class GradientReducer:
@@ -104,7 +121,8 @@ class GradientReducer:
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.counts = {p: 0 for p in params}
         self.next_bucket = 0
-        self.stats = OverlapStats()
+        self.clock = clock_for(device)
+        self.stats = OverlapStats(self.clock)
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
             p.grad_ready_hook = self._on_grad  # for gradients accumulated outside autograd (ZB's W)
@@ -152,14 +170,17 @@ class GradientReducer:
         bucket.record = self.dp.recorder.issue("all_reduce", self.dp.name, self.dp.ranks,
                                                view.numel() * view.element_size())
         bucket.work = dist.all_reduce(view, group=self.dp.group, async_op=True)
-        bucket.launched_at = time.perf_counter()
+        bucket.launched_at = self.clock.mark()
 
     def _poll(self) -> None:
-        """Note when in-flight buckets complete (for the overlap measurement)."""
+        """Note when in-flight buckets complete (for the overlap measurement). Only on
+        the host clock: on a GPU, completion is an event recorded after the wait."""
+        if not self.clock.on_host:
+            return
         now = None
         for b in self.buckets:
             if b.work is not None and b.done_at is None and b.work.is_completed():
-                b.done_at = now = now or time.perf_counter()
+                b.done_at = now = now or self.clock.mark()
 
     # ---- after the last backward ------------------------------------------------------------
 
@@ -172,7 +193,7 @@ class GradientReducer:
             return
         if self.dp.size > 1:
             self._poll()
-            waiting_from = time.perf_counter()
+            waiting_from = self.clock.mark()
             for b in self.buckets[self.next_bucket:]:
                 self._launch(b)
             self.next_bucket = len(self.buckets)
@@ -183,9 +204,8 @@ class GradientReducer:
                 finally:
                     self.dp.recorder.done(b.record, self.buffer)
                 if b.done_at is None:
-                    b.done_at = time.perf_counter()
-                self.stats.in_flight_s += b.done_at - b.launched_at
-                self.stats.hidden_s += max(0.0, min(b.done_at, waiting_from) - b.launched_at)
+                    b.done_at = self.clock.mark()
+                self.stats.buckets.append((b.launched_at, b.done_at, waiting_from))
             self.buffer.div_(self.dp.size)
         for p in self.counts:
             p.grad = p.main_grad if p.main_grad.dtype == p.dtype else None
@@ -199,7 +219,7 @@ class GradientReducer:
         for b in self.buckets:
             b.ready, b.work, b.record, b.done_at = 0, None, None, None
         self.next_bucket = 0
-        self.stats = OverlapStats()  # per step
+        self.stats = OverlapStats(self.clock)  # per step
 
     def bytes_per_step(self) -> int:
         return self.buffer.numel() * self.buffer.element_size() if self.dp.size > 1 else 0

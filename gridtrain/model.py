@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from gridtrain.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowPa
                                        TensorParallel, VocabParallelEmbedding, gather_logits,
                                        parallel_lm_logits, shard, shard_spec,
                                        vocab_parallel_cross_entropy)
+from gridtrain.timing import clock_for, median_seconds
 
 
 class CausalSelfAttention(nn.Module):
@@ -287,26 +287,26 @@ def parameter_costs(cfg: ModelConfig) -> tuple[list[float], float, float]:
     return [per_block] * L, embedding, head
 
 
-def profile_units(cfg: ModelConfig, micro_batch_size: int, steps: int = 3) -> tuple[list[float], float, float]:
+def profile_units(cfg: ModelConfig, micro_batch_size: int, steps: int = 3, *,
+                  device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> tuple[list[float], float, float]:
     """Measured forward+backward seconds of each block, the embedding and the head + loss,
-    on this process's CPU, with random tokens (median of ``steps`` runs): the costs of
+    on the training ``device`` and ``dtype``, with random tokens (median of ``steps`` runs,
+    each timed to the end of the device's work: timing.py): the costs of
     ``--pp-partition time``."""
+    clock = clock_for(device)
     model = GPT(cfg)
     init_parameters(model, 0)
-    tokens = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len))
+    model.to(device=device, dtype=dtype)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len), device=device)
 
     def timed(fn) -> float:
-        runs = []
-        for _ in range(steps):
-            began = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - began)
-        return sorted(runs)[len(runs) // 2]
+        return median_seconds(fn, steps, clock)
 
     hidden = model.embedding(tokens).detach()
     embedding = timed(lambda: model.embedding(tokens).sum().backward())
     blocks = [timed(lambda b=b: b(hidden.requires_grad_()).sum().backward()) for b in model.blocks.values()]
-    head_chunk = GPT(cfg, layer_ids=[], pre_process=False)
+    head_chunk = GPT(cfg, layer_ids=[], pre_process=False).to(device=device, dtype=dtype)
     head = timed(lambda: head_chunk(hidden.requires_grad_(), tokens).sum().backward())
     return blocks, embedding, head
 

@@ -35,7 +35,7 @@ def stage_chunks(cfg: Config, ctx: DistributedContext) -> list[ChunkSpec]:
     measured = explicit is None and method == "time"
     layers = [None]
     if ctx.rank == 0 or not measured:
-        costs = None if explicit is not None else unit_costs(cfg, method)
+        costs = None if explicit is not None else unit_costs(cfg, method, device=ctx.device, dtype=ctx.param_dtype)
         layers[0] = partition(cfg.model.n_layer, p * v, explicit=explicit, costs=costs)
     if measured:
         torch.distributed.broadcast_object_list(layers, src=0)
@@ -43,13 +43,15 @@ def stage_chunks(cfg: Config, ctx: DistributedContext) -> list[ChunkSpec]:
     return [ChunkSpec(tuple(layers[0][c * p + s]), c * p + s == 0, c * p + s == last) for c in range(v)]
 
 
-def unit_costs(cfg: Config, method: str) -> UnitCosts | None:
+def unit_costs(cfg: Config, method: str, *, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> UnitCosts | None:
     """The costs ``--pp-partition`` balances: none (equal block counts), parameter
-    counts, or forward+backward times measured on this process."""
+    counts, or forward+backward times measured by this process on the training device
+    and dtype."""
     if method == "parameters":
         return parameter_costs(cfg.model)
     if method == "time":
-        return profile_units(cfg.model, cfg.training.micro_batch_size)
+        return profile_units(cfg.model, cfg.training.micro_batch_size, device=device, dtype=dtype)
     return None
 
 

@@ -25,7 +25,8 @@ schedule decides the order; the runtime only interprets it:
   that gradient is still travelling.
 
 Per step the stage counts the most micro-batches whose activations it held, and times
-its compute actions (for the idle fraction and, with ``trace``, the Chrome trace).
+its actions with the device's clock (timing.py: CUDA events on a GPU, where host time
+measures only the launches) for the idle fraction and, with ``trace``, the Chrome trace.
 
 For hang reports (watchdog.py) the runtime tells the flight recorder which action it is
 running (so that the collectives inside a forward say ``F(mb 3, chunk 0)``), and records
@@ -50,16 +51,39 @@ from gridtrain.pipeline.schedules import (ALLREDUCE_GRADS, B, COMM, COMPUTE, F, 
                                           SEND_F, W, Action, virtual_stage)
 from gridtrain.recompute import Recomputation
 from gridtrain.split_backward import WeightGradStore
+from gridtrain.timing import Clock, HostClock, Mark, clock_for
 
 
 @dataclass
 class StageStats:
-    """What one step of this stage did: a count, and host-side timings."""
+    """What one step of this stage did: a count, and its timings as clock marks
+    (timing.py), turned into seconds only when read (after the step, so that reading
+    CUDA events never stalls the step)."""
 
     peak_in_flight: int = 0  # micro-batch chunks with forward done and backward not
-    busy_s: float = 0.0  # time in F, B, W (compute); the rest of the step is waiting
-    wall_s: float = 0.0
-    trace: list[tuple[str, float, float]] = field(default_factory=list)  # (action, start, end)
+    clock: Clock = field(default_factory=HostClock)
+    spans: list[tuple[str, Mark, Mark]] = field(default_factory=list)  # (action, start, end)
+    began: Mark = None  # the schedule's first and last marks
+    ended: Mark = None
+    began_host: float = 0.0  # perf_counter at ``began``: where the trace's times start
+    tracing: bool = False
+
+    @property
+    def busy_s(self) -> float:
+        """Time in F, B, W (compute); the rest of the step is waiting."""
+        return sum(self.clock.seconds(s, e) for name, s, e in self.spans if name[0] in COMPUTE)
+
+    @property
+    def wall_s(self) -> float:
+        return self.clock.seconds(self.began, self.ended) if self.ended is not None else 0.0
+
+    @property
+    def trace(self) -> list[tuple[str, float, float]]:
+        """(action, start, end) in perf_counter seconds, when tracing; empty otherwise."""
+        if not self.tracing:
+            return []
+        at = lambda m: self.began_host + self.clock.seconds(self.began, m)  # noqa: E731
+        return [(name, at(s), at(e)) for name, s, e in self.spans]
 
 
 class PipelineStage:
@@ -77,6 +101,7 @@ class PipelineStage:
         self.forward_step = forward_step
         self.tracing = trace
         self.recompute = recompute or Recomputation()
+        self.clock = clock_for(device)
         self.num_micro_batches = 1 + max((a.mb for a in actions if a.kind == F), default=-1)
         self.recorder = pp.recorder
         self.names = {a: _describe(a) for a in actions}  # for the flight recorder, made once
@@ -91,9 +116,9 @@ class PipelineStage:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.loss_sum: torch.Tensor | None = None
-        self.stats = StageStats()
+        self.stats = StageStats(clock=self.clock, tracing=self.tracing)
         self.in_flight = 0
-        began = time.perf_counter()
+        self.stats.began, self.stats.began_host = self.clock.mark(), time.perf_counter()
         i = 0
         while i < len(self.actions):
             if self.actions[i].kind in COMM:
@@ -117,17 +142,13 @@ class PipelineStage:
                 raise ValueError(f"unknown pipeline action {a}")
             i += 1
         self.recorder.set_action("after the schedule (loss, clipping, optimizer)")
-        self.stats.wall_s = time.perf_counter() - began
+        self.stats.ended = self.clock.mark()
         return self.loss_sum, self.stats
 
     def _timed(self, name: str, fn, *args) -> None:
-        began = time.perf_counter()
+        began = self.clock.mark()
         fn(*args)
-        ended = time.perf_counter()
-        if name[0] in COMPUTE:
-            self.stats.busy_s += ended - began
-        if self.tracing:
-            self.stats.trace.append((name, began, ended))
+        self.stats.spans.append((name, began, self.clock.mark()))
 
     def forward_only(self, batches: list[Batch] | None) -> torch.Tensor | None:
         """Run only the forwards (and their sends/receives), without autograd; returns the
