@@ -12,6 +12,12 @@ name:
 * ``grad_norm``: the global gradient norm, compared with ``--grad-clip``;
 * ``fp16_overflow``: whether any rank's fp16 gradients overflowed (skip the step).
 
+Outside the step, one read each where a whole pass would otherwise read per tensor:
+
+* ``valid_loss``: the validation loss, summed and token-counted on the device over all
+  of its micro-batches first;
+* ``weights_finite``: before a save, whether every rank's weights are finite.
+
 Outside a dry run :func:`read` is just ``convert(tensor)``. In a dry run
 (gridtrain/dryrun.py) tensors are fake and cannot be read: :func:`allowing` makes
 :func:`read` record the name and return the caller's ``stand_in`` (a plausible value that

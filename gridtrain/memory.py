@@ -10,7 +10,12 @@ Everything an operation saves for its backward passes through ``saved_tensors_ho
   keeps alive. Parameters and buffers are not activations and are not charged;
 * **offloading** (``offload=True``): on a GPU each saved tensor is copied to pinned host
   memory at once and back when backward needs it, trading PCIe traffic for device memory
-  (the other sublinear-memory technique besides recomputation). On a CPU the tensors are
+  (the other sublinear-memory technique besides recomputation). The copy to the host runs
+  on a side stream of its own (one per device), after the compute stream's work that
+  produced the tensor, so forward goes on while it travels; the device memory is handed
+  back to the allocator only once the copy has read it (``record_stream``), and the copy
+  back waits for it (an event). The copy back is issued when backward asks for the
+  tensor, on the compute stream: there is no prefetch yet. On a CPU the tensors are
   already in host memory, so there is nothing to move.
 
 :func:`korthikanti_bytes` is the formula of Korthikanti et al. (2022) for the bytes a
@@ -108,15 +113,18 @@ class _Saved:
     """What autograd holds instead of a saved tensor while the hooks are installed; its
     release (the graph dropping it) is what the meter sees as the memory being freed."""
 
-    __slots__ = ("tensor", "device", "meter", "key")
+    __slots__ = ("tensor", "device", "meter", "key", "copied")
 
     def __init__(self, tensor: torch.Tensor, device: torch.device | None, meter: ActivationMeter | None,
-                 key: tuple[str, int] | None):
+                 key: tuple[str, int] | None, copied: "torch.cuda.Event | None" = None):
         self.tensor, self.device, self.meter, self.key = tensor, device, meter, key
+        self.copied = copied  # offloaded: completes when the copy to the host has
 
     def get(self) -> torch.Tensor:
         if self.device is None:
             return self.tensor
+        if self.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
         return self.tensor.to(self.device, non_blocking=True)
 
     def __del__(self) -> None:
@@ -138,10 +146,8 @@ class SavedActivations:
 
     def pack(self, t: torch.Tensor) -> _Saved:
         key = self.meter.acquire(t)
-        if self.offload and key is not None and t.device.type != "cpu":
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            return _Saved(host, t.device, self.meter, key)
+        if self.offload and key is not None and t.device.type == "cuda":
+            return _offload(t, self.meter, key)
         return _Saved(t, None, self.meter, key)
 
     @staticmethod
@@ -156,6 +162,23 @@ class SavedActivations:
     def __exit__(self, *exc) -> None:
         _active.pop()
         self._hooks.__exit__(*exc)
+
+
+_copy_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _offload(t: torch.Tensor, meter: ActivationMeter, key: tuple[str, int]) -> _Saved:
+    """Copy ``t`` to pinned host memory on the device's side stream (module docstring)."""
+    stream = _copy_streams.get(t.device)
+    if stream is None:
+        stream = _copy_streams[t.device] = torch.cuda.Stream(t.device)
+    stream.wait_stream(torch.cuda.current_stream(t.device))  # t has been computed
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+        copied = stream.record_event()
+    t.record_stream(stream)  # the allocator may reuse t's memory once the copy has read it
+    return _Saved(host, t.device, meter, key, copied)
 
 
 def save(t: torch.Tensor) -> torch.Tensor | _Saved:

@@ -117,6 +117,11 @@ def policy_from(training) -> RecomputePolicy:
                            training.recompute_keep_last, training.recompute_early)
 
 
+def _device_of(inputs: Sequence[torch.Tensor], default: torch.device) -> torch.device:
+    """The device of a region's first tensor input, else ``default`` (the rank's)."""
+    return next((t.device for t in inputs if isinstance(t, torch.Tensor)), default)
+
+
 class Recomputation:
     """The recomputation of one model replica: its policy, the generators it replays, and
     which micro-batch is running (set by the pipeline runtime)."""
@@ -158,8 +163,10 @@ class Recomputation:
         if self.policy.early and self.key is not None:
             self.pending[self.key].append(region)
         # The anchor makes the outputs require grad even when no input does (parameters
-        # inside the region still need their gradients).
-        anchor = torch.empty(0, requires_grad=True)
+        # inside the region still need their gradients). It lives on the inputs' device:
+        # a CPU tensor among a CUDA function's inputs would give its backward node a CPU
+        # input and a CUDA one, and the engine a CPU gradient to route.
+        anchor = torch.empty(0, device=_device_of(inputs, self.device), requires_grad=True)
         return _Checkpoint.apply(region, anchor, *inputs)
 
     def rebuild(self, key: Hashable) -> None:

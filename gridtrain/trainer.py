@@ -130,11 +130,13 @@ class Trainer:
             loss_sum = self.pipeline.forward_only(batches)
             if holds_loss:
                 totals[0] += loss_sum
-                totals[1] += sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+                for b in batches:  # counted on the device: no host read per micro-batch
+                    totals[1] += (b["labels"] != IGNORE_INDEX).sum()
         self.model.train()
         if holds_loss:
             ctx.dp.all_reduce(totals)
-        return float(ctx.pp.broadcast(totals[0] / totals[1].clamp(min=1), src_index=ctx.grid.pp - 1))
+        mean = ctx.pp.broadcast(totals[0] / totals[1].clamp(min=1), src_index=ctx.grid.pp - 1)
+        return host_sync.read("valid_loss", mean, stand_in=0.0)
 
     def save(self, step: int) -> None:
         """Write a checkpoint after ``step`` steps, unless some weight is not finite (e.g. an
@@ -149,11 +151,12 @@ class Trainer:
 
     def _weights_finite(self) -> bool:
         """Whether every rank's parameters are all finite (collective over the world)."""
-        ok = all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
-        flag = torch.tensor([1.0 if ok else 0.0], device=self.ctx.device)
+        flag = torch.ones(1, device=self.ctx.device)
+        for p in self.model.parameters():  # on the device: one host read, below
+            flag.mul_(torch.isfinite(p).all())
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-        return bool(flag.item())
+        return host_sync.read("weights_finite", flag, bool, stand_in=True)
 
 
 def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,

@@ -251,3 +251,14 @@ def test_bad_recompute_settings_fail_before_anything_starts(training, message):
     cfg = load_config(None, {"training": training})
     with pytest.raises(ConfigError, match=message):
         validate(cfg, world_size=1)
+
+
+def test_the_recompute_anchor_lives_on_the_inputs_device(monkeypatch):
+    """A region's anchor (what makes its outputs require grad) is created beside its
+    inputs: a CPU anchor in a CUDA region would give the backward node mixed devices."""
+    seen = []
+    monkeypatch.setattr(recompute._Checkpoint, "apply", lambda region, anchor, *inputs: seen.append(anchor.device))
+    rc = Recomputation(RecomputePolicy("full"))
+    rc.checkpoint(lambda t: t * 2, torch.ones(2, device="meta", requires_grad=True))
+    rc.checkpoint(lambda: torch.ones(1))  # no tensor input: the rank's device
+    assert seen == [torch.device("meta"), torch.device("cpu")]
