@@ -769,6 +769,7 @@ def load_checkpoint(directory: str | Path, model: nn.Module,
     for name in filter(_is_weights, files):  # the union of every stage's file (names are global)
         weights.update(_read_file(path, name, load_file))
     saved_local = copy_weights(weights, model, tp, f"--load {path}")
+    params = dict(model.named_parameters())
     trainers = [_read_file(path, name, lambda f: torch.load(f, weights_only=False))
                 for name in filter(_is_trainer, files)]
     if optimizer is not None:

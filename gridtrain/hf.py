@@ -257,7 +257,7 @@ def open_source(path: str | Path, flag: str = "--load", *, verify_data: bool = T
         return HFDirectory(p, flag).check()
     if p.is_dir() and not ((p / checkpoint.LATEST).exists() or (p / checkpoint.META).exists()
                            or any(p.glob("step_*"))):
-        raise HFError(f"{flag} {path}: neither a Hugging Face model directory (no {CONFIG}) nor a gridtrain "
+        raise HFError(f"{flag} {path}: no checkpoint there: neither a Hugging Face model directory (no {CONFIG}) nor a gridtrain "
                       f"checkpoint (no {checkpoint.LATEST} or {checkpoint.META}); pass one of those")
     return CheckpointSource(p, flag, verify_data)
 
