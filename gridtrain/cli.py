@@ -214,7 +214,8 @@ def _dry_run(args: argparse.Namespace) -> int:
     world = getattr(args, "world_size", None)
     if world is None or world < 1:
         raise ConfigError("--dry-run needs --world-size N (N >= 1): the number of ranks of the layout")
-    cfg = config_from_args(args)
+    cfg = config_from_args(args)  # with --init-from: the source's model, checked
+    cfg.training.init_from = None  # its shape is all a dry run needs, not its weights
     if cfg.parallel.nproc is not None:
         raise ConfigError("--dry-run runs in this process; drop --nproc (use --world-size for the layout)")
     checked = copy.deepcopy(cfg)

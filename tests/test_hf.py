@@ -29,6 +29,7 @@ import gridtrain  # noqa: E402
 from gridtrain import checkpoint, cli  # noqa: E402
 from gridtrain.data import (DataError, GlobalBatchSampler, build_datasets, collate, load_tokenizer,  # noqa: E402
                             load_tokens)
+from gridtrain.hf import apply_init_from  # noqa: E402
 from gridtrain.hf_mapping import GPT2  # noqa: E402
 from gridtrain.model import GPT, IGNORE_INDEX, init_parameters  # noqa: E402
 from tests.training import relative_difference, tiny_config, train_in_process, train_layout  # noqa: E402
@@ -247,9 +248,20 @@ def test_init_from_hf_dir_on_tp2_starts_from_its_weights(hf_dir, imported, token
 
     cfg = tiny_config(steps=1, seed=3, global_batch_size=4, micro_batch_size=2, init_from=str(imported))
     cfg.data.path = str(jsonl)
-    gridtrain.hf.apply_init_from(cfg)
+    apply_init_from(cfg)
     assert cfg.data.tokenizer.endswith("tokenizer.json")
     assert abs(train_in_process(cfg)["losses"][0] - expected) <= 1e-9 * expected
+
+
+def test_init_from_gives_zero1_its_master_weights(imported, jsonl):
+    """ZeRO-1 keeps its own flat copy of the weights: it too starts from the source, so
+    two steps equal plain AdamW's."""
+    runs = []
+    for zero in (0, 1):
+        cfg = tiny_config(steps=2, global_batch_size=4, micro_batch_size=2, init_from=str(imported), zero=zero)
+        cfg.data.path = str(jsonl)
+        runs.append(train_in_process(apply_init_from(cfg))["losses"])
+    assert relative_difference(runs[0], runs[1]) <= 1e-9
 
 
 def test_generate_from_hf_dir_uses_its_tokenizer(hf_dir, tokenizer_file, capsys):
