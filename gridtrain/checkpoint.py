@@ -129,9 +129,13 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _first_line(exc: BaseException, limit: int = 160) -> str:
+def first_line(exc: BaseException, limit: int = 160) -> str:
+    """An exception's message as one line of at most ``limit`` characters (for errors)."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+_first_line = first_line
 
 
 # ---- file integrity: sizes and checksums ---------------------------------------------------
@@ -466,6 +470,28 @@ def save_checkpoint(directory: str | Path, step: int, model: nn.Module,
     return final
 
 
+def write_weights_checkpoint(directory: str | Path, step: int, cfg: Config, write_files) -> Path:
+    """A checkpoint written by one process without training (``gridtrain import-hf``):
+    ``write_files(tmp)`` writes ``model-pp000.safetensors`` (and any file that travels
+    with the weights, e.g. ``tokenizer.json``) into the new step directory; this adds
+    meta.json and the manifest and moves it into place exactly as :func:`save_checkpoint`
+    does, so every reader treats it as a run's checkpoint with no optimizer state."""
+    final = step_dir(directory, step)
+    tmp = _new_tmp_dir(final)
+    try:
+        write_files(tmp)
+        entries = {f.name: _seal(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+        meta = tmp / META
+        _write_atomically(meta, json.dumps({"step": step, "config": cfg.to_dict()}, indent=2))
+        entries[META] = _seal(meta)
+        _write_manifest(tmp, step, entries)
+        _swap_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
 def _gather_rng_states(ctx) -> list[dict] | None:
     """Every rank's generator states, so that a resume on the same layout replays dropout."""
     mine = {"torch": torch.get_rng_state(),
@@ -619,19 +645,34 @@ def compare_models(saved: ModelConfig, run: ModelConfig, where: str, label: str 
 
 
 def check_loadable(directory: str | Path, cfg: Config | ModelConfig | None = None, *,
-                   verify_data: bool = True) -> Path:
+                   verify_data: bool = True, flag: str = "--load") -> Path:
     """The step directory ``directory`` means (itself, or its save directory's latest),
     once it is complete and undamaged and, when ``cfg`` is given, holds the same model as
     ``cfg.model``; else a one-line :class:`CheckpointError`. Cheap enough to run before
     any worker starts: ``verify_data`` hashes every file (about 0.6 s per GB; a process
-    hashes an unchanged file once), without it only presence and sizes are checked."""
-    path = resolve(directory)
-    _verify(path, "--load", data=verify_data)
-    meta = _read_meta_file(path, "--load")
+    hashes an unchanged file once), without it only presence and sizes are checked.
+    ``flag`` is how messages name the option that gave the path (``--init-from``)."""
+    path = _resolve(directory, flag)
+    if path is None:
+        raise CheckpointError(f"{flag} {directory}: no checkpoint there (no {LATEST} file "
+                              f"and no {META}); pass a directory written by --save")
+    _verify(path, flag, data=verify_data)
+    meta = _read_meta_file(path, flag)
     if cfg is not None:
         run = cfg.model if isinstance(cfg, Config) else cfg
-        compare_models(_saved_model(meta, f"--load {directory}"), run, f"--load {directory}")
+        compare_models(_saved_model(meta, f"{flag} {directory}"), run, f"{flag} {directory}")
     return path
+
+
+def saved_model(directory: str | Path, flag: str = "--load") -> ModelConfig:
+    """The model a checkpoint holds (from its meta.json, once its files are checked)."""
+    path = check_loadable(directory, flag=flag, verify_data=False)
+    return _saved_model(_read_meta_file(path, flag), f"{flag} {directory}")
+
+
+def weight_files(step: Path) -> list[Path]:
+    """A checked step directory's weight files (one per pipeline stage), as its manifest lists them."""
+    return [step / name for name in sorted(_read_manifest(step, "--load")) if _is_weights(name)]
 
 
 def latest_step_dir(save_dir: str | Path, *, verify_data: bool = False) -> Path | None:
@@ -671,6 +712,38 @@ def _source_name(name: str, param: torch.Tensor) -> str:
 
 
 @torch.no_grad()
+def copy_weights(weights, model: nn.Module, tp: TensorParallel, where: str) -> dict[nn.Parameter, torch.Tensor]:
+    """Copy this rank's shard of each parameter from ``weights`` (whole tensors by global
+    name: a dict, or any mapping that makes each on demand, as a Hugging Face source
+    does); returns each parameter's shard at the saved precision (master weights)."""
+    params = dict(model.named_parameters())
+    missing = sorted(n for n, p in params.items() if _source_name(n, p) not in weights)
+    if missing:
+        raise CheckpointError(f"{where}: the checkpoint has no weights for {', '.join(missing[:3])}"
+                              f"{' ...' if len(missing) > 3 else ''}; use the same model flags as the saved run")
+    saved_local: dict[nn.Parameter, torch.Tensor] = {}
+    for name, p in params.items():
+        saved = weights[_source_name(name, p)]
+        local = _local(saved, p, tp)
+        if local.shape != p.shape:
+            raise CheckpointError(f"{where}: {name} has shape {tuple(saved.shape)}, "
+                                  "which does not fit this model; use the same model flags as the saved run")
+        p.copy_(local)
+        saved_local[p] = local
+    return saved_local
+
+
+@torch.no_grad()
+def init_weights(weights, model: nn.Module, optimizer=None, ctx=None, *, where: str) -> None:
+    """Weights only (``--init-from``): this rank's shards from ``weights`` (see
+    :func:`copy_weights`); an optimizer that keeps master weights takes them at the
+    source's precision, not rounded to this run's dtype. Optimizer state stays fresh."""
+    saved_local = copy_weights(weights, model, _tp_of(ctx), where)
+    if optimizer is not None and hasattr(optimizer, "load_state_by_param"):
+        optimizer.load_state_by_param({p: {"master": local.to(p.device)} for p, local in saved_local.items()})
+
+
+@torch.no_grad()
 def load_checkpoint(directory: str | Path, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, ctx=None, *, scaler=None) -> int:
     """Load weights (and optimizer/RNG state when given) into whatever part of the model
@@ -695,20 +768,8 @@ def load_checkpoint(directory: str | Path, model: nn.Module,
     weights: dict[str, torch.Tensor] = {}
     for name in filter(_is_weights, files):  # the union of every stage's file (names are global)
         weights.update(_read_file(path, name, load_file))
+    saved_local = copy_weights(weights, model, tp, f"--load {path}")
     params = dict(model.named_parameters())
-    missing = sorted(n for n, p in params.items() if _source_name(n, p) not in weights)
-    if missing:
-        raise CheckpointError(f"--load {path}: the checkpoint has no weights for {', '.join(missing[:3])}"
-                              f"{' ...' if len(missing) > 3 else ''}; use the same model flags as the saved run")
-    saved_local: dict[nn.Parameter, torch.Tensor] = {}  # at the saved precision
-    for name, p in params.items():
-        saved = weights[_source_name(name, p)]
-        local = _local(saved, p, tp)
-        if local.shape != p.shape:
-            raise CheckpointError(f"--load {path}: {name} has shape {tuple(saved.shape)}, "
-                                  "which does not fit this model; use the same model flags as the saved run")
-        p.copy_(local)
-        saved_local[p] = local
     trainers = [_read_file(path, name, lambda f: torch.load(f, weights_only=False))
                 for name in filter(_is_trainer, files)]
     if optimizer is not None:

@@ -1,4 +1,4 @@
-"""The ``gridtrain`` command: train, generate, prepare, schedule, plot.
+"""The ``gridtrain`` command: train, generate, prepare, import-hf, export-hf, schedule, plot.
 
 The flags are a stable contract (see the README): each maps onto one field of the
 config dataclasses, and overrides the preset and the YAML file. Every configuration
@@ -12,8 +12,10 @@ import sys
 from typing import Any
 
 from gridtrain.checkpoint import CheckpointError
-from gridtrain.config import ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, Config, ConfigError, load_config
+from gridtrain.config import (ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, Config, ConfigError,
+                              given_model_fields, load_config)
 from gridtrain.data import DataError, prepare
+from gridtrain.hf_mapping import HFError
 from gridtrain.launch import WorkerError, WorkerTimeout
 from gridtrain.stops import EXIT_CRASH, EXIT_INTERRUPTED, RunStopped
 from gridtrain.pipeline.draw import add_schedule_parser, schedule_command
@@ -70,6 +72,8 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
     ("--save", "training", "save", str, "checkpoint directory"),
     ("--save-interval", "training", "save_interval", int, "steps between checkpoints (0: at end)"),
     ("--load", "training", "load", str, "resume from this checkpoint directory"),
+    ("--init-from", "training", "init_from", str,
+     "start from these weights (a checkpoint or a Hugging Face directory; step 0, fresh optimizer)"),
     ("--sample-tokens", "training", "sample_tokens", int, "print a sample this long after training"),
     ("--prompt", "training", "prompt", str, "prompt for the closing sample"),
     ("--peak-tflops", "training", "peak_tflops", float, "device peak for MFU"),
@@ -113,7 +117,8 @@ def _train_parser(sub) -> None:
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="sample text from a saved model")
-    p.add_argument("--load", required=True, help="checkpoint directory written by --save")
+    p.add_argument("--load", required=True, help="checkpoint directory written by --save, or a Hugging Face directory")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the model's own, else bytes)")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -127,6 +132,16 @@ def _prepare_parser(sub) -> None:
     p.add_argument("--data", default=None, help="text file or folder (default: built-in corpus)")
     p.add_argument("--out", required=True, help="output path; writes OUT.bin and OUT.json")
     p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer.json (default: bytes)")
+
+
+def _hf_parsers(sub) -> None:
+    p = sub.add_parser("import-hf", help="a Hugging Face model directory -> a gridtrain checkpoint (step 0)")
+    p.add_argument("hf_dir", metavar="HF_DIR", help="directory with config.json and model.safetensors (or an index)")
+    p.add_argument("--out", required=True, help="new save directory for the checkpoint")
+    p = sub.add_parser("export-hf", help="a gridtrain checkpoint -> a Hugging Face model directory")
+    p.add_argument("--load", required=True, help="checkpoint directory written by --save or import-hf")
+    p.add_argument("--out", required=True, help="directory for config.json, the safetensors and the tokenizer")
+    p.add_argument("--max-shard-size", default="5GB", help="largest weights file before sharding (default 5GB)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -144,12 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _generate_parser(sub)
     _prepare_parser(sub)
+    _hf_parsers(sub)
     add_schedule_parser(sub)
     add_plot_parser(sub)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
+    overrides = _overrides(args)
+    cfg = load_config(getattr(args, "config", None), overrides, getattr(args, "model", None))
+    if cfg.training.init_from is not None:  # the model's shape comes from the source
+        from gridtrain.hf import apply_init_from
+
+        apply_init_from(cfg, given_model_fields(getattr(args, "config", None), overrides, getattr(args, "model", None)))
+    return cfg
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     overrides: dict[str, dict[str, Any]] = {}
     for flag, section, name, _, _ in TRAIN_FLAGS:
         dest = flag[2:].replace("-", "_")
@@ -163,7 +189,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         dest = flag[2:].replace("-", "_")
         if getattr(args, dest, False):
             overrides.setdefault("training", {})[dest] = True
-    return load_config(getattr(args, "config", None), overrides, getattr(args, "model", None))
+    return overrides
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -188,7 +214,8 @@ def _dry_run(args: argparse.Namespace) -> int:
     world = getattr(args, "world_size", None)
     if world is None or world < 1:
         raise ConfigError("--dry-run needs --world-size N (N >= 1): the number of ranks of the layout")
-    cfg = config_from_args(args)
+    cfg = config_from_args(args)  # with --init-from: the source's model, checked
+    cfg.training.init_from = None  # its shape is all a dry run needs, not its weights
     if cfg.parallel.nproc is not None:
         raise ConfigError("--dry-run runs in this process; drop --nproc (use --world-size for the layout)")
     checked = copy.deepcopy(cfg)
@@ -209,9 +236,23 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "schedule": schedule_command,
-            "plot": plot_command}
-USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError)  # one line, exit status 2
+def _import_hf(args: argparse.Namespace) -> int:
+    from gridtrain.hf import import_hf
+
+    print(f"wrote {import_hf(args.hf_dir, args.out)}")
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from gridtrain.hf import export_hf, parse_size
+
+    print(f"wrote {export_hf(args.load, args.out, parse_size(args.max_shard_size))}")
+    return 0
+
+
+COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "import-hf": _import_hf,
+            "export-hf": _export_hf, "schedule": schedule_command, "plot": plot_command}
+USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, HFError)  # one line, exit status 2
 
 
 def main(argv: list[str] | None = None) -> int:

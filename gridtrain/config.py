@@ -117,6 +117,7 @@ class TrainingConfig:
     save: str | None = None
     save_interval: int = 0  # 0: save only at the end (when --save is given)
     load: str | None = None
+    init_from: str | None = None  # weights only, step 0: a gridtrain checkpoint or a Hugging Face directory
     auto_resume: bool = False  # resume from --save's latest checkpoint when there is one
     sample_tokens: int = 0  # print this many sampled tokens after training
     prompt: str = ""
@@ -334,6 +335,18 @@ def load_config(path: str | None, overrides: dict[str, dict[str, Any]] | None = 
     for section, values in (overrides or {}).items():
         _update_section(cfg, section, {k: v for k, v in values.items() if v is not None})
     return cfg
+
+
+def given_model_fields(path: str | None, overrides: dict[str, dict[str, Any]] | None = None,
+                       preset: str | None = None) -> set[str]:
+    """The model fields a run sets itself, by flag, config file or a named preset: what
+    ``--init-from`` (which takes the model's shape from its source) must not contradict."""
+    raw = _read_yaml(path) if path is not None else {}
+    given = {k for k, v in ((overrides or {}).get("model") or {}).items() if v is not None}
+    model = raw.get("model")
+    given |= {str(k).replace("-", "_") for k in model} if isinstance(model, dict) else set()
+    name = preset or raw.get("preset")
+    return given | set(PRESETS.get(name, {})) if isinstance(name, str) else given
 
 
 def under_torchrun() -> bool:

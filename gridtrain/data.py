@@ -12,9 +12,14 @@ Corpus sources, all turned into one 1-D token array:
   (present offline on every machine);
 * a UTF-8 text file;
 * a folder: every UTF-8 text file under it, recursively, in sorted order;
+* JSON lines (a ``.jsonl`` file, alone or in a folder): one document per line, the
+  ``text`` field of its object, as fine-tuning sets are published;
 * a token file written by :func:`prepare` (``OUT.bin`` + ``OUT.json``), memory-mapped.
   A ``.bin`` without its header is refused: read as text it would train on the bytes of
   the token ids.
+
+Documents (files, JSON lines) are packed into the one array with an end-of-text token
+between them, so a window may span two documents, as in GPT-2's training.
 
 Files that are not valid UTF-8 are skipped in folders (they are almost always binaries:
 images, archives, compiled files) and rejected when named directly; decoding them with
@@ -44,6 +49,7 @@ TOKEN_FILE_FORMAT = "gridtrain-tokens"
 TOKEN_FILE_VERSION = 1
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+JSONL_SUFFIX = ".jsonl"
 
 
 Batch = dict[str, torch.Tensor]  # a micro-batch: "tokens", "labels", ... each [b, s]
@@ -147,6 +153,10 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Special tokens are kept so that document boundaries stay visible."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token(self, token_id: int) -> str | None:
+        """The text of one token id (e.g. the end-of-text token's, for an exported config)."""
+        return self._tok.id_to_token(int(token_id))
 
 
 def _find_eot(tok) -> int | None:
@@ -260,6 +270,9 @@ def count_tokens(path: str | os.PathLike | None, tokenizer: Tokenizer,
         return len(_load_text(path, files, skip_non_text, tokenizer)), True
     if not files:
         raise _no_text_in_folder(path)
+    jsonl = [(file, size) for file, size in zip(files, sizes) if file.suffix == JSONL_SUFFIX]
+    if jsonl and sum(size for _, size in jsonl) <= read_limit:  # a bad line is refused before any worker starts
+        _read_documents([file for file, _ in jsonl], skip_non_text)
     nonempty = sum(1 for size in sizes if size)
     bound = sum(sizes) + (max(nonempty - 1, 0) if tokenizer.eot_id is not None else 0)
     if bound == 0:
@@ -362,8 +375,33 @@ def _read_documents(files: list[Path], skip_non_text: bool) -> list[bytes]:
                 f"--data {file}: not UTF-8 text (if it is a token file, its .json header "
                 "is missing; otherwise convert it to UTF-8)"
             )
-        if data:
+        if file.suffix == JSONL_SUFFIX:
+            documents.extend(_jsonl_documents(file, data))
+        elif data:
             documents.append(data)
+    return documents
+
+
+def _jsonl_documents(file: Path, data: bytes) -> list[bytes]:
+    """Each line's ``text`` field, UTF-8 encoded; blank lines and empty texts add nothing
+    (no stray eot). A JSON string holds no raw newline, so a line is a record. Each
+    document's byte count is below its line's, so a file's size still bounds its tokens
+    plus separators (count_tokens)."""
+    documents = []
+    for number, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"--data {file}: line {number} is not JSON ({getattr(e, 'msg', e)}); "
+                            'every line must be an object like {"text": "..."}') from None
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise DataError(f'--data {file}: line {number} has no string "text" field; '
+                            'every line must be an object like {"text": "..."}')
+        if text:
+            documents.append(text.encode("utf-8"))
     return documents
 
 

@@ -15,6 +15,7 @@ from gridtrain import checkpoint, launch
 from gridtrain.config import Config, under_torchrun
 from gridtrain.data import load_tokenizer
 from gridtrain.distributed import shutdown
+from gridtrain.hf import load_model, open_source, source_tokenizer
 from gridtrain.launch import backend_for, resolve_device_type
 from gridtrain.model import GPT, generate
 from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
@@ -81,12 +82,12 @@ def sample_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, tempera
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    meta = checkpoint.read_meta(args.load)
-    cfg = Config.from_dict(meta["config"])
-    model = GPT(cfg.model)
-    checkpoint.load_checkpoint(args.load, model)
-    model.to(device=resolve_device_type(args.device), dtype=sampling_dtype(cfg))
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    """Sample from a checkpoint or a Hugging Face directory, with its own tokenizer
+    (``tokenizer.json`` beside the weights, or the run's) unless ``--tokenizer`` is given."""
+    source = open_source(args.load, "--load")
+    tokenizer = source_tokenizer(source, getattr(args, "tokenizer", None))
+    dtype = torch.float64 if source.dtype == torch.float64 else torch.float32  # as sampling_dtype
+    model = load_model(args.load, device=resolve_device_type(args.device), dtype=dtype)
     print(sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature,
                       args.top_k, args.seed))
     return 0

@@ -10,7 +10,7 @@ loop (train.py), the benchmarks and the tests share:
 5. the gradient reducer: flat buffer, buckets, hooks (data_parallel.py);
 6. the optimizer (AdamW, or flat master weights with ZeRO-1 / 16-bit parameters) and the
    fp16 loss scaler;
-7. the checkpoint to resume from, if any.
+7. the checkpoint to resume from, if any; else the weights of ``--init-from``, if given.
 
 A :class:`Trainer` then runs one optimizer step (:meth:`Trainer.train_step`), a
 validation pass, or a save. The loss is defined once: the mean over every loss-bearing
@@ -36,6 +36,7 @@ from gridtrain.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.distributed import DistributedContext, setup_distributed
 from gridtrain.distributed_optimizer import DistributedOptimizer, LossScaler
 from gridtrain.grads import clip_gradients, reduce_gradients
+from gridtrain.hf import open_source
 from gridtrain.model import IGNORE_INDEX
 from gridtrain.optim import build_optimizer, lr_at, set_lr
 from gridtrain.pipeline.runtime import PipelineStage, StageStats
@@ -183,6 +184,9 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     source = resume_source(cfg)
     # the scaler resumes too: a fresh loss scale would skip steps the saved run did not
     start = checkpoint.load_checkpoint(source, model, optimizer, ctx, scaler=scaler) if source is not None else 0
+    if source is None and t.init_from is not None:  # fine-tuning: weights only, step 0, fresh optimizer
+        init = open_source(t.init_from, "--init-from")
+        checkpoint.init_weights(init.tensors, model, optimizer, ctx, where=init.where)
     return Trainer(cfg=cfg, ctx=ctx, model=model, pipeline=pipeline, reducer=reducer, optimizer=optimizer,
                    scaler=scaler, num_micro_batches=micro_batches, data=data, sampler=sampler,
                    start_step=start, resumed_from=source)

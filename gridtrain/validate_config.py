@@ -24,6 +24,9 @@ without one), the problem and the fix:
   created (the nearest existing ancestor is a writable directory; nothing is made);
 * ``--load`` (or ``--auto-resume``'s checkpoint in ``--save``): complete, undamaged
   and of the same model (gridtrain.checkpoint.check_loadable);
+* ``--init-from``: a Hugging Face directory checked whole (config, index, every tensor
+  and its shape) or a checkpoint as for ``--load``, holding the run's model
+  (gridtrain.hf.check_init_from);
 * host resources: local ``--nproc`` workers on CPU that this host cannot hold.
 """
 
@@ -42,6 +45,7 @@ from gridtrain.config import (ATTENTION, DEVICES, DTYPES, RECOMPUTE, RECOMPUTE_M
 from gridtrain.data import DataError, check_enough_tokens, count_tokens, load_tokenizer
 from gridtrain.devices import gpu_shortage
 from gridtrain.grid import GridError, ProcessGrid
+from gridtrain.hf import HFError, check_init_from
 from gridtrain.launch import resolve_device_type
 from gridtrain.metrics import require_tensorboard
 from gridtrain.pipeline.partition import METHODS, PartitionError, check_counts
@@ -289,6 +293,20 @@ def _validate_checkpoint(cfg: Config) -> None:
              "--auto-resume resumes from the --save directory; pass --save DIR")
 
 
+def _validate_init_from(cfg: Config) -> None:
+    """``--init-from``: not beside ``--load``; its source is whole (a Hugging Face
+    directory's config, index and tensors; a checkpoint's manifest) and holds this model."""
+    t = cfg.training
+    if t.init_from is None:
+        return
+    _require(t.load is None, "--init-from starts a new run from a model's weights and --load resumes a run; "
+                             "pass one of them")
+    try:
+        check_init_from(cfg)
+    except (HFError, CheckpointError) as e:
+        raise ConfigError(str(e)) from None
+
+
 def available_memory() -> int | None:
     """Bytes of memory available to new processes (MemAvailable), or None if unknown."""
     try:
@@ -387,4 +405,5 @@ def validate(cfg: Config, world_size: int | None = None, *, data: bool = True) -
         _validate_data(cfg.data, m, t)
     _validate_outputs(t)
     _validate_checkpoint(cfg)
+    _validate_init_from(cfg)
     return cfg

@@ -1,0 +1,367 @@
+"""Hugging Face interop against transformers itself: import, export, round trips,
+``--init-from``, ``load_model``, generation from a Hugging Face directory, JSON-lines data.
+
+No network: the Hugging Face models are built from a config with random weights and
+``save_pretrained`` into temporary directories; the tokenizer is a byte-level BPE
+trained here on a few hundred made-up sentences. Models are tiny and in fp64, where
+gridtrain's GPT-2 and transformers' agree to rounding (about 1e-15).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel  # noqa: E402
+
+import gridtrain  # noqa: E402
+from gridtrain import checkpoint, cli  # noqa: E402
+from gridtrain.data import (DataError, GlobalBatchSampler, build_datasets, collate, load_tokenizer,  # noqa: E402
+                            load_tokens)
+from gridtrain.hf import apply_init_from  # noqa: E402
+from gridtrain.hf_mapping import GPT2  # noqa: E402
+from gridtrain.model import GPT, IGNORE_INDEX, init_parameters  # noqa: E402
+from tests.training import relative_difference, tiny_config, train_in_process, train_layout  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("the cat dog bird sat ran flew on under over a mat tree house and then quickly slowly "
+         "big small red green saw heard").split()
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))).capitalize() + "." for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer.json with GPT-2's end-of-text token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(sentences(300), trainer)
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def hf_gpt2(directory: Path, tokenizer_file: Path | None, *, seed: int = 0, tie: bool = True, **shape) -> GPT2LMHeadModel:
+    """A random GPT-2 in fp64 saved by transformers into ``directory`` (with the
+    tokenizer); every weight perturbed, so that no bias is zero and no norm is one."""
+    torch.manual_seed(seed)
+    vocab = load_tokenizer(tokenizer_file).vocab_size if tokenizer_file else 257
+    config = GPT2Config(**{**dict(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=vocab,
+                                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=tie), **shape})
+    model = GPT2LMHeadModel(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    if tokenizer_file is not None:
+        shutil.copyfile(tokenizer_file, directory / "tokenizer.json")
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, tokenizer_file) -> tuple[Path, GPT2LMHeadModel]:
+    directory = tmp_path_factory.mktemp("hf")
+    return directory, hf_gpt2(directory, tokenizer_file)
+
+
+@pytest.fixture(scope="module")
+def imported(hf_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("imported") / "ckpt"
+    assert cli.main(["import-hf", str(hf_dir[0]), "--out", str(out)]) == 0
+    return out
+
+
+def stored(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every safetensors file in a directory, by name."""
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def gridtrain_loss(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, as transformers computes it with labels=tokens."""
+    labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], IGNORE_INDEX)], dim=1)
+    return model(tokens, labels).sum() / labels[:, :-1].numel()
+
+
+# ---- import: the same model as transformers' ---------------------------------------------------
+
+
+def test_import_gives_transformers_logits_loss_and_gradients(hf_dir, imported):
+    """transformers computes its own loss in fp32 (it upcasts the logits: 4e-7 off), so
+    its loss here is the same mean next-token cross entropy taken on its fp64 logits."""
+    directory, hf = hf_dir
+    tokens = torch.randint(0, hf.config.vocab_size, (3, hf.config.n_positions), generator=torch.Generator().manual_seed(1))
+    hf.zero_grad()
+    logits = hf(input_ids=tokens).logits
+    hf_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    hf_loss.backward()
+    assert abs(hf_loss.item() - hf(input_ids=tokens, labels=tokens).loss.item()) < 1e-5  # the same loss
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    for source in (imported, directory):  # the checkpoint, and the Hugging Face directory itself
+        model = gridtrain.load_model(source, dtype=torch.float64)
+        assert relative_difference(model(tokens).detach(), logits.detach()) <= 1e-9
+        loss = gridtrain_loss(model, tokens)
+        assert abs(loss.item() - hf_loss.item()) <= 1e-9 * hf_loss.item()
+        loss.backward()
+        ours = dict(model.named_parameters())
+        compared = set()
+        for r in GPT2.rules_for(model.cfg):
+            grads = [ours[n].grad[: model.cfg.vocab_size] if n.startswith("embedding.word") else ours[n].grad
+                     for n in r.ours]
+            for name, grad in zip(r.theirs, r.transform.to_hf(grads, model.cfg)):
+                assert relative_difference(grad, hf_grads[name]) <= 1e-9, name
+                compared.add(name)
+        assert compared == set(hf_grads)  # every gradient of transformers' model
+
+
+def test_imported_checkpoint_is_a_step_0_checkpoint_that_load_accepts(imported, hf_dir):
+    step = checkpoint.check_loadable(imported)
+    assert step.name == "step_0000000" and (imported / "latest").read_text() == step.name
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["meta.json", "model-pp000.safetensors", "tokenizer.json"]
+    meta = checkpoint.read_meta(imported)
+    assert meta["step"] == 0 and meta["config"]["model"]["d_model"] == 32
+    model = GPT(checkpoint.saved_model(imported))
+    assert checkpoint.load_checkpoint(imported, model, torch.optim.AdamW(model.parameters())) == 0
+
+
+# ---- export: transformers reads what gridtrain writes ------------------------------------------
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_export_loads_in_transformers_with_gridtrain_logits(tmp_path, tie):
+    cfg = tiny_config()
+    cfg.model.tie_embeddings = tie
+    model = GPT(cfg.model).double()
+    init_parameters(model, 5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    checkpoint.save_checkpoint(tmp_path / "run", 3, model, None, cfg)
+    assert cli.main(["export-hf", "--load", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["eos_token_id"] == 256 and config["dtype"] == "float64"
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64)
+    tokens = torch.randint(0, 257, (2, 64))
+    expected = model(tokens).detach()
+    assert relative_difference(hf(input_ids=tokens).logits.detach(), expected) <= 1e-9
+    assert torch.equal(gridtrain.load_model(tmp_path / "run", dtype=torch.float64)(tokens).detach(), expected)
+
+
+@pytest.mark.parametrize("shard", [None, "6KB"], ids=["one-file", "sharded"])
+def test_import_export_round_trip_is_bit_exact(hf_dir, imported, tmp_path, shard):
+    directory, _ = hf_dir
+    argv = ["export-hf", "--load", str(imported), "--out", str(tmp_path / "hf")]
+    assert cli.main(argv + (["--max-shard-size", shard] if shard else [])) == 0
+    original, exported = stored(directory), stored(tmp_path / "hf")
+    assert exported.keys() == original.keys()
+    for name, value in original.items():
+        assert value.dtype == exported[name].dtype and torch.equal(value, exported[name]), name
+    files = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
+    if shard is None:
+        assert files == ["model.safetensors"]
+        return
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in original.values())
+    # and the sharded directory imports back to the same checkpoint
+    assert cli.main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "again")]) == 0
+    first, again = (stored(checkpoint.resolve(d)) for d in (imported, tmp_path / "again"))
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_tp2_pp2_checkpoint_exports_the_same_tensors_as_one_process(tmp_path):
+    exports = []
+    for name, world, tp, pp in (("one", 1, 1, 1), ("grid", 4, 2, 2)):
+        cfg = tiny_config(steps=2, save=str(tmp_path / name))
+        cfg.parallel.tp, cfg.parallel.pp = tp, pp
+        train_in_process(cfg) if world == 1 else train_layout(cfg, world)
+        assert cli.main(["export-hf", "--load", str(tmp_path / name), "--out", str(tmp_path / f"{name}-hf")]) == 0
+        exports.append(stored(tmp_path / f"{name}-hf"))
+    one, grid = exports
+    assert one.keys() == grid.keys() and len(one) == 4 + 12 * 2
+    for name in one:
+        assert relative_difference(grid[name], one[name]) <= 1e-9, name
+
+
+# ---- fine-tuning from a Hugging Face directory -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jsonl(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    lines = [json.dumps({"text": s, "id": i}) for i, s in enumerate(sentences(700, seed=1))]
+    path.write_text("\n".join(lines[:5] + ["", json.dumps({"text": ""})] + lines[5:]) + "\n")
+    return path
+
+
+def hf_first_batch_loss(hf, tokenizer_file, data, seq_len, seed, global_batch) -> float:
+    """transformers' mean token loss on step 1's global batch of a gridtrain run."""
+    train, _, _ = build_datasets(data, load_tokenizer(tokenizer_file), seq_len)
+    ids = GlobalBatchSampler(len(train), global_batch, global_batch, seed=seed).global_batch(0)
+    batch = collate(train, ids)
+    with torch.no_grad():
+        logits = hf(input_ids=batch["tokens"]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()
+
+
+def test_init_from_hf_dir_on_tp2_starts_from_its_weights(hf_dir, imported, tokenizer_file, jsonl, tmp_path):
+    """Step 1's loss of a tp 2 run started from the Hugging Face directory (its own
+    tokenizer, JSON-lines data) is transformers' loss on that batch; so is that of a
+    one-process run started from the imported checkpoint."""
+    directory, hf = hf_dir
+    expected = hf_first_batch_loss(hf, tokenizer_file, jsonl, 32, seed=3, global_batch=4)
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "gridtrain", "train", "--init-from", str(directory), "--tp", "2",
+                           "--nproc", "2", "--dtype", "fp64", "--steps", "1", "--data", str(jsonl), "--seed", "3",
+                           "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval", "0",
+                           "--metrics-file", str(metrics), "--no-progress", "--save", str(tmp_path / "tuned")],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loss = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    assert abs(loss - expected) <= 1e-9 * expected
+    saved = checkpoint.read_meta(tmp_path / "tuned")["config"]
+    assert saved["model"]["d_model"] == 32 and saved["data"]["tokenizer"] == str(directory.resolve() / "tokenizer.json")
+
+    cfg = tiny_config(steps=1, seed=3, global_batch_size=4, micro_batch_size=2, init_from=str(imported))
+    cfg.data.path = str(jsonl)
+    apply_init_from(cfg)
+    assert cfg.data.tokenizer.endswith("tokenizer.json")
+    assert abs(train_in_process(cfg)["losses"][0] - expected) <= 1e-9 * expected
+
+
+def test_init_from_gives_zero1_its_master_weights(imported, jsonl):
+    """ZeRO-1 keeps its own flat copy of the weights: it too starts from the source, so
+    two steps equal plain AdamW's."""
+    runs = []
+    for zero in (0, 1):
+        cfg = tiny_config(steps=2, global_batch_size=4, micro_batch_size=2, init_from=str(imported), zero=zero)
+        cfg.data.path = str(jsonl)
+        runs.append(train_in_process(apply_init_from(cfg))["losses"])
+    assert relative_difference(runs[0], runs[1]) <= 1e-9
+
+
+def test_generate_from_hf_dir_uses_its_tokenizer(hf_dir, tokenizer_file, capsys):
+    directory, hf = hf_dir
+    tokenizer = load_tokenizer(tokenizer_file)
+    prompt = "The cat sat"
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    greedy = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                         pad_token_id=0)
+    assert cli.main(["generate", "--load", str(directory), "--prompt", prompt, "--max-new-tokens", "8",
+                     "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(greedy[0].tolist()) + "\n"
+
+
+# ---- JSON lines ----------------------------------------------------------------------------------
+
+
+def test_jsonl_documents_are_packed_with_end_of_text(tmp_path):
+    from gridtrain.data import ByteTokenizer
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "ab"}\n\n{"text": ""}\n{"text": "c\\u00e9", "x": 1}\n')
+    assert load_tokens(path, ByteTokenizer()).tolist() == [97, 98, 256, 99, 0xC3, 0xA9]
+
+
+@pytest.mark.parametrize("line, words", [('{"text": 3}', 'line 2 has no string "text" field'),
+                                         ("[1, 2]", 'line 2 has no string "text" field'),
+                                         ('{"text": "x"', "line 2 is not JSON")])
+def test_bad_jsonl_line_is_one_line_before_any_process(tmp_path, line, words, capsys, no_process_may_start):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
+    with pytest.raises(DataError, match="line 2"):
+        load_tokens(path, load_tokenizer(None))
+    assert cli.main(["train", "--data", str(path), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and str(path) in err, err
+
+
+# ---- bad input: one line, exit status 2, nothing started ---------------------------------------------
+
+
+def _broken(kind: str, source: Path, tmp_path: Path) -> Path:
+    target = tmp_path / kind
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    if kind == "no-config":
+        (target / "config.json").unlink()
+    elif kind == "unknown-architecture":
+        (target / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    elif kind == "garbage-index":
+        (target / "model.safetensors.index.json").write_text("{not json")
+    elif kind == "index-names-a-missing-shard":
+        index = {"metadata": {}, "weight_map": {"transformer.wte.weight": "model-00002-of-00002.safetensors"}}
+        (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif kind == "wrong-shape":
+        (target / "config.json").write_text(json.dumps({**config, "n_embd": 64}))
+    elif kind == "no-weights":
+        (target / "model.safetensors").unlink()
+    return target
+
+
+BROKEN = {"no-config": "no config.json", "unknown-architecture": "model_type 'bert' is not an architecture",
+          "garbage-index": "model.safetensors.index.json cannot be read",
+          "index-names-a-missing-shard": "names 'model-00002-of-00002.safetensors', which is not a file",
+          "wrong-shape": "the weights do not match config.json", "no-weights": "no model.safetensors"}
+
+
+@pytest.mark.parametrize("kind", sorted(BROKEN))
+def test_bad_hf_dir_is_one_line_for_every_command(kind, hf_dir, tmp_path, capsys, no_process_may_start):
+    broken = _broken(kind, hf_dir[0], tmp_path)
+    for argv in (["import-hf", str(broken), "--out", str(tmp_path / "out")],
+                 ["train", "--init-from", str(broken), "--nproc", "2"]):
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and BROKEN[kind] in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--n-layer", "3"], "--n-layer 3 (source: 2)"),
+    (["train", "--load", "{imported}"], "pass one of them"),
+    (["import-hf", "{hf}", "--out", "{imported}"], "exists and is not an empty directory"),
+    (["export-hf", "--load", "{missing}", "--out", "{missing}"], "does not exist"),
+    (["export-hf", "--load", "{imported}", "--out", "{missing}", "--max-shard-size", "lots"], "not a size"),
+    (["generate", "--load", "{empty}"], "neither a Hugging Face model directory"),
+], ids=["contradicting-flag", "with-load", "import-over-a-checkpoint", "export-missing", "bad-shard-size",
+        "generate-neither"])
+def test_bad_hf_command_is_one_line(argv, words, hf_dir, imported, tmp_path, capsys, no_process_may_start):
+    (tmp_path / "empty").mkdir()
+    paths = dict(hf=hf_dir[0], imported=imported, missing=tmp_path / "missing", empty=tmp_path / "empty")
+    argv = [a.format(**paths) for a in argv]
+    if argv[0] == "train":
+        argv += ["--init-from", str(hf_dir[0]), "--nproc", "2"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err and "Traceback" not in err, err
+
+
+def test_load_model_is_exported_and_keeps_the_run_fields(hf_dir):
+    model = gridtrain.load_model(hf_dir[0])
+    assert next(model.parameters()).dtype == torch.float32 and not model.training
+    assert dataclasses.asdict(model.cfg)["attention"] == "sdpa"
+    assert np.isfinite(model(torch.zeros(1, 4, dtype=torch.long)).detach().numpy()).all()
