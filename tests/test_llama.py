@@ -262,7 +262,8 @@ def _dry_cfg(preset="llama-tiny", **changes):
 DRY = {  # world, ranks to run (the replicated kv-head copies among them), changes
     "tp4-replicated-kv-sp-zero": (16, "0,1,10", dict(tp=4, pp=2, sequence_parallel=True, zero=1, n_layer=4)),
     "tp2-selective-bf16": (4, "0,3", dict(tp=2, pp=2, dtype="bf16", recompute="selective", n_layer=4)),
-    "tp8-full-interleaved": (8, "5,7", dict(tp=8, vpp=2, pp=1, recompute="full", n_layer=4)),
+    "tp8-full-interleaved": (16, "5,13", dict(tp=8, pp=2, vpp=2, schedule="interleaved-1f1b", recompute="full",
+                                              n_layer=4)),
     "smollm2-tied-zb": (8, "edges", dict(preset="smollm2-135m", pp=4, schedule="zb-h1", n_layer=4, seq_len=64,
                                          micro_batch_size=1, global_batch_size=8)),
 }
@@ -287,14 +288,14 @@ def test_dry_run_bytes_and_peak_follow_the_closed_forms(case):
 
 # ---- parity with one process (real gloo processes) ------------------------------------------------
 
-N_LAYER, SEQ = 8, 32  # 8 blocks: 4 stages x 2 chunks
+SEQ = 32
 
 
-def _config(n_kv_head: int = 2, **changes):
-    """llama-tiny, 8 blocks of 32 tokens, with the parity recipe (fp64, 10 steps, 4
-    micro-batches of 2, no dropout) and ``changes`` to any section."""
+def _config(n_kv_head: int = 2, n_layer: int = 4, **changes):
+    """llama-tiny with ``n_layer`` blocks of 32 tokens, the parity recipe (fp64, 10 steps,
+    4 micro-batches of 2, no dropout) and ``changes`` to any section."""
     cfg = preset_config("llama-tiny")
-    cfg.model.n_layer, cfg.model.seq_len, cfg.model.n_kv_head = N_LAYER, SEQ, n_kv_head
+    cfg.model.n_layer, cfg.model.seq_len, cfg.model.n_kv_head = n_layer, SEQ, n_kv_head
     cfg.training = dataclasses.replace(cfg.training, dtype="fp64", steps=10, global_batch_size=8, micro_batch_size=2,
                                        eval_interval=0, eval_iters=1, progress=False, lr=3e-3, warmup_steps=2)
     for key, value in changes.items():
@@ -303,13 +304,15 @@ def _config(n_kv_head: int = 2, **changes):
     return cfg
 
 
-_references: dict[int, dict] = {}
+_references: dict[tuple[int, int], dict] = {}
 
 
-def _reference(n_kv_head: int) -> dict:
-    if n_kv_head not in _references:
-        _references[n_kv_head] = train_in_process(_config(n_kv_head))
-    return _references[n_kv_head]
+def _reference(cfg) -> dict:
+    """The one-process run of ``cfg``'s model (cached: many layouts compare to it)."""
+    key = (cfg.model.kv_heads, cfg.model.n_layer)
+    if key not in _references:
+        _references[key] = train_in_process(_config(*key))
+    return _references[key]
 
 
 def assert_rank_matches(run: dict, reference: dict, cfg, tp_rank: int, rtol: float = 1e-9) -> None:
@@ -344,7 +347,7 @@ CELLS = {
         (4, dict(tp=4, sequence_parallel=True)),
         (2, dict(pp=4, schedule="gpipe")),
         (2, dict(pp=4, schedule="1f1b", recompute="selective")),
-        (2, dict(pp=4, vpp=2, schedule="interleaved-1f1b")),
+        (2, dict(pp=4, vpp=2, schedule="interleaved-1f1b", n_layer=8)),  # 8 blocks: 4 stages x 2 chunks
         (2, dict(pp=4, schedule="zb-h1", recompute="full"))],
     8: [(2, dict(dp=2, pp=2, tp=2, sequence_parallel=True, zero=1)),
         (2, dict(pp=2, tp=4, sequence_parallel=True, schedule="zb-h1", recompute="selective"))],
@@ -356,10 +359,10 @@ def test_every_layout_trains_the_single_process_model(world):
     """DESIGN.md invariant for --arch llama, cell by cell of one spawned world: every
     rank's losses, grad norms and weights (its TP shards) within 1e-9 of one process,
     and together the ranks hold every weight."""
-    cells = [(kv, _config(kv, **changes)) for kv, changes in CELLS[world]]
-    results = train_layouts([cfg for _, cfg in cells], world, timeout_s=600)
-    for (kv, cfg), runs in zip(cells, results):
-        reference = _reference(kv)
+    cfgs = [_config(kv, **changes) for kv, changes in CELLS[world]]
+    results = train_layouts(cfgs, world, timeout_s=600)
+    for cfg, runs in zip(cfgs, results):
+        reference = _reference(cfg)
         for rank, run in enumerate(runs):
             try:
                 assert_rank_matches(run, reference, cfg, rank % cfg.parallel.tp)
