@@ -247,6 +247,18 @@ def test_saved_bytes_follow_the_formula(recompute):
                                                                 rel=0.005)
 
 
+def test_checkpoints_compare_the_architecture_and_resolved_kv_heads():
+    from gridtrain.checkpoint import CheckpointError, compare_models
+
+    llama_cfg = preset_config("llama-tiny").model
+    with pytest.raises(CheckpointError, match="arch 'llama' .checkpoint. vs 'gpt2'.*--arch llama"):
+        compare_models(llama_cfg, dataclasses.replace(llama_cfg, arch="gpt2"), "--load x")
+    mha = dataclasses.replace(llama_cfg, n_kv_head=None)
+    compare_models(mha, dataclasses.replace(llama_cfg, n_kv_head=8), "--load x")  # None means n_head
+    with pytest.raises(CheckpointError, match="--n-kv-head 2"):
+        compare_models(llama_cfg, mha, "--load x")
+
+
 # ---- the dry run ----------------------------------------------------------------------------------
 
 
@@ -354,6 +366,30 @@ CELLS = {
 }
 
 
+def expected_tp_bytes(cfg) -> dict[str, int]:
+    """TP payload of one step of a TP-only layout (fp64), as tests/test_tensor_parallel.py
+    counts GPT-2's: the same activation traffic (q, k, v enter the TP region once, and so
+    do gate and up), Llama's sequence-parallel sums (two RMSNorm weights a block and the
+    final norm; no biases, no position table), and, when tp exceeds the kv heads, the
+    sum of the replicated k and v gradients: one [kv heads, local numel] buffer each.
+    Full recomputation runs each block's forward collectives again in backward."""
+    m, t, tp = cfg.model, cfg.training, cfg.parallel.tp
+    b, s, h, L, e = t.micro_batch_size, m.seq_len, m.d_model, m.n_layer, 8
+    n_micro = t.global_batch_size // b
+    activation = (2 * L + 1) * b * s * h * e
+    again = 2 * L * b * s * h * e if t.recompute == "full" else 0
+    ce = 3 * b * s * e
+    replicated = L * 2 * m.kv_heads * m.head_dim * h * e if tp > m.kv_heads else 0
+    out = {"broadcast/tp": n_micro * 2 * b * s * 8}
+    if cfg.parallel.sequence_parallel:
+        out["all_gather/tp"] = n_micro * (3 * activation + again)
+        out["reduce_scatter/tp"] = n_micro * (2 * activation + again)
+        out["all_reduce/tp"] = n_micro * ce + (2 * L + 1) * h * e + replicated
+    else:
+        out["all_reduce/tp"] = n_micro * (2 * activation + again + ce) + replicated
+    return out
+
+
 @pytest.mark.parametrize("world", sorted(CELLS))
 def test_every_layout_trains_the_single_process_model(world, tmp_path):
     """DESIGN.md invariant for --arch llama, cell by cell of one spawned world: every
@@ -377,6 +413,9 @@ def test_every_layout_trains_the_single_process_model(world, tmp_path):
             except AssertionError as e:
                 raise AssertionError(f"{cfg.parallel} rank {rank}: {e}") from None
         assert set().union(*(r["state"].keys() for r in runs)) == reference["state"].keys()
+        if cfg.parallel.tp == world:  # TP only: the bytes each step moves, exactly
+            for step_bytes in runs[0]["step_bytes"]:
+                assert {k: v for k, v in step_bytes.items() if k.endswith("/tp")} == expected_tp_bytes(cfg)
     if world == 4:
         resumed = train_in_process(_config(2, load=str(tmp_path / "tp4" / "step_0000005")))
         assert relative_difference(resumed["losses"], _reference(cfgs[0])["losses"][5:]) <= 1e-9
