@@ -4,7 +4,8 @@ its FLOPs and memory formulas, the dry run's closed forms, and the parity matrix
 The parity matrix (DESIGN.md's invariant: fp64, 1e-9 relative, 10 steps) trains one small
 Llama on one process and on every layout the issue names: tp 2 and 4 with the key/value
 head count above, equal to and below tp (replicated kv heads), with and without sequence
-parallelism; pp 2 and 4 with every schedule; the 3D layouts (2,2,2) and (1,2,4);
+parallelism; pp 2 and 4 with every schedule; the 3D layouts (2,2,2) (with one kv head,
+replicated, and ZeRO-1) and (1,2,4);
 recomputation none/selective/full; ZeRO-1. To stay within the suite's time, the cells of
 one world size share one spawned world (tests.training.train_layouts): three spawns in all.
 """
@@ -361,7 +362,7 @@ CELLS = {
         (2, dict(pp=4, schedule="1f1b", recompute="selective")),
         (2, dict(pp=4, vpp=2, schedule="interleaved-1f1b", n_layer=8)),  # 8 blocks: 4 stages x 2 chunks
         (2, dict(pp=4, schedule="zb-h1", recompute="full"))],
-    8: [(2, dict(dp=2, pp=2, tp=2, sequence_parallel=True, zero=1)),
+    8: [(1, dict(dp=2, pp=2, tp=2, sequence_parallel=True, zero=1)),  # one kv head (MQA) on both TP ranks
         (2, dict(pp=2, tp=4, sequence_parallel=True, schedule="zb-h1", recompute="selective"))],
 }
 
