@@ -1,4 +1,8 @@
-"""The GPT-2 decoder: pre-LayerNorm blocks, GELU MLP, learned positions, tied embeddings.
+"""The decoder: GPT-2 (pre-LayerNorm blocks, GELU MLP, learned positions, tied embeddings)
+or Llama (the same blocks with the parts of :mod:`gridtrain.llama`), chosen by ``cfg.arch``.
+
+One model class serves both, so that pipeline chunks, the head and loss, initialisation,
+parameter counts, checkpoints and generation are written once.
 
 Two properties matter more than anything else here:
 
