@@ -43,7 +43,8 @@ problem, and each file that json, safetensors or torch.load cannot read, is a
 checkpoint's model config (meta.json) must equal the run's on every field that changes
 the weights' shapes or meaning (all of :class:`~gridtrain.config.ModelConfig` except
 dropout, attention, vocab_pad_multiple and max_positions, with ffn_hidden compared as the
-resolved ffn_size and n_kv_head as the resolved key/value head count); one line names each differing field with both values.
+resolved ffn_size and n_kv_head as the resolved key/value head count); one line names
+each differing field with both values.
 
 **Checksum cost.** sha256 (hashlib) hashes about 1.7 GB/s in memory on this project's
 CPU hosts (SHA extensions; blake2b 0.8 GB/s, md5 0.7 GB/s, crc32 3.5 GB/s but weaker),

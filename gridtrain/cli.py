@@ -12,7 +12,8 @@ import sys
 from typing import Any
 
 from gridtrain.checkpoint import CheckpointError
-from gridtrain.config import ARCHS, ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, Config, ConfigError, load_config
+from gridtrain.config import (ARCHS, ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, Config, ConfigError,
+                              load_config)
 from gridtrain.data import DataError, prepare
 from gridtrain.launch import WorkerError, WorkerTimeout
 from gridtrain.stops import EXIT_CRASH, EXIT_INTERRUPTED, RunStopped

@@ -55,7 +55,8 @@ FLAG_NAMES = {("training", "dist_timeout_s"): "--timeout", ("data", "path"): "--
 WITHOUT_FLAG = {("model", "vocab_pad_multiple"), ("model", "layernorm_eps"),
                 ("model", "tie_embeddings"), ("model", "rope_scaling"), ("model", "rope_factor"),
                 ("model", "rope_low_freq_factor"), ("model", "rope_high_freq_factor"),
-                ("model", "rope_original_max_positions"), ("model", "max_positions"), ("training", "min_lr_ratio"), ("training", "beta1"),
+                ("model", "rope_original_max_positions"), ("model", "max_positions"),
+                ("training", "min_lr_ratio"), ("training", "beta1"),
                 ("training", "beta2"), ("training", "adam_eps"), ("training", "loss_scale_window"),
                 ("training", "temperature"), ("training", "top_k"),
                 ("data", "valid_every")}

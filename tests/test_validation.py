@@ -85,7 +85,8 @@ FIXED_WORLD = {  # the world is part of the case
                                             "--n-kv-head", "4", "--tp", "6", "--nproc", "6"],
                                            "--tp 6 exceeds --n-kv-head 4 but is not a multiple of it"),
     "tp not dividing kv heads": (["--model", "llama-tiny", "--n-head", "12", "--d-model", "96",
-                                  "--n-kv-head", "6", "--tp", "4", "--nproc", "4"], "--tp 4 does not divide --n-kv-head 6"),
+                                  "--n-kv-head", "6", "--tp", "4", "--nproc", "4"],
+                                 "--tp 4 does not divide --n-kv-head 6"),
 }
 
 DATA = {
