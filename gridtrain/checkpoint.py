@@ -42,8 +42,9 @@ problem, and each file that json, safetensors or torch.load cannot read, is a
 :class:`CheckpointError` of one line naming the file, what is wrong and the fix. The
 checkpoint's model config (meta.json) must equal the run's on every field that changes
 the weights' shapes or meaning (all of :class:`~gridtrain.config.ModelConfig` except
-dropout, attention and vocab_pad_multiple, with ffn_hidden compared as the resolved
-ffn_size); one line names each differing field with both values.
+dropout, attention, vocab_pad_multiple and max_positions, with ffn_hidden compared as the
+resolved ffn_size and n_kv_head as the resolved key/value head count); one line names
+each differing field with both values.
 
 **Checksum cost.** sha256 (hashlib) hashes about 1.7 GB/s in memory on this project's
 CPU hosts (SHA extensions; blake2b 0.8 GB/s, md5 0.7 GB/s, crc32 3.5 GB/s but weaker),
@@ -94,9 +95,10 @@ _CHUNK = 8 << 20
 _REDO = "use an earlier checkpoint or re-save"
 
 # Model fields that do not change the weights' shapes or meaning (compared: all others).
-_NOT_COMPARED = {"dropout", "attention", "vocab_pad_multiple", "ffn_hidden"}
+_NOT_COMPARED = {"dropout", "attention", "vocab_pad_multiple", "ffn_hidden", "max_positions"}
 _MODEL_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model",
-                "seq_len": "--seq-len", "vocab_size": "--vocab-size"}
+                "seq_len": "--seq-len", "vocab_size": "--vocab-size", "arch": "--arch", "n_kv_head": "--n-kv-head",
+                "rope_theta": "--rope-theta"}
 
 
 class CheckpointError(ValueError):
@@ -624,6 +626,7 @@ def _saved_model(meta: dict[str, Any], where: str) -> ModelConfig:
 def _compared(m: ModelConfig) -> dict[str, Any]:
     values = {f.name: getattr(m, f.name) for f in fields(ModelConfig) if f.name not in _NOT_COMPARED}
     values["ffn_size"] = m.ffn_size
+    values["n_kv_head"] = m.kv_heads  # None means one per query head
     return values
 
 

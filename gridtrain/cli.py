@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from gridtrain.checkpoint import CheckpointError
-from gridtrain.config import (ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, Config, ConfigError,
+from gridtrain.config import (ARCHS, ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, Config, ConfigError,
                               given_model_fields, load_config)
 from gridtrain.data import DataError, prepare
 from gridtrain.hf_mapping import HFError
@@ -41,9 +41,13 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
      "blocks per virtual stage, e.g. 3,4,4,3"),
     ("--pp-partition", "parallel", "pp_partition", str, "uniform | parameters | time"),
     ("--bucket-mb", "parallel", "bucket_mb", float, "gradient all-reduce bucket size in MiB"),
+    ("--arch", "model", "arch", str, " | ".join(ARCHS) + " (default: the preset's)"),
     ("--n-layer", "model", "n_layer", int, "transformer blocks"),
     ("--n-head", "model", "n_head", int, "attention heads"),
+    ("--n-kv-head", "model", "n_kv_head", int, "key/value heads (llama: grouped-query attention)"),
     ("--d-model", "model", "d_model", int, "hidden size"),
+    ("--ffn-hidden", "model", "ffn_hidden", int, "MLP width (default: 4 d_model for gpt2, 8/3 d_model for llama)"),
+    ("--rope-theta", "model", "rope_theta", float, "rotary base (llama)"),
     ("--seq-len", "model", "seq_len", int, "sequence length"),
     ("--vocab-size", "model", "vocab_size", int, "vocabulary size (before padding)"),
     ("--dropout", "model", "dropout", float, "dropout probability"),

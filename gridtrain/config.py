@@ -25,6 +25,8 @@ DTYPES = ("fp32", "bf16", "fp16", "fp64")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION = ("sdpa", "math")
+ARCHS = ("gpt2", "llama")
+ROPE_SCALINGS = ("llama3",)
 DEVICES = ("cpu", "cuda")
 
 
@@ -34,27 +36,49 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Shape of a GPT-2 style decoder (pre-LayerNorm, GELU MLP, learned positions)."""
+    """Shape of a decoder: GPT-2 (pre-LayerNorm, GELU MLP, learned positions, biases) or
+    Llama (RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no biases)."""
 
     n_layer: int = 2
     n_head: int = 4
     d_model: int = 64
     seq_len: int = 64
     vocab_size: int = 257
-    ffn_hidden: int | None = None  # defaults to 4 * d_model
+    ffn_hidden: int | None = None  # defaults: 4 * d_model (gpt2); 8/3 * d_model rounded up to 256 (llama)
     dropout: float = 0.0
     attention: str = "sdpa"  # sdpa: torch's fused kernel | math: unfused ops (Megatron's core attention)
     vocab_pad_multiple: int = 64  # padded vocab is a multiple of this times tp
-    layernorm_eps: float = 1e-5
+    layernorm_eps: float = 1e-5  # epsilon of the block norms: LayerNorm (gpt2) or RMSNorm (llama)
     tie_embeddings: bool = True
+    arch: str = "gpt2"  # gpt2 | llama
+    # llama only (docs/llama.md): key/value heads (grouped-query attention; None = n_head),
+    # rotary base, Llama 3's rope scaling ("llama3" or None) and its parameters, and the
+    # context the model was published for (Hugging Face's max_position_embeddings; None = seq_len)
+    n_kv_head: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: str | None = None
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    max_positions: int | None = None
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden or 4 * self.d_model
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.arch == "llama":  # Meta's rule: two thirds of 4 d, rounded up to a multiple of 256
+            return -(-8 * self.d_model // (3 * 256)) * 256
+        return 4 * self.d_model
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head for llama (default n_head), n_head for GPT-2."""
+        return self.n_kv_head or self.n_head
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocabulary rounded up so every TP rank owns an equal, aligned slice.
@@ -169,7 +193,13 @@ class Config:
 
 
 # Model shapes. `tiny` is for tests, `small` is what `make train` trains in a few minutes
-# on two CPU cores, the gpt2* entries are the Hugging Face GPT-2 shapes.
+# on two CPU cores, the gpt2* entries are the Hugging Face GPT-2 shapes. The Llama
+# entries are the published shapes (Hugging Face config.json: vocab_size, hidden_size,
+# num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
+# rope_theta, rms_norm_eps, tie_word_embeddings, max_position_embeddings, rope_scaling);
+# their seq_len is the context they were pre-trained at, and `llama-tiny` is for tests.
+_LLAMA = dict(arch="llama", tie_embeddings=False, layernorm_eps=1e-5)
+_LLAMA3 = dict(_LLAMA, vocab_size=128256, n_kv_head=8, rope_theta=500000.0, seq_len=8192, max_positions=8192)
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=2, n_head=4, d_model=64, seq_len=64, vocab_size=257),
     "small": dict(n_layer=4, n_head=4, d_model=128, seq_len=128, vocab_size=257),
@@ -177,6 +207,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-medium": dict(n_layer=24, n_head=16, d_model=1024, seq_len=1024, vocab_size=50257),
     "gpt2-large": dict(n_layer=36, n_head=20, d_model=1280, seq_len=1024, vocab_size=50257),
     "gpt2-xl": dict(n_layer=48, n_head=25, d_model=1600, seq_len=1024, vocab_size=50257),
+    "llama-tiny": dict(_LLAMA, n_layer=2, n_head=8, n_kv_head=2, d_model=64, ffn_hidden=160, seq_len=64,
+                       vocab_size=257),
+    "smollm2-135m": dict(_LLAMA, n_layer=30, n_head=9, n_kv_head=3, d_model=576, ffn_hidden=1536,
+                         vocab_size=49152, rope_theta=100000.0, tie_embeddings=True, seq_len=2048,
+                         max_positions=8192),
+    "tinyllama-1.1b": dict(_LLAMA, n_layer=22, n_head=32, n_kv_head=4, d_model=2048, ffn_hidden=5632,
+                           vocab_size=32000, seq_len=2048, max_positions=2048),
+    "llama2-7b": dict(_LLAMA, n_layer=32, n_head=32, n_kv_head=32, d_model=4096, ffn_hidden=11008,
+                      vocab_size=32000, seq_len=4096, max_positions=4096),
+    "llama3-8b": dict(_LLAMA3, n_layer=32, n_head=32, d_model=4096, ffn_hidden=14336),
+    "llama3-70b": dict(_LLAMA3, n_layer=80, n_head=64, d_model=8192, ffn_hidden=28672),
+    # Llama 3.1: the 128K context by Llama 3's rope scaling of the 8K one
+    "llama3-405b": dict(_LLAMA3, n_layer=126, n_head=128, d_model=16384, ffn_hidden=53248, max_positions=131072,
+                        rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+                        rope_high_freq_factor=4.0, rope_original_max_positions=8192),
 }
 
 

@@ -388,23 +388,26 @@ def stage_layers(cfg: Config, grid: ProcessGrid, stage: int) -> list[tuple[tuple
 
 
 def expected_parameters(cfg: Config, grid: ProcessGrid, rank: int) -> int:
-    """Parameters rank ``rank`` holds, from the model's shape and the layout: per block,
-    column-parallel QKV and MLP expansion (weights and biases / t), row-parallel
-    projections (weights / t, whole biases), whole LayerNorms; the vocabulary-parallel
-    token table (padded vocabulary / t rows) and whole position table on the first
-    stage; the final norm and, unless the stage also embeds, a copy of the (tied) table
-    on the last."""
+    """Parameters rank ``rank`` holds, from the model's shape and the layout: per block
+    (model.block_parameters), GPT-2's column-parallel QKV and MLP expansion (weights and
+    biases / t), row-parallel projections (weights / t, whole biases), whole LayerNorms,
+    or Llama's q, proj, gate, up, down / t, the rank's whole key/value heads and two
+    whole RMSNorms; the vocabulary-parallel token table (padded vocabulary / t rows) and
+    GPT-2's whole position table on the first stage; the final norm and, unless the
+    stage also embeds, a copy of the (tied) table or the untied head on the last."""
+    from gridtrain.model import block_parameters
+
     m, t = cfg.model, grid.tp
-    d, f = m.d_model, m.ffn_size
-    block = 4 * d + (3 * d * d + 3 * d) // t + d * d // t + d + (d * f + f) // t + f * d // t + d
+    d = m.d_model
     table = m.padded_vocab_size(t) // t * d
     chunks = stage_layers(cfg, grid, grid.coords(rank).pp)
     embeds, ends = any(c[1] for c in chunks), any(c[2] for c in chunks)
-    n = block * sum(len(c[0]) for c in chunks)
+    n = block_parameters(m, t) * sum(len(c[0]) for c in chunks)
+    gpt2 = m.arch == "gpt2"
     if embeds:
-        n += table + m.seq_len * d
+        n += table + (m.seq_len * d if gpt2 else 0)
     if ends:
-        n += 2 * d + (table if not (m.tie_embeddings and embeds) else 0)
+        n += (2 * d if gpt2 else d) + (table if not (m.tie_embeddings and embeds) else 0)
     return n
 
 
@@ -441,9 +444,11 @@ def _parameter_tensors(cfg: Config, grid: ProcessGrid, rank: int) -> int:
     """Parameter tensors of a rank (AdamW keeps one step count per tensor)."""
     chunks = stage_layers(cfg, grid, grid.coords(rank).pp)
     embeds, ends = any(c[1] for c in chunks), any(c[2] for c in chunks)
-    n = 12 * sum(len(c[0]) for c in chunks)  # 2 LayerNorms x 2, 4 linears x (weight, bias)
-    n += 2 if embeds else 0
-    n += (2 + (0 if cfg.model.tie_embeddings and embeds else 1)) if ends else 0
+    gpt2 = cfg.model.arch == "gpt2"
+    # GPT-2: 2 LayerNorms x 2, 4 linears x (weight, bias); Llama: 2 RMSNorms, 7 linears
+    n = (12 if gpt2 else 9) * sum(len(c[0]) for c in chunks)
+    n += (2 if gpt2 else 1) if embeds else 0  # token (and position) table
+    n += ((2 if gpt2 else 1) + (0 if cfg.model.tie_embeddings and embeds else 1)) if ends else 0
     return n
 
 
@@ -453,7 +458,9 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     memory.korthikanti_bytes (docs/memory.md) summed over the chunk's blocks, plus, for
     the chunk that ends the model, the head (the loss's fp32 softmax over the vocabulary
     slice dominates it); with full recomputation plus one region's rebuilt activations
-    (held transiently in backward), and for the chunk that embeds, the token ids,
+    (held transiently in backward), with selective recomputation plus what one block's
+    rebuilt attention core holds beyond what its backward has released
+    (memory.rebuilt_core_bytes), and for the chunk that embeds, the token ids,
     positions and dropout mask of the embedding.
     Describes ``--attention math`` (the fused kernel keeps no s x s scores) and
     ``--recompute-keep-last`` off."""
@@ -464,9 +471,8 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     m, t = cfg.model, cfg.training
     e = TORCH_DTYPES[t.dtype].itemsize
     sp = cfg.parallel.sequence_parallel and grid.tp > 1
-    shape = dict(seq=m.seq_len, batch=t.micro_batch_size, hidden=m.d_model, heads=m.n_head, ffn=m.ffn_size,
-                 tp=grid.tp, sequence_parallel=sp, element_bytes=e,
-                 mask_bytes=memory.dropout_mask_bytes(torch.device(device_type), e), dropout=m.dropout > 0)
+    shape = memory.layer_shape(m, batch=t.micro_batch_size, tp=grid.tp, sequence_parallel=sp, element_bytes=e,
+                               mask_bytes=memory.dropout_mask_bytes(torch.device(device_type), e))
     stage = grid.coords(rank).pp
     micro_batches = t.global_batch_size // (t.micro_batch_size * grid.dp)
     actions = build_schedule(cfg.parallel.schedule, grid.pp, micro_batches, cfg.parallel.vpp)[stage]
@@ -481,7 +487,8 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     # the embedding: the token ids and positions its lookups keep (int64), under TP the
     # shifted ids and the out-of-range flags, and with dropout the mask
     sp_div = grid.tp if sp else 1
-    embedding = tokens * 8 + m.seq_len // sp_div * 8 + (tokens * 9 if grid.tp > 1 else 0) \
+    positions = m.seq_len // sp_div * 8 if m.arch == "gpt2" else 0  # Llama's are rotary (no lookup)
+    embedding = tokens * 8 + positions + (tokens * 9 if grid.tp > 1 else 0) \
         + (tokens * m.d_model * shape["mask_bytes"] / sp_div if m.dropout > 0 else 0.0)
     cost = [sum(memory.expected_by_layer(policy.block_runs(ids), policy.mode, micro_batches, False,
                                          **shape).values()) + (head if ends else 0.0) + (embedding if embeds else 0.0)
@@ -493,6 +500,9 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     rebuilt = [region * memory.korthikanti_bytes(recompute="none", **shape)
                - memory.korthikanti_bytes(recompute="full", **shape) - (head if ends else 0.0)
                if region else 0.0 for _, _, ends in chunks]
+    if policy.mode == "selective":  # B rebuilds one block's attention core at a time
+        rebuilt = [max(0.0, memory.rebuilt_core_bytes(**shape) - (head if ends else 0.0)) if ids else 0.0
+                   for ids, _, ends in chunks]
     held = peak = 0.0
     for a in actions:  # what the schedule holds between each F and its B, chunk by chunk
         if a.kind == F:

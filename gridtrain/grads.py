@@ -6,7 +6,10 @@ it still has to be combined with its copies and partial sums elsewhere on the gr
 
 1. **sequence-parallel sums** (TP group): under sequence parallelism LayerNorm weights,
    row-parallel biases and the position embedding see 1/tp of the tokens on each rank,
-   so each TP rank holds a partial gradient; their sum over TP is the whole gradient;
+   so each TP rank holds a partial gradient; their sum over TP is the whole gradient.
+   Likewise **replicated slices** (Llama's key/value heads when tp exceeds their count):
+   each rank holding a copy has the gradient of its own query heads only, and their sum
+   over the ranks sharing the head is the whole gradient;
 2. **tied-embedding sums** (embedding group: first and last pipeline stage): the token
    table and the last stage's copy of it as the output head are one parameter, so their
    two gradients are summed and both copies take the same step;
@@ -36,7 +39,7 @@ from gridtrain.data_parallel import GradientReducer
 from gridtrain.distributed import DistributedContext
 from gridtrain.distributed_optimizer import DistributedOptimizer
 from gridtrain.optim import clip_grad_norm
-from gridtrain.tensor_parallel import TensorParallel, is_tp_duplicate
+from gridtrain.tensor_parallel import TensorParallel, is_tp_duplicate, shard_spec
 
 
 def reduce_gradients(model: nn.Module, reducer: GradientReducer, ctx: DistributedContext) -> None:
@@ -44,11 +47,13 @@ def reduce_gradients(model: nn.Module, reducer: GradientReducer, ctx: Distribute
     gradients of the mean loss of the global batch."""
     if reducer.shard:  # ZeRO-1: sum over TP and PP while the buffer is whole
         allreduce_sequence_parallel_grads(model, ctx.tp)
+        allreduce_replicated_grads(model, ctx.tp)
         sum_tied_embedding_grads(model, ctx.embedding)
         reducer.finish()
         return
     reducer.finish()  # waits for the buckets in flight before touching the buffer
     allreduce_sequence_parallel_grads(model, ctx.tp)
+    allreduce_replicated_grads(model, ctx.tp)
     sum_tied_embedding_grads(model, ctx.embedding)
 
 
@@ -83,6 +88,37 @@ def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel) -> N
         offset += g.numel()
 
 
+def allreduce_replicated_grads(model: nn.Module, tp: TensorParallel) -> None:
+    """Sum the gradients of replicated slices over the TP ranks that hold each slice.
+
+    A slice held by ``replicas`` ranks (ShardSpec.replicas: Llama's key/value heads when
+    tp exceeds their count) gets, on each of them, the gradient of that rank's query
+    heads only. Each rank writes its gradient into its slice's row of a zero buffer with
+    one row per slice; one all-reduce over TP then sums every row over exactly the ranks
+    holding that slice, and each rank takes its row back. (A process group per set of
+    sharing ranks would move 1/slices of the bytes, but kv weights are small and this
+    needs no groups beyond TP.)
+    """
+    if tp.size == 1:
+        return
+    replicated = [(p, shard_spec(p)) for p in model.parameters()
+                  if shard_spec(p) is not None and shard_spec(p).replicas > 1]
+    grads = [(_grad_of(p), spec) for p, spec in replicated]
+    grads = [(g, spec) for g, spec in grads if g is not None]
+    if not grads:
+        return
+    rows = [g.new_zeros(spec.slices(tp.size), g.numel()) for g, spec in grads]
+    for row, (g, spec) in zip(rows, grads):
+        row[tp.rank // spec.replicas] = g.reshape(-1)
+    flat = torch.cat([r.reshape(-1) for r in rows])
+    tp.comm.all_reduce(flat)
+    offset = 0
+    for row, (g, spec) in zip(rows, grads):
+        whole = flat[offset: offset + row.numel()].view_as(row)
+        g.copy_(whole[tp.rank // spec.replicas].view_as(g))
+        offset += row.numel()
+
+
 def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
     """The gradient being accumulated: the reducer's fp32 buffer view when there is one."""
     return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
@@ -91,8 +127,9 @@ def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
 def sum_tied_embedding_grads(model: nn.Module, embedding: CommGroup | None) -> None:
     """The first stage's token embedding and the last stage's copy of it as the output
     head are one parameter in the model: sum their gradients over the embedding group
-    (first and last stage) so that both copies take the same step and stay equal."""
-    if embedding is None or embedding.size == 1:
+    (first and last stage) so that both copies take the same step and stay equal. An
+    untied model (Llama's default) has no copies: both stages skip the sum."""
+    if embedding is None or embedding.size == 1 or not getattr(getattr(model, "cfg", None), "tie_embeddings", True):
         return
     tied = getattr(model, "head", None)
     if tied is None or not getattr(tied, "tied_copy", False):

@@ -205,32 +205,79 @@ def dropout_mask_bytes(device: torch.device, element_bytes: int) -> int:
 
 def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int, tp: int = 1,
                       sequence_parallel: bool = False, recompute: str = "none", element_bytes: int = 2,
-                      mask_bytes: int = 1, dropout: bool = True) -> float:
+                      mask_bytes: int = 1, dropout: bool = True, arch: str = "gpt2",
+                      kv_hidden: int | None = None) -> float:
     """Activation bytes one transformer layer saves for backward, per micro-batch.
 
     Korthikanti et al. count, in 16-bit with 1-byte dropout masks and ffn = 4h,
     ``sbh (34 + 5as/h)``, with TP ``sbh (10 + 24/t + 5as/(ht))``. Term by term, for
     element size e and mask size m:
 
-    * LayerNorm inputs 2e, the inputs of QKV and of the first MLP linear 2e, and the
-      residual dropout masks 2m: replicated over TP, split by sequence parallelism (a
+    * the two norms' inputs 2e, the inputs of QKV and of the first MLP linear(s) 2e, and
+      the residual dropout masks 2m: replicated over TP, split by sequence parallelism (a
       column-parallel layer keeps its input shard and all-gathers it again in backward);
-    * Q, K, V 3e, the output projection's input e, GELU's input and output 2e * ffn/h:
-      split over TP;
+    * Q, K, V 3e and the output projection's input e, split over TP. Llama's keys and
+      values are its kv heads repeated for their query heads inside the attention core,
+      so they cost as much as GPT-2's; with selective recomputation the core's inputs
+      are kept instead: the un-repeated keys and values, 2e ``kv_hidden`` (this rank's
+      kv heads times head size, whole kv heads per rank);
+    * the MLP, split over TP: GPT-2 keeps GELU's input and output, 2e * ffn/h; Llama's
+      SwiGLU keeps gate's output (silu's input), silu's output, up's output and their
+      product (down's input), 4e * ffn/h;
     * attention scores: softmax output e, and with dropout its mask m and its output e,
       per (head, query, key): ``a s^2 b / t`` of them.
 
     ``selective`` drops the attention-score terms (they are recomputed); ``full`` keeps
-    only the layer input, ``e sbh`` (``/ t`` under sequence parallelism).
+    only the layer input, ``e sbh`` (``/ t`` under sequence parallelism). The norms'
+    per-token statistics (one or two numbers a token) are left out.
     """
-    e, m, d = element_bytes, mask_bytes, int(dropout)
-    sp = tp if sequence_parallel else 1
     tokens = seq * batch
     if recompute == "full":
-        return tokens * hidden * e / sp
-    per_token = hidden * (4 * e / sp + 4 * e / tp + 2 * m * d / sp) + 2 * e * ffn / tp
-    scores = 0 if recompute == "selective" else heads * seq * seq * batch / tp * (e + d * (e + m))
-    return tokens * per_token + scores
+        return tokens * hidden * element_bytes / (tp if sequence_parallel else 1)
+    t = _terms(seq=seq, hidden=hidden, heads=heads, ffn=ffn, tp=tp, sequence_parallel=sequence_parallel,
+               element_bytes=element_bytes, mask_bytes=mask_bytes, dropout=dropout, arch=arch, kv_hidden=kv_hidden)
+    if recompute == "selective":
+        return tokens * (t["before_core"] + t["core_inputs"] + t["after_core"])
+    return tokens * (t["before_core"] + t["q_k_v"] + t["scores"] + t["after_core"])
+
+
+def rebuilt_core_bytes(**shape) -> float:
+    """Under selective recomputation, how far one layer's rebuilt attention core (held
+    while its backward runs) lifts the bytes held above what the layer keeps: the core
+    saves its scores terms again (and, for Llama, its repeated keys and values), while
+    backward has already released everything the layer saved after its core (the
+    projection's input, the second norm, the MLP, the dropout masks). Zero when the
+    release is larger; per micro-batch, for the last block of a chunk (the worst)."""
+    t = _terms(**{k: v for k, v in shape.items() if k not in ("batch", "recompute")})
+    return shape["seq"] * shape["batch"] * max(0.0, t["scores"] + t["repeated_kv"] - t["after_core"])
+
+
+def _terms(*, seq: int, hidden: int, heads: int, ffn: int, tp: int, sequence_parallel: bool,
+           element_bytes: int, mask_bytes: int, dropout: bool, arch: str = "gpt2",
+           kv_hidden: int | None = None) -> dict[str, float]:
+    """Bytes per token of each part of a layer (see korthikanti_bytes)."""
+    e, m, d = element_bytes, mask_bytes, int(dropout)
+    sp = tp if sequence_parallel else 1
+    llama = arch == "llama"
+    repeated = llama and kv_hidden is not None and kv_hidden < hidden / tp  # query heads share kv heads
+    return {
+        "before_core": 2 * e * hidden / sp,  # first norm's input, q/k/v's input
+        "q_k_v": 3 * e * hidden / tp,  # the core's q, k, v (Llama: k and v repeated per query head)
+        "core_inputs": e * hidden / tp + 2 * e * (kv_hidden if llama else hidden / tp),  # kept by selective
+        "scores": heads * seq / tp * (e + d * (e + m)),
+        "repeated_kv": 2 * e * hidden / tp if repeated else 0.0,
+        "after_core": e * hidden / tp + hidden * (2 * e + 2 * m * d) / sp + (4 if llama else 2) * e * ffn / tp,
+    }
+
+
+def layer_shape(m, *, batch: int, tp: int, sequence_parallel: bool, element_bytes: int,
+                mask_bytes: int) -> dict:
+    """The keyword arguments of :func:`korthikanti_bytes` for model config ``m``
+    (config.ModelConfig) at micro-batch ``batch`` on ``tp`` ranks."""
+    kv_per_rank = max(m.kv_heads // tp, 1)  # whole kv heads per rank: replicated when tp exceeds them
+    return dict(seq=m.seq_len, batch=batch, hidden=m.d_model, heads=m.n_head, ffn=m.ffn_size, tp=tp,
+                sequence_parallel=sequence_parallel, element_bytes=element_bytes, mask_bytes=mask_bytes,
+                dropout=m.dropout > 0, arch=m.arch, kv_hidden=kv_per_rank * m.head_dim)
 
 
 # ---- what a stage reports -----------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""The GPT-2 decoder: pre-LayerNorm blocks, GELU MLP, learned positions, tied embeddings.
+"""The decoder: GPT-2 (pre-LayerNorm blocks, GELU MLP, learned positions, tied embeddings)
+or Llama (the same blocks with the parts of :mod:`gridtrain.llama`), chosen by ``cfg.arch``.
+
+One model class serves both, so that pipeline chunks, the head and loss, initialisation,
+parameter counts, checkpoints and generation are written once.
 
 Two properties matter more than anything else here:
 
@@ -21,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gridtrain import memory
+from gridtrain import llama, memory
+from gridtrain.attention import SelfAttention
 from gridtrain.config import ModelConfig
 from gridtrain.recompute import Recomputation
 from gridtrain.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: F401
@@ -31,26 +36,16 @@ from gridtrain.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowPa
 from gridtrain.timing import clock_for, median_seconds
 
 
-class CausalSelfAttention(nn.Module):
-    """Causal self-attention; under TP each rank owns ``n_head / tp`` whole heads.
-
-    The attention core (scores, softmax, dropout, weighted sum of values) is torch's
-    ``scaled_dot_product_attention`` (``attention="sdpa"``: a fused kernel that keeps no
-    ``s x s`` tensors where one applies) or written out op by op (``"math"``: what
-    Megatron's unfused core attention and the activation-memory formula of Korthikanti
-    et al. assume). Selective recomputation recomputes exactly this core.
+class CausalSelfAttention(SelfAttention):
+    """GPT-2's causal self-attention: a fused column-parallel QKV with biases (each TP
+    rank owns ``n_head / tp`` whole heads) and a row-parallel output projection. The core
+    (scores, softmax, dropout, weighted sum of values) is attention.SelfAttention's:
+    torch's fused kernel or op by op (``attention="math"``); selective recomputation
+    recomputes exactly this core.
     """
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation):
-        super().__init__()
-        self.tp, self.recompute = tp, recompute
-        self.local_heads = cfg.n_head // tp.size
-        self.head_dim = cfg.head_dim
-        self.dropout = cfg.dropout
-        self.math = cfg.attention == "math"
-        if self.math:  # added to the scores: -inf above the diagonal (an add saves nothing)
-            bias = torch.full((cfg.seq_len, cfg.seq_len), float("-inf")).triu(1)
-            self.register_buffer("causal_bias", bias, persistent=False)
+        super().__init__(cfg, tp, recompute)
         self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp, parts=3)
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp)
         self.proj.weight.residual_projection = True  # scaled init, see init_parameters
@@ -59,22 +54,7 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x)
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if self.recompute.selective:
-            y = self.recompute.checkpoint(self.core, q, k, v)
-        else:
-            y = self.core(q, k, v)
-        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
-
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal) v with dropout on the probabilities, [b, heads, s, d]."""
-        p = self.dropout if self.training else 0.0
-        with self.tp.rng.fork():  # this rank's heads: its own dropout stream
-            if not self.math:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
-            s = q.shape[-2]
-            scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-            probs = torch.softmax(scores + self.causal_bias[:s, :s].to(scores.dtype), dim=-1)
-            return torch.matmul(F.dropout(probs, p, self.training), v)
+        return self.proj(self.attend(q, k, v))
 
 
 class MLP(nn.Module):
@@ -99,13 +79,20 @@ def layer_norm(cfg: ModelConfig, tp: TensorParallel) -> nn.LayerNorm:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation):
+    """A pre-norm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``, with
+    GPT-2's parts (LayerNorm, attention with biases, GELU MLP) or Llama's (RMSNorm,
+    grouped-query attention with rotary positions from the shared ``rotary``, SwiGLU)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation,
+                 rotary: llama.Rotary | None = None):
         super().__init__()
         self.tp = tp
-        self.ln1 = layer_norm(cfg, tp)
-        self.attn = CausalSelfAttention(cfg, tp, recompute)
-        self.ln2 = layer_norm(cfg, tp)
-        self.mlp = MLP(cfg, tp)
+        is_llama = cfg.arch == "llama"
+        norm = llama.rms_norm if is_llama else layer_norm
+        self.ln1 = norm(cfg, tp)
+        self.attn = llama.Attention(cfg, tp, recompute, rotary) if is_llama else CausalSelfAttention(cfg, tp, recompute)
+        self.ln2 = norm(cfg, tp)
+        self.mlp = llama.SwiGLU(cfg, tp) if is_llama else MLP(cfg, tp)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,22 +105,27 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embedding; the token table is padded (see ModelConfig)
-    and split over TP by vocabulary rows."""
+    """Token embedding, plus a learned position embedding for GPT-2 (Llama's positions are
+    rotary, inside attention); the token table is padded (see ModelConfig) and split over
+    TP by vocabulary rows."""
 
     def __init__(self, cfg: ModelConfig, padded_vocab: int, tp: TensorParallel):
         super().__init__()
         self.tp = tp
         self.word = VocabParallelEmbedding(padded_vocab, cfg.d_model, tp)
         self.word.weight.vocab_rows = cfg.vocab_size  # rows past this are padding
-        self.position = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.position.weight.sequence_parallel = tp.sequence_parallel
+        if cfg.arch == "gpt2":
+            self.position = nn.Embedding(cfg.seq_len, cfg.d_model)
+            self.position.weight.sequence_parallel = tp.sequence_parallel
+        else:
+            self.position = None
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.word(tokens)  # [b, s / tp, d] under sequence parallelism
-        first = self.tp.rank * x.shape[1] if self.tp.sequence_parallel else 0
-        x = x + self.position(torch.arange(first, first + x.shape[1], device=tokens.device))
+        if self.position is not None:
+            first = self.tp.rank * x.shape[1] if self.tp.sequence_parallel else 0
+            x = x + self.position(torch.arange(first, first + x.shape[1], device=tokens.device))
         with self.tp.sharded_dropout():
             return self.dropout(x)
 
@@ -148,7 +140,7 @@ class ChunkSpec:
 
 
 class GPT(nn.Module):
-    """A GPT-2 decoder, or the chunks of one that a pipeline rank holds.
+    """A GPT-2 or Llama decoder (``cfg.arch``), or the chunks of one that a pipeline rank holds.
 
     Each :class:`ChunkSpec` names its blocks by global index and says whether it holds
     the embedding (``pre_process``) or the final norm, head and loss (``post_process``),
@@ -172,8 +164,10 @@ class GPT(nn.Module):
         has_head = any(c.post_process for c in self.chunks)
         self.padded_vocab = cfg.padded_vocab_size(tp.size)
         self.embedding = Embedding(cfg, self.padded_vocab, tp) if has_embedding else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, recompute) for c in self.chunks for i in c.layer_ids})
-        self.final_norm = layer_norm(cfg, tp) if has_head else None
+        rotary = llama.Rotary(cfg) if cfg.arch == "llama" else None  # one table for all blocks
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, recompute, rotary)
+                                     for c in self.chunks for i in c.layer_ids})
+        self.final_norm = (llama.rms_norm if cfg.arch == "llama" else layer_norm)(cfg, tp) if has_head else None
         if has_head and not (cfg.tie_embeddings and has_embedding):
             # Untied head, or a last pipeline stage that keeps its own copy of the tied
             # table (kept equal to the first stage's by summing their gradients).
@@ -266,25 +260,36 @@ def _canonical_name(name: str) -> str:
     return "embedding.word.weight" if name == "head" else name
 
 
+def block_parameters(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one block on one TP rank. GPT-2: two LayerNorms (whole),
+    column-parallel QKV and MLP expansion (weights and biases / tp), row-parallel
+    projections (weights / tp, whole biases); Llama: see llama.block_parameters."""
+    if cfg.arch == "llama":
+        return llama.block_parameters(cfg, tp)
+    d, f, t = cfg.d_model, cfg.ffn_size, tp
+    return 4 * d + (3 * d * d + 3 * d) // t + d * d // t + d + (d * f + f) // t + f * d // t + d
+
+
 def count_parameters(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
     """Parameters of the whole (unpadded) model, from its shape alone."""
-    d, f, L = cfg.d_model, cfg.ffn_size, cfg.n_layer
-    per_block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-    embed = cfg.vocab_size * d + cfg.seq_len * d
+    d = cfg.d_model
+    norm = d if cfg.arch == "llama" else 2 * d  # the final norm: RMSNorm has no bias
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
-    total = L * per_block + 2 * d + head
-    return total if exclude_embeddings else total + embed
+    total = cfg.n_layer * block_parameters(cfg) + norm + head
+    return total if exclude_embeddings else total + embedding_parameters(cfg)
+
+
+def embedding_parameters(cfg: ModelConfig) -> int:
+    """The token table, and GPT-2's position table."""
+    return (cfg.vocab_size + (cfg.seq_len if cfg.arch == "gpt2" else 0)) * cfg.d_model
 
 
 def parameter_costs(cfg: ModelConfig) -> tuple[list[float], float, float]:
     """Parameters per block, in the embedding and in the head (untied copy counted): the
     costs of ``--pp-partition parameters``."""
-    d, L = cfg.d_model, cfg.n_layer
-    per_block = (count_parameters(cfg, exclude_embeddings=True) - 2 * d
-                 - (0 if cfg.tie_embeddings else cfg.vocab_size * d)) / L
-    embedding = (cfg.vocab_size + cfg.seq_len) * d
-    head = cfg.vocab_size * d + 2 * d
-    return [per_block] * L, embedding, head
+    d = cfg.d_model
+    head = cfg.vocab_size * d + (d if cfg.arch == "llama" else 2 * d)
+    return [float(block_parameters(cfg))] * cfg.n_layer, embedding_parameters(cfg), head
 
 
 def profile_units(cfg: ModelConfig, micro_batch_size: int, steps: int = 3, *,
@@ -320,6 +325,8 @@ def training_flops_per_token(cfg: ModelConfig) -> float:
     formula of Narayanan et al. (2021): 72 B s L d^2 (1 + s/(6d)) + 6 B s d V per batch.
     """
     d, s, L, V = cfg.d_model, cfg.seq_len, cfg.n_layer, cfg.vocab_size
+    if cfg.arch == "llama":  # grouped-query attention and a three-matrix MLP: llama.forward_flops_per_token
+        return 3.0 * (L * llama.forward_flops_per_token(cfg) + 2 * d * V)
     f_ratio = cfg.ffn_size / (4 * d)
     per_layer = 8 * d * d + 16 * d * d * f_ratio + 4 * s * d
     return 3.0 * (L * per_layer + 2 * d * V)

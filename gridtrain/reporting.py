@@ -237,11 +237,9 @@ def _stage_memory(meter: memory.ActivationMeter, device_peak: int | None, traine
     chunks = getattr(trainer.model, "chunks", None)
     if chunks is not None and cfg.model.attention == "math":
         e = torch.finfo(ctx.param_dtype).bits // 8
-        m = cfg.model
-        shape = dict(seq=m.seq_len, batch=cfg.training.micro_batch_size, hidden=m.d_model, heads=m.n_head,
-                     ffn=m.ffn_size, tp=ctx.tp.size, sequence_parallel=ctx.tp.sequence_parallel,
-                     element_bytes=e, mask_bytes=memory.dropout_mask_bytes(ctx.device, e),
-                     dropout=m.dropout > 0)
+        shape = memory.layer_shape(cfg.model, batch=cfg.training.micro_batch_size, tp=ctx.tp.size,
+                                   sequence_parallel=ctx.tp.sequence_parallel, element_bytes=e,
+                                   mask_bytes=memory.dropout_mask_bytes(ctx.device, e))
         policy = ctx.recompute.policy
         for spec in chunks:
             expected.update(memory.expected_by_layer(policy.block_runs(spec.layer_ids), policy.mode,

@@ -46,30 +46,41 @@ IGNORE_INDEX = -100
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How a parameter is split over TP: along ``dim``, part by part.
+    """How a parameter is split over TP: along ``dim``, part by part, each slice held by
+    ``replicas`` consecutive ranks.
 
     A fused tensor such as QKV holds ``parts`` tensors stacked along ``dim``; each part is
     split separately so that rank r holds the r-th slice of Q, of K and of V (whole heads).
+    ``replicas > 1`` describes a tensor with fewer slices than TP ranks (Llama's key/value
+    heads when tp exceeds their count, docs/llama.md): it is cut into ``size / replicas``
+    slices and rank r holds slice ``r // replicas``; the ranks sharing a slice hold
+    copies, whose gradients are partial sums (grads.allreduce_replicated_grads).
     """
 
     dim: int
     parts: int = 1
+    replicas: int = 1
+
+    def slices(self, size: int) -> int:
+        """How many different slices ``size`` TP ranks hold."""
+        return size // self.replicas
 
     def full_shape(self, local_shape: torch.Size, size: int) -> tuple[int, ...]:
         shape = list(local_shape)
-        shape[self.dim] *= size
+        shape[self.dim] *= self.slices(size)
         return tuple(shape)
 
 
 def shard(full: torch.Tensor, spec: ShardSpec, rank: int, size: int) -> torch.Tensor:
     """Rank ``rank``'s shard of ``full``."""
     parts = full.chunk(spec.parts, dim=spec.dim)
-    return torch.cat([p.chunk(size, dim=spec.dim)[rank] for p in parts], dim=spec.dim)
+    n, i = spec.slices(size), rank // spec.replicas
+    return torch.cat([p.chunk(n, dim=spec.dim)[i] for p in parts], dim=spec.dim)
 
 
 def unshard(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     """The full tensor from every rank's shard (inverse of :func:`shard`)."""
-    split = [s.chunk(spec.parts, dim=spec.dim) for s in shards]
+    split = [s.chunk(spec.parts, dim=spec.dim) for s in shards[::spec.replicas]]
     return torch.cat([torch.cat([s[p] for s in split], dim=spec.dim) for p in range(spec.parts)],
                      dim=spec.dim)
 
@@ -79,8 +90,13 @@ def shard_spec(param: torch.Tensor) -> ShardSpec | None:
 
 
 def is_tp_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
-    """True for a replicated parameter on any TP rank but the first: count it only once."""
-    return shard_spec(param) is None and tp_rank != 0
+    """True for a copy of a parameter that another TP rank also holds, on any rank but
+    the first of those holding it: count it only once (replicated parameters, and
+    replicated slices such as shared key/value heads)."""
+    spec = shard_spec(param)
+    if spec is None:
+        return tp_rank != 0
+    return tp_rank % spec.replicas != 0
 
 
 # ---- the TP context a model is built with ------------------------------------------------
@@ -136,66 +152,90 @@ def _param(*shape: int, spec: ShardSpec | None = None) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y = x A^T + b`` with A's output rows (and b) split over TP; y stays split."""
+    """``y = x A^T + b`` with A's output rows (and b) split over TP; y stays split.
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, parts: int = 1):
+    ``replicas``: each slice of A is held by that many consecutive ranks (see ShardSpec)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, parts: int = 1,
+                 bias: bool = True, replicas: int = 1):
         super().__init__()
-        if out_features % (parts * tp.size):
-            raise ValueError(f"{out_features} output features do not split into {parts} x tp {tp.size}")
+        slices = tp.size // replicas
+        if out_features % (parts * slices) or tp.size % replicas:
+            raise ValueError(f"{out_features} output features do not split into {parts} x {slices} slices "
+                             f"over tp {tp.size}")
         self.tp = tp
-        spec = ShardSpec(0, parts)
-        self.weight = _param(out_features // tp.size, in_features, spec=spec)
-        self.bias = _param(out_features // tp.size, spec=spec)
+        spec = ShardSpec(0, parts, replicas)
+        self.weight = _param(out_features // slices, in_features, spec=spec)
+        self.bias = _param(out_features // slices, spec=spec) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_linear(x, self.weight, self.bias, self.tp)
 
 
 class _SequenceParallelColumnLinear(torch.autograd.Function):
-    """All-gather a sequence shard and multiply, keeping only the shard for backward."""
+    """All-gather a sequence shard once and multiply by one or more weights, keeping only
+    the shard for backward (several column-parallel layers reading the same input, as
+    Llama's q, k, v or gate and up, share one all-gather each way)."""
 
     @staticmethod
-    def forward(ctx, x, weight, comm, store):
+    def forward(ctx, x, comm, store, *weights):
         ctx.save_for_backward(x)
-        ctx.weight, ctx.comm, ctx.store = weight, comm, store  # the parameter itself (see split_backward.py)
-        return F.linear(comm.all_gather(x, 1), weight)
+        ctx.weights, ctx.comm, ctx.store = weights, comm, store  # the parameters themselves (see split_backward.py)
+        total = comm.all_gather(x, 1)
+        return tuple(F.linear(total, w) for w in weights)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        (x,), weight, comm = ctx.saved_tensors, ctx.weight, ctx.comm
+    def backward(ctx, *grad_outs):
+        (x,), comm = ctx.saved_tensors, ctx.comm
         total = comm.all_gather(x, 1)  # again: the price of keeping 1/t of the input
-        grad_weight = weight_grad_of(weight, grad_out, total, ctx.store)
-        return comm.reduce_scatter(grad_out @ weight.to(grad_out.dtype), 1), grad_weight, None, None
+        grad_weights = [weight_grad_of(w, g, total, ctx.store) for w, g in zip(ctx.weights, grad_outs)]
+        grad_in = grad_outs[0] @ ctx.weights[0].to(grad_outs[0].dtype)
+        for w, g in zip(ctx.weights[1:], grad_outs[1:]):
+            grad_in = grad_in + g @ w.to(g.dtype)
+        return comm.reduce_scatter(grad_in, 1), None, None, *grad_weights
+
+
+def column_linears(x: torch.Tensor, weights: list[torch.Tensor], tp: TensorParallel,
+                   defer: bool = True) -> list[torch.Tensor]:
+    """``x A_i^T`` for column-parallel weights ``A_i`` that read the same input, ``x`` whole
+    (TP) or a sequence shard (SP): one entry into the TP region (one all-gather under SP,
+    one all-reduce of the input gradient without) for all of them.
+
+    The same operations with and without autograd recording, so that a recomputed region
+    rebuilds exactly the values its forward produced. ``defer=False`` keeps the weight
+    gradients in B under a split backward (see :func:`parallel_lm_logits`)."""
+    store = tp.weight_grads if defer else None
+    if tp.sequence_parallel and tp.size > 1:
+        return list(_SequenceParallelColumnLinear.apply(x, tp.comm, store, *weights))
+    entered = tp.enter(x)
+    return [linear(entered, w, None, store) for w in weights]
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   tp: TensorParallel, defer: bool = True) -> torch.Tensor:
-    """``x A^T + b`` for a column-parallel weight, ``x`` whole (TP) or a sequence shard (SP).
-
-    The same operations with and without autograd recording, so that a recomputed region
-    rebuilds exactly the values its forward produced. ``defer=False`` keeps the weight
-    gradient in B under a split backward (see :func:`parallel_lm_logits`)."""
-    store = tp.weight_grads if defer else None
+    """``x A^T + b`` for one column-parallel weight (see :func:`column_linears`)."""
     if tp.sequence_parallel and tp.size > 1:
-        y = _SequenceParallelColumnLinear.apply(x, weight, tp.comm, store)
+        (y,) = column_linears(x, [weight], tp, defer)
         return y if bias is None else y + bias
-    return linear(tp.enter(x), weight, bias, store)
+    return linear(tp.enter(x), weight, bias, tp.weight_grads if defer else None)
 
 
 class RowParallelLinear(nn.Module):
     """``y = x A^T + b`` with A's input columns split over TP; x arrives split, y is summed."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel):
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, bias: bool = True):
         super().__init__()
         if in_features % tp.size:
             raise ValueError(f"{in_features} input features do not split over tp {tp.size}")
         self.tp = tp
         self.weight = _param(out_features, in_features // tp.size, spec=ShardSpec(1))
-        self.bias = _param(out_features)  # added once, after the sum
-        self.bias.sequence_parallel = tp.sequence_parallel
+        self.bias = _param(out_features) if bias else None  # added once, after the sum
+        if bias:
+            self.bias.sequence_parallel = tp.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.leave(linear(x, self.weight, None, self.tp.weight_grads)) + self.bias
+        y = self.tp.leave(linear(x, self.weight, None, self.tp.weight_grads))
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from gridtrain.checkpoint import CheckpointError, check_loadable, latest_step_dir
-from gridtrain.config import (ATTENTION, DEVICES, DTYPES, RECOMPUTE, RECOMPUTE_METHODS, Config, ConfigError,
-                              DataConfig, ModelConfig, ParallelConfig, TrainingConfig, check_types,
+from gridtrain.config import (ARCHS, ATTENTION, DEVICES, DTYPES, RECOMPUTE, RECOMPUTE_METHODS, ROPE_SCALINGS, Config,
+                              ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainingConfig, check_types,
                               under_torchrun, world_size_of)
 from gridtrain.data import DataError, check_enough_tokens, count_tokens, load_tokenizer
 from gridtrain.devices import gpu_shortage
@@ -48,6 +48,7 @@ from gridtrain.grid import GridError, ProcessGrid
 from gridtrain.hf import HFError, check_init_from
 from gridtrain.launch import resolve_device_type
 from gridtrain.metrics import require_tensorboard
+from gridtrain.model import count_parameters
 from gridtrain.pipeline.partition import METHODS, PartitionError, check_counts
 from gridtrain.pipeline.schedules import ORDERS, ScheduleError, check_sizes
 
@@ -55,8 +56,11 @@ from gridtrain.pipeline.schedules import ORDERS, ScheduleError, check_sizes
 # named as a YAML file spells them (tests/test_validation.py keeps this in step with cli).
 FLAG_NAMES = {("training", "dist_timeout_s"): "--timeout", ("data", "path"): "--data",
               ("training", "progress"): "--no-progress"}
-WITHOUT_FLAG = {("model", "ffn_hidden"), ("model", "vocab_pad_multiple"), ("model", "layernorm_eps"),
-                ("model", "tie_embeddings"), ("training", "min_lr_ratio"), ("training", "beta1"),
+WITHOUT_FLAG = {("model", "vocab_pad_multiple"), ("model", "layernorm_eps"),
+                ("model", "tie_embeddings"), ("model", "rope_scaling"), ("model", "rope_factor"),
+                ("model", "rope_low_freq_factor"), ("model", "rope_high_freq_factor"),
+                ("model", "rope_original_max_positions"), ("model", "max_positions"),
+                ("training", "min_lr_ratio"), ("training", "beta1"),
                 ("training", "beta2"), ("training", "adam_eps"), ("training", "loss_scale_window"),
                 ("training", "temperature"), ("training", "top_k"),
                 ("data", "valid_every")}
@@ -73,6 +77,13 @@ RANGES: dict[tuple[str, str], tuple[str, str]] = {
     ("model", "vocab_pad_multiple"): (">= 1", ""),
     ("model", "layernorm_eps"): ("> 0", ""),
     ("model", "dropout"): ("[0, 1)", ""),
+    ("model", "n_kv_head"): (">= 1", ""),
+    ("model", "rope_theta"): ("> 0", ""),
+    ("model", "rope_factor"): ("> 0", ""),
+    ("model", "rope_low_freq_factor"): ("> 0", ""),
+    ("model", "rope_high_freq_factor"): ("> 0", ""),
+    ("model", "rope_original_max_positions"): (">= 1", ""),
+    ("model", "max_positions"): (">= 1", ""),
     ("parallel", "nproc"): (">= 1", ""),
     ("parallel", "dp"): (">= 1", "; or leave it out to use world / (tp x pp)"),
     ("parallel", "tp"): (">= 1", ""),
@@ -140,10 +151,34 @@ def _validate_ranges(cfg: Config) -> None:
 
 
 def _validate_model(m: ModelConfig) -> None:
+    _require(m.arch in ARCHS, f"--arch {m.arch!r} is not one of {', '.join(ARCHS)}")
     _require(m.d_model % m.n_head == 0,
              f"--n-head {m.n_head} does not divide --d-model {m.d_model}; "
              "choose a head count that divides d_model")
     _require(m.attention in ATTENTION, f"--attention {m.attention!r} is not one of {', '.join(ATTENTION)}")
+    if m.arch == "llama":
+        _validate_llama(m)
+    else:
+        _require(m.n_kv_head in (None, m.n_head),
+                 f"--n-kv-head {m.n_kv_head}: GPT-2 has one key/value head per query head; "
+                 "drop --n-kv-head or pass --arch llama")
+        _require(m.rope_scaling is None, "model.rope_scaling is for --arch llama (GPT-2 has learned positions); "
+                                         "drop it or pass --arch llama")
+
+
+def _validate_llama(m: ModelConfig) -> None:
+    """Grouped-query attention and rotary positions fit the shape."""
+    _require(m.n_head % m.kv_heads == 0,
+             f"--n-kv-head {m.kv_heads} does not divide --n-head {m.n_head}; "
+             "choose a key/value head count that divides the head count")
+    _require(m.head_dim % 2 == 0,
+             f"rotary embeddings turn pairs of dimensions, but the head size d_model / n_head = "
+             f"{m.d_model} / {m.n_head} = {m.head_dim} is odd; choose an even head size")
+    _require(m.rope_scaling in (None, *ROPE_SCALINGS),
+             f"model.rope_scaling {m.rope_scaling!r} is not one of {', '.join(ROPE_SCALINGS)} (or null)")
+    _require(m.rope_scaling is None or m.rope_high_freq_factor > m.rope_low_freq_factor,
+             f"model.rope_high_freq_factor {m.rope_high_freq_factor} must exceed model.rope_low_freq_factor "
+             f"{m.rope_low_freq_factor}")
 
 
 def _validate_training(t: TrainingConfig) -> None:
@@ -180,6 +215,13 @@ def _validate_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     """Each TP rank must own whole heads, an equal MLP slice and (under SP) sequence slice."""
     _require(m.n_head % p.tp == 0,
              f"--tp {p.tp} does not divide --n-head {m.n_head}; choose a tp that divides the head count")
+    kv = m.kv_heads
+    fix = f"choose a tp that divides {kv} or is a multiple of it"
+    if p.tp <= kv:
+        _require(kv % p.tp == 0, f"--tp {p.tp} does not divide --n-kv-head {kv}; {fix}")
+    else:
+        _require(p.tp % kv == 0, f"--tp {p.tp} exceeds --n-kv-head {kv} but is not a multiple of it (each "
+                                 f"key/value head is replicated on tp / n_kv_head ranks); {fix}")
     _require(m.ffn_size % p.tp == 0,
              f"--tp {p.tp} does not divide the MLP width {m.ffn_size}; choose a tp that divides it")
     _require(not p.sequence_parallel or m.seq_len % p.tp == 0,
@@ -325,9 +367,8 @@ def available_memory() -> int | None:
 def worker_memory(cfg: Config) -> int:
     """A rough lower bound on one CPU worker's memory: the interpreter with torch, plus its
     share of weights, gradients and two Adam moments in fp32 (16 bytes a parameter)."""
-    m, p = cfg.model, cfg.parallel
-    params = m.n_layer * 12 * m.d_model ** 2 + (m.vocab_size + m.seq_len) * m.d_model
-    return WORKER_MEMORY + 16 * params // (p.tp * p.pp)
+    p = cfg.parallel
+    return WORKER_MEMORY + 16 * count_parameters(cfg.model) // (p.tp * p.pp)
 
 
 def _validate_host(cfg: Config) -> None:

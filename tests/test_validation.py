@@ -66,6 +66,13 @@ FLAGS = {
     "recompute early without pipeline": (["--recompute", "full", "--recompute-early"], "it needs --pp > 1"),
     "auto-resume without save": (["--auto-resume"], "--auto-resume resumes from the --save directory"),
     "seed beyond 64 bits": (["--seed", str(2 ** 63)], "--seed must be < 2**63"),
+    "unknown architecture": (["--arch", "bert"], "--arch 'bert' is not one of gpt2, llama"),
+    "kv heads not dividing heads": (["--model", "llama-tiny", "--n-kv-head", "3"],
+                                    "--n-kv-head 3 does not divide --n-head 8"),
+    "zero kv heads": (["--model", "llama-tiny", "--n-kv-head", "0"], "--n-kv-head must be >= 1, got 0"),
+    "kv heads for GPT-2": (["--n-kv-head", "2"], "GPT-2 has one key/value head per query head"),
+    "odd rotary head size": (["--model", "llama-tiny", "--d-model", "72"], "= 9 is odd; choose an even head size"),
+    "zero rope theta": (["--model", "llama-tiny", "--rope-theta", "0"], "--rope-theta must be > 0"),
 }
 
 FIXED_WORLD = {  # the world is part of the case
@@ -74,6 +81,12 @@ FIXED_WORLD = {  # the world is part of the case
     "tp beyond the world": (["--tp", "4", "--nproc", "2"], "world size 2 is not divisible by tp=4"),
     "sequence parallel without divisible seq": (["--tp", "2", "--nproc", "2", "--seq-len", "33",
                                                  "--sequence-parallel"], "--tp 2 does not divide --seq-len 33"),
+    "tp beyond kv heads, not a multiple": (["--model", "llama-tiny", "--n-head", "12", "--d-model", "96",
+                                            "--n-kv-head", "4", "--tp", "6", "--nproc", "6"],
+                                           "--tp 6 exceeds --n-kv-head 4 but is not a multiple of it"),
+    "tp not dividing kv heads": (["--model", "llama-tiny", "--n-head", "12", "--d-model", "96",
+                                  "--n-kv-head", "6", "--tp", "4", "--nproc", "4"],
+                                 "--tp 4 does not divide --n-kv-head 6"),
 }
 
 DATA = {

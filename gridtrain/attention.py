@@ -1,0 +1,83 @@
+"""The attention core that GPT-2 and Llama share: softmax(q k^T / sqrt(d) + causal) v.
+
+It is the part of a transformer layer that selective recomputation recomputes
+(Korthikanti et al.: the ``s x s`` scores are most of a layer's activations and cheap to
+rebuild), so both architectures call it through one function. It is written two ways:
+
+* ``sdpa``: torch's ``scaled_dot_product_attention`` (a fused kernel that keeps no
+  ``s x s`` tensors where one applies); grouped-query attention is its ``enable_gqa``;
+* ``math``: op by op (Megatron's unfused core attention), which is what the
+  activation-memory formula (memory.korthikanti_bytes) counts; grouped-query attention
+  repeats each key/value head for the query heads that share it, inside the core, so
+  selective recomputation keeps only the un-repeated keys and values.
+
+Dropout on the attention probabilities draws from this TP rank's own stream of the RNG
+tracker: each rank's heads are different heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from torch import nn
+
+from gridtrain.config import ModelConfig
+from gridtrain.recompute import Recomputation
+from gridtrain.rng import RNGStatesTracker
+from gridtrain.tensor_parallel import TensorParallel
+
+
+def causal_bias(seq_len: int) -> torch.Tensor:
+    """Added to the scores of the op-by-op core: -inf above the diagonal (an add saves nothing)."""
+    return torch.full((seq_len, seq_len), float("-inf")).triu(1)
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: float, training: bool,
+                   rng: RNGStatesTracker, bias: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention of ``q`` ``[b, heads, s, d]`` over ``k``, ``v`` ``[b, kv_heads, s, d]``
+    (``heads`` a multiple of ``kv_heads``: query head i reads key/value head
+    ``i // (heads / kv_heads)``); dropout ``dropout`` on the probabilities while
+    ``training``. ``bias`` (from :func:`causal_bias`) selects the op-by-op form."""
+    p = dropout if training else 0.0
+    group = q.shape[1] // k.shape[1]
+    with rng.fork():  # this rank's heads: its own dropout stream
+        if bias is None:
+            if group == 1:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p, enable_gqa=True)
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        s = q.shape[-2]
+        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        probs = torch.softmax(scores + bias[:s, :s].to(scores.dtype), dim=-1)
+        return torch.matmul(F.dropout(probs, p, training), v)
+
+
+class SelfAttention(nn.Module):
+    """What both architectures' attention layers share: ``n_head / tp`` whole query heads
+    per TP rank, the core (recomputed under selective recomputation) and, for the
+    op-by-op core, the causal bias. Subclasses make q, k, v and project the result."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation):
+        super().__init__()
+        self.tp, self.recompute = tp, recompute
+        self.local_heads = cfg.n_head // tp.size
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.math = cfg.attention == "math"
+        if self.math:
+            self.register_buffer("causal_bias", causal_bias(cfg.seq_len), persistent=False)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The core over ``[b, heads, s, d]`` inputs, as ``[b, s, heads * d]``."""
+        y = self.recompute.checkpoint(self.core, q, k, v) if self.recompute.selective else self.core(q, k, v)
+        b, _, s, _ = q.shape
+        return y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal) v with dropout on the probabilities, [b, heads, s, d]."""
+        return core_attention(q, k, v, dropout=self.dropout, training=self.training, rng=self.tp.rng,
+                              bias=self.causal_bias if self.math else None)
