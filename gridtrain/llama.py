@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gridtrain.attention import SelfAttention
+from gridtrain.attention import LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
 from gridtrain.recompute import Recomputation
 from gridtrain.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, column_linears
@@ -150,10 +150,10 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[b, heads, s, head_dim]`` at positions 0..s-1, rotated."""
-        s = x.shape[-2]
-        return x * self.cos[:s] + rotate_half(x) * self.sin[:s]
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """``x`` ``[b, heads, s, head_dim]`` at positions offset..offset+s-1, rotated."""
+        end = offset + x.shape[-2]
+        return x * self.cos[offset:end] + rotate_half(x) * self.sin[offset:end]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -181,13 +181,14 @@ class Attention(SelfAttention):
         self.v = ColumnParallelLinear(d, kv_dim, tp, bias=False, replicas=replicas)
         self.proj = RowParallelLinear(cfg.n_head * cfg.head_dim, d, tp, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         q, k, v = column_linears(x, [self.q.weight, self.k.weight, self.v.weight], self.tp)
         b, s, _ = q.shape
-        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2))
-        k = self.rotary(k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2))
+        offset = 0 if cache is None else cache.offset  # positions after the cached tokens
+        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2), offset)
+        k = self.rotary(k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2), offset)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        return self.proj(self.attend(q, k, v))
+        return self.proj(self.attend(q, k, v, cache))
 
 
 class SwiGLU(nn.Module):

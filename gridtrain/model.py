@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain import llama, memory
-from gridtrain.attention import SelfAttention
+from gridtrain.attention import KVCache, LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
 from gridtrain.recompute import Recomputation
 from gridtrain.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: F401
@@ -50,11 +50,11 @@ class CausalSelfAttention(SelfAttention):
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp)
         self.proj.weight.residual_projection = True  # scaled init, see init_parameters
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return self.proj(self.attend(q, k, v))
+        return self.proj(self.attend(q, k, v, cache))
 
 
 class MLP(nn.Module):
@@ -95,8 +95,8 @@ class Block(nn.Module):
         self.mlp = llama.SwiGLU(cfg, tp) if is_llama else MLP(cfg, tp)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._dropout(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.attn(self.ln1(x), cache))
         return x + self._dropout(self.mlp(self.ln2(x)))
 
     def _dropout(self, h: torch.Tensor) -> torch.Tensor:
@@ -121,10 +121,11 @@ class Embedding(nn.Module):
             self.position = None
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """``tokens`` at positions ``offset`` on (after those in a key/value cache)."""
         x = self.word(tokens)  # [b, s / tp, d] under sequence parallelism
         if self.position is not None:
-            first = self.tp.rank * x.shape[1] if self.tp.sequence_parallel else 0
+            first = self.tp.rank * x.shape[1] if self.tp.sequence_parallel else offset
             x = x + self.position(torch.arange(first, first + x.shape[1], device=tokens.device))
         with self.tp.sharded_dropout():
             return self.dropout(x)
@@ -182,24 +183,26 @@ class GPT(nn.Module):
         return self.embedding.word.weight if self.head is None else self.head
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
-                chunk: int = 0) -> torch.Tensor:
+                chunk: int = 0, cache: KVCache | None = None) -> torch.Tensor:
         """Token ids in, logits ``[b, s, vocab]`` out, or per-token losses ``[b, s]`` (at
         least fp32) when labels are given. A chunk without the embedding takes hidden
-        states; a chunk without the head returns them."""
+        states; a chunk without the head returns them. With a ``cache`` (from
+        :meth:`new_cache`; whole one-process models only), ``inputs`` are the tokens
+        after the cached ones, and their keys and values join the cache."""
         spec = self.chunks[chunk]
+        if cache is not None:
+            self._check_cache(cache, inputs.shape[1])
         if spec.pre_process:
             with memory.layer_scope("embedding"):
-                x = self.embedding(inputs)
+                x = self.embedding(inputs, 0 if cache is None else cache.length)
         else:
             x = inputs
-        for ids, recomputed in self.recompute.policy.block_runs(spec.layer_ids):
-            if recomputed and self.recompute.full:
-                with memory.layer_scope(f"blocks.{ids[0]}"):
-                    x = self.recompute.checkpoint(self._blocks(ids), x)
-                continue
-            for i in ids:
-                with memory.layer_scope(f"blocks.{i}"):
-                    x = self.blocks[str(i)](x)
+        if cache is None:
+            x = self._run_blocks(x, spec.layer_ids)
+        else:
+            for i in spec.layer_ids:
+                x = self.blocks[str(i)](x, cache.layer(i))
+            cache.advance(x.shape[1])
         if not spec.post_process:
             return x
         with memory.layer_scope("head"):
@@ -208,6 +211,37 @@ class GPT(nn.Module):
             if labels is None:
                 return gather_logits(logits, self.cfg.vocab_size, self.tp)
             return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
+
+    def _run_blocks(self, x: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
+        """Blocks ``layer_ids`` in turn, recomputed as the recomputation policy says."""
+        for ids, recomputed in self.recompute.policy.block_runs(layer_ids):
+            if recomputed and self.recompute.full:
+                with memory.layer_scope(f"blocks.{ids[0]}"):
+                    x = self.recompute.checkpoint(self._blocks(ids), x)
+                continue
+            for i in ids:
+                with memory.layer_scope(f"blocks.{i}"):
+                    x = self.blocks[str(i)](x)
+        return x
+
+    def new_cache(self, batch: int) -> KVCache:
+        """An empty key/value cache for ``batch`` sequences of up to ``seq_len`` tokens
+        (the positions GPT-2's table and Llama's rotary table hold), in the model's dtype
+        and on its device."""
+        self._check_cache(None, 0)
+        weight = self.output_weight()
+        return KVCache(self.cfg.n_layer, batch, self.cfg.kv_heads, self.cfg.head_dim, self.cfg.seq_len,
+                       dtype=weight.dtype, device=weight.device)
+
+    def _check_cache(self, cache: KVCache | None, tokens: int) -> None:
+        """A key/value cache serves only a whole model in one process, within its context."""
+        whole = len(self.chunks) == 1 and self.chunks[0].pre_process and self.chunks[0].post_process
+        if self.tp.size != 1 or self.tp.sequence_parallel or not whole or len(self.blocks) != self.cfg.n_layer:
+            raise ValueError("a key/value cache needs the whole model in one process (tp 1, no pipeline stages, "
+                             "no sequence parallelism): gather it first (checkpoint.gather_model)")
+        if cache is not None and cache.length + tokens > cache.max_len:
+            raise ValueError(f"a key/value cache holds {cache.max_len} positions: {cache.length} cached + "
+                             f"{tokens} new tokens do not fit (slide a window without the cache)")
 
     def _blocks(self, ids: tuple[int, ...]):
         """A function running blocks ``ids`` in turn: one recomputed region."""
@@ -334,14 +368,25 @@ def training_flops_per_token(cfg: ModelConfig) -> float:
 
 @torch.no_grad()
 def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Sample continuations of ``prompt`` ([b, t] token ids); returns prompt + new tokens."""
+             top_k: int | None = None, generator: torch.Generator | None = None,
+             use_cache: bool = True) -> torch.Tensor:
+    """Sample continuations of ``prompt`` ([b, t] token ids); returns prompt + new tokens.
+
+    With ``use_cache`` (a whole one-process model), the prompt runs once and each later
+    step runs only the newest token over a key/value cache; past the context
+    (``seq_len`` tokens) every step runs the last ``seq_len`` tokens without it, as
+    without the cache."""
     was_training = model.training
     model.eval()
     ids = prompt
+    seq_len = model.cfg.seq_len
+    cache = model.new_cache(prompt.shape[0]) if use_cache else None
     with model.tp.without_sequence_parallel():
         for _ in range(max_new_tokens):
-            logits = model(ids[:, -model.cfg.seq_len:])[:, -1, :].float()
+            if cache is not None and ids.shape[1] <= seq_len:
+                logits = model(ids[:, cache.length:], cache=cache)[:, -1, :].float()
+            else:
+                logits = model(ids[:, -seq_len:])[:, -1, :].float()
             ids = torch.cat([ids, sample_next(logits, temperature, top_k, generator)], dim=1)
     model.train(was_training)
     return ids
