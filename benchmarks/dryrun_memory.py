@@ -1,13 +1,15 @@
-"""Per-rank memory of gpt2-xl (the largest preset) and gpt2-large on 512 to 1024 ranks,
+"""Per-rank memory of gpt2-xl, gpt2-large and llama3-405b (the largest preset) on 512 to
+1024 ranks,
 from the dry run (gridtrain/dryrun.py), beside the closed forms and the formula.
 
 Counts, not timings: each layout runs one step of its edge ranks (first, middle and last
 pipeline stage, DP/TP rank 0) on fake tensors with a fake process group, in this
-process. bf16 with fp32 master weights, micro-batch 1 of 1024 tokens, 8 micro-batches
+process. bf16 with fp32 master weights, micro-batch 1 of the preset's sequence (1024
+tokens for GPT-2, 8192 for Llama 3), 8 micro-batches
 per step, 1F1B, ``--attention math`` (what the formula describes). The table is the same
 on any machine; ``seconds`` is this machine's time for the whole layout.
 
-    python3 benchmarks/dryrun_memory.py            # ~1 min on 2 CPU cores
+    python3 benchmarks/dryrun_memory.py            # ~4 min on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ LAYOUTS = [  # (preset, world, tp, pp, extra training settings)
     ("gpt2-xl", 800, 5, 16, {"recompute": "full"}),
     ("gpt2-large", 1024, 4, 4, {"zero": 1, "recompute": "selective"}),
     ("gpt2-large", 512, 4, 4, {}),
+    ("llama3-405b", 1024, 8, 16, {"zero": 1, "recompute": "selective"}),
+    ("llama3-405b", 1024, 8, 16, {"zero": 1, "recompute": "selective", "sequence_parallel": True}),
+    ("llama3-405b", 512, 8, 16, {"zero": 1, "recompute": "full", "sequence_parallel": True}),
 ]
 
 
@@ -40,7 +45,7 @@ def main() -> None:
         cfg.model.attention = "math"
         cfg.training.device, cfg.training.dtype, cfg.training.micro_batch_size = "cpu", "bf16", 1
         for key, value in extra.items():
-            setattr(cfg.training, key, value)
+            setattr(cfg.parallel if hasattr(cfg.parallel, key) else cfg.training, key, value)
         grid = ProcessGrid.build(world, tp=tp, pp=pp)
         cfg.training.global_batch_size = 8 * grid.dp
         began = time.perf_counter()
@@ -51,7 +56,7 @@ def main() -> None:
                 dryrun.expected_bytes(cfg, grid, r["rank"])
             formula = dryrun.expected_activation_peak(cfg, grid, r["rank"], "cpu")
             print(f"| {preset} | {grid.dp} x {pp} x {tp} ({world}) | {cfg.training.zero} | "
-                  f"{cfg.training.recompute} | {r['pp']} | {r['parameters']:,} | {gib(r['parameter_bytes'])} | "
+                  f"{cfg.training.recompute}{' + SP' if cfg.parallel.sequence_parallel else ''} | {r['pp']} | {r['parameters']:,} | {gib(r['parameter_bytes'])} | "
                   f"{gib(r['gradient_bytes'])} | {gib(r['optimizer_bytes'])} | "
                   f"{gib(r['activation_peak_bytes'])} | {gib(formula)} | "
                   f"{r['activation_peak_bytes'] / formula:.4f} | {gib(r['peak_bytes'])} | {seconds:.0f} |", flush=True)
