@@ -4,14 +4,15 @@ then sample from the result and export it back to Hugging Face's format.
 The steps a user takes with a model downloaded from the Hub, with a stand-in for the
 download (this example runs offline): a small GPT-2 trained here for one step and
 exported with ``gridtrain export-hf``. With a real download, start
-at step 3 with its directory. For a Llama, change ``BASE`` (the source's config.json
-decides the architecture of everything after it).
+at step 3 with its directory. ``--arch llama`` makes the stand-in a Llama (the source's
+config.json decides the architecture of everything after it).
 
-    python examples/finetune_hf.py [WORK_DIR]
+    python examples/finetune_hf.py [WORK_DIR] [--arch gpt2|llama]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import subprocess
@@ -19,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-BASE = ["--model", "tiny"]  # a Llama: ["--model", "llama-tiny"]
+BASE = {"gpt2": ["--model", "tiny"], "llama": ["--model", "llama-tiny"]}  # the stand-in's preset, by --arch
 GRIDTRAIN = [sys.executable, "-m", "gridtrain"]
 QUIET = ["--no-progress", "--eval-interval", "0"]
 
@@ -42,9 +43,9 @@ def losses(metrics: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
 
-def main(work: Path) -> None:
+def main(work: Path, arch: str = "gpt2") -> None:
     # 1-2. the stand-in for a downloaded model: a brief base run, exported
-    gridtrain("train", *BASE, "--steps", "1", "--save", str(work / "base"), *QUIET)
+    gridtrain("train", *BASE[arch], "--steps", "1", "--save", str(work / "base"), *QUIET)
     gridtrain("export-hf", "--load", str(work / "base"), "--out", str(work / "base-hf"))
     # 3. fine-tuning data: JSON lines with a "text" field, packed with end-of-text between documents
     data = work / "sums.jsonl"
@@ -65,8 +66,12 @@ def main(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("work", nargs="?", type=Path, help="keep the files here (default: a temporary directory)")
+    parser.add_argument("--arch", choices=sorted(BASE), default="gpt2")
+    args = parser.parse_args()
+    if args.work is not None:
+        main(args.work, args.arch)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            main(Path(tmp))
+            main(Path(tmp), args.arch)

@@ -399,6 +399,7 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
 _SHAPE_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model", "seq_len": "--seq-len",
                 "vocab_size": "--vocab-size"}
 _RUN_FIELDS = ("dropout", "attention", "vocab_pad_multiple")  # the run's own, whatever the source
+# (and --seq-len for a rotary model, which has no position weights)
 
 
 def apply_init_from(cfg: Config, given: set[str] | frozenset[str] = frozenset()) -> Config:
@@ -408,14 +409,18 @@ def apply_init_from(cfg: Config, given: set[str] | frozenset[str] = frozenset())
     equal the source's, else one line says which."""
     path = cfg.training.init_from
     source = open_source(path, "--init-from", verify_data=False)
-    differ = [name for name in sorted(given) if name not in _RUN_FIELDS
+    own = _RUN_FIELDS + (("seq_len",) if _rotary(source.model) else ())
+    differ = [name for name in sorted(given) if name not in own
               and hasattr(source.model, name) and getattr(source.model, name) != getattr(cfg.model, name)]
     if differ:
         pairs = ", ".join(f"{_SHAPE_FLAGS.get(n, 'model.' + n)} {getattr(cfg.model, n)!r} (source: "
                           f"{getattr(source.model, n)!r})" for n in differ)
         raise HFError(f"--init-from {path}: the run's model contradicts the source's: {pairs}; drop those "
                       "settings (the shape comes from the source) or make them equal")
-    cfg.model = dataclasses.replace(source.model, **{k: getattr(cfg.model, k) for k in _RUN_FIELDS})
+    kept = {k: getattr(cfg.model, k) for k in _RUN_FIELDS}
+    if _rotary(source.model) and "seq_len" in given:  # no position weights: any window
+        kept.update(seq_len=cfg.model.seq_len, max_positions=source.model.max_positions or source.model.seq_len)
+    cfg.model = dataclasses.replace(source.model, **kept)
     if cfg.data.tokenizer is None and source.tokenizer is not None:
         cfg.data.tokenizer = str(Path(source.tokenizer).resolve())
     return cfg
@@ -424,7 +429,13 @@ def apply_init_from(cfg: Config, given: set[str] | frozenset[str] = frozenset())
 def check_init_from(cfg: Config) -> None:
     """The ``--init-from`` source is whole and holds the run's model (one line if not)."""
     source = open_source(cfg.training.init_from, "--init-from")
-    checkpoint.compare_models(source.model, cfg.model, source.where, "run")
+    saved = dataclasses.replace(source.model, seq_len=cfg.model.seq_len) if _rotary(source.model) else source.model
+    checkpoint.compare_models(saved, cfg.model, source.where, "run")
+
+
+def _rotary(m: ModelConfig) -> bool:
+    """A model without position weights (Llama's rotary positions): its window is free."""
+    return getattr(m, "arch", "gpt2") == "llama"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -12,10 +12,10 @@ at a time, whatever the model's size.
 GPT-2 needs only one-to-one rules: its Hugging Face checkpoints store linear weights in
 ``Conv1D`` layout ``[in, out]`` (transposed from ``nn.Linear``'s ``[out, in]``), and
 its fused ``c_attn`` is ``[q | k | v]`` along the output, head after head: exactly
-gridtrain's ``qkv``, once transposed. Another architecture adds a table: a fused
-gridtrain tensor built from several Hugging Face ones (Llama's ``q_proj``,
-``k_proj``, ``v_proj`` into one ``qkv``, if its model fuses them) is a rule with three
-names on the Hugging Face side and a :func:`concat` transform.
+gridtrain's ``qkv``, once transposed. Llama's are one to one and not even transposed
+(gridtrain keeps ``q``, ``k``, ``v`` and ``gate``, ``up`` as separate tensors, as
+Hugging Face does). A fused gridtrain tensor built from several Hugging Face ones would
+be a rule with several names on the Hugging Face side and a :func:`concat` transform.
 
 Files written by older ``transformers`` versions (and the Hub's ``gpt2`` itself) name
 GPT-2's tensors without the ``transformer.`` prefix and store the causal-mask buffers
@@ -202,7 +202,104 @@ GPT2 = Architecture(
              (r"lm_head\.weight", _tied)),  # a tied head some files store anyway: the embedding
 )
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (GPT2,)}
+# ---- Llama -----------------------------------------------------------------------------------
+
+
+def _number(c: dict[str, Any], key: str, default: float, where: str = "config.json") -> float:
+    value = c.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise HFError(f"{where}: {key} is {value!r}, expected a positive number; fix config.json")
+    return float(value)
+
+
+def _llama_rope(c: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta and Llama 3's scaling, from transformers 4's ``rope_theta`` and
+    ``rope_scaling`` or transformers 5's ``rope_parameters``."""
+    params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else None
+    scaling = c.get("rope_scaling") if c.get("rope_scaling") is not None else params
+    theta = _number(params if params and "rope_theta" in params else c, "rope_theta", 10000.0)
+    if scaling is None:
+        return dict(rope_theta=theta)
+    if not isinstance(scaling, dict):
+        raise HFError(f"config.json: rope_scaling is {scaling!r}, expected an object; fix config.json")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return dict(rope_theta=theta)
+    if kind != "llama3":
+        raise HFError(f"config.json: rope_scaling type {kind!r} is not supported by gridtrain's llama "
+                      "(it supports 'default', 'llama3')")
+    where = "config.json rope_scaling"
+    original = scaling.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+        raise HFError(f"{where}: original_max_position_embeddings is {original!r}, expected int; fix config.json")
+    return dict(rope_theta=theta, rope_scaling="llama3", rope_factor=_number(scaling, "factor", 8.0, where),
+                rope_low_freq_factor=_number(scaling, "low_freq_factor", 1.0, where),
+                rope_high_freq_factor=_number(scaling, "high_freq_factor", 4.0, where),
+                rope_original_max_positions=original)
+
+
+def _llama_from_hf(c: dict[str, Any]) -> dict[str, Any]:
+    _must_be(c, "hidden_act", ("silu",), "silu")
+    _must_be(c, "attention_bias", (False,), False)
+    _must_be(c, "mlp_bias", (False,), False)
+    d, heads = _required(c, "hidden_size"), _required(c, "num_attention_heads")
+    kv = c.get("num_key_value_heads")
+    kv = heads if kv is None else _required(c, "num_key_value_heads")
+    if kv < 1 or heads % kv:
+        raise HFError(f"config.json: num_key_value_heads {kv} does not divide num_attention_heads {heads}")
+    head_dim = c.get("head_dim")
+    if head_dim is not None and heads and head_dim * heads != d:
+        raise HFError(f"config.json: head_dim {head_dim!r} is not hidden_size / num_attention_heads "
+                      f"({d} / {heads}); gridtrain's llama needs that")
+    positions = _required(c, "max_position_embeddings")
+    return dict(arch="llama", n_layer=_required(c, "num_hidden_layers"), n_head=heads, n_kv_head=kv, d_model=d,
+                ffn_hidden=_required(c, "intermediate_size"), vocab_size=_required(c, "vocab_size"),
+                seq_len=positions, max_positions=positions, layernorm_eps=_number(c, "rms_norm_eps", 1e-6),
+                tie_embeddings=bool(c.get("tie_word_embeddings", False)), **_llama_rope(c))
+
+
+def _llama_to_hf(m: ModelConfig) -> dict[str, Any]:
+    scaling = None
+    if m.rope_scaling == "llama3":
+        scaling = {"rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
+                   "high_freq_factor": m.rope_high_freq_factor,
+                   "original_max_position_embeddings": m.rope_original_max_positions}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+            "hidden_size": m.d_model, "intermediate_size": m.ffn_size, "num_hidden_layers": m.n_layer,
+            "num_attention_heads": m.n_head, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": m.max_positions or m.seq_len,
+            "rms_norm_eps": m.layernorm_eps, "rope_theta": m.rope_theta, "rope_scaling": scaling,
+            "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+            "attention_dropout": m.dropout, "pretraining_tp": 1, "initializer_range": 0.02, "use_cache": True}
+
+
+def _layer(ours: str, theirs: str) -> Rule:
+    return rule(f"blocks.{{i}}.{ours}.weight", f"model.layers.{{i}}.{theirs}.weight")
+
+
+# Hugging Face's names, one to one; nn.Linear layout on both sides, so nothing is transposed.
+LLAMA = Architecture(
+    name="llama", model_type="llama", hf_class="LlamaForCausalLM",
+    rules=(
+        rule("embedding.word.weight", "model.embed_tokens.weight"),
+        _layer("ln1", "input_layernorm"),
+        _layer("attn.q", "self_attn.q_proj"),
+        _layer("attn.k", "self_attn.k_proj"),
+        _layer("attn.v", "self_attn.v_proj"),
+        _layer("attn.proj", "self_attn.o_proj"),
+        _layer("ln2", "post_attention_layernorm"),
+        _layer("mlp.gate", "mlp.gate_proj"),
+        _layer("mlp.up", "mlp.up_proj"),
+        _layer("mlp.down", "mlp.down_proj"),
+        rule("final_norm.weight", "model.norm.weight"),
+        rule("head", "lm_head.weight", when=_untied),
+    ),
+    from_hf_config=_llama_from_hf, to_hf_config=_llama_to_hf,
+    ignored=((r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", None),  # older files: a buffer
+             (r"lm_head\.weight", _tied)),
+)
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (GPT2, LLAMA)}
 
 
 def architecture_of(m: ModelConfig) -> Architecture:
@@ -228,6 +325,6 @@ def model_config_from_hf(c: dict[str, Any]) -> ModelConfig:
     """The gridtrain model a config.json describes; one-line HFError for what does not fit."""
     values = architecture_for(c).from_hf_config(c)
     m = ModelConfig(**values)
-    if m.d_model % m.n_head:
+    if m.n_head < 1 or m.d_model % m.n_head:
         raise HFError(f"config.json: {m.n_head} heads do not divide the hidden size {m.d_model}")
     return m

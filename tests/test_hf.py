@@ -29,8 +29,9 @@ import gridtrain  # noqa: E402
 from gridtrain import checkpoint, cli  # noqa: E402
 from gridtrain.data import (DataError, GlobalBatchSampler, build_datasets, collate, load_tokenizer,  # noqa: E402
                             load_tokens)
-from gridtrain.hf import apply_init_from  # noqa: E402
-from gridtrain.hf_mapping import GPT2  # noqa: E402
+from gridtrain.hf import apply_init_from, check_init_from  # noqa: E402
+from gridtrain.config import preset_config  # noqa: E402
+from gridtrain.hf_mapping import GPT2, LLAMA  # noqa: E402
 from gridtrain.model import GPT, IGNORE_INDEX, init_parameters  # noqa: E402
 from tests.training import relative_difference, tiny_config, train_in_process, train_layout  # noqa: E402
 
@@ -150,10 +151,21 @@ def test_imported_checkpoint_is_a_step_0_checkpoint_that_load_accepts(imported, 
 # ---- export: transformers reads what gridtrain writes ------------------------------------------
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_export_loads_in_transformers_with_gridtrain_logits(tmp_path, tie):
+EXPORTED = {  # preset, model fields
+    "gpt2-tied": ("tiny", dict(tie_embeddings=True)),
+    "gpt2-untied": ("tiny", dict(tie_embeddings=False)),
+    "llama-gqa-untied": ("llama-tiny", dict(seq_len=32, n_kv_head=2, tie_embeddings=False)),
+    "llama-llama3-tied": ("llama-tiny", dict(seq_len=32, n_kv_head=None, tie_embeddings=True, rope_scaling="llama3",
+                                             rope_original_max_positions=8)),
+}
+
+
+@pytest.mark.parametrize("case", EXPORTED)
+def test_export_loads_in_transformers_with_gridtrain_logits(tmp_path, case, monkeypatch):
+    keep_hf_rmsnorm_in_fp64(monkeypatch)  # a no-op for GPT-2
     cfg = tiny_config()
-    cfg.model.tie_embeddings = tie
+    preset, fields = EXPORTED[case]
+    cfg.model = dataclasses.replace(preset_config(preset).model, **fields)
     model = GPT(cfg.model).double()
     init_parameters(model, 5)
     with torch.no_grad():
@@ -162,9 +174,10 @@ def test_export_loads_in_transformers_with_gridtrain_logits(tmp_path, tie):
     checkpoint.save_checkpoint(tmp_path / "run", 3, model, None, cfg)
     assert cli.main(["export-hf", "--load", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["model_type"] == "gpt2" and config["eos_token_id"] == 256 and config["dtype"] == "float64"
+    assert config["model_type"] == cfg.model.arch and config["eos_token_id"] == 256 and config["dtype"] == "float64"
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64)
-    tokens = torch.randint(0, 257, (2, 64))
+    assert type(hf).__name__ == config["architectures"][0]
+    tokens = torch.randint(0, 257, (2, cfg.model.seq_len))
     expected = model(tokens).detach()
     assert relative_difference(hf(input_ids=tokens).logits.detach(), expected) <= 1e-9
     assert torch.equal(gridtrain.load_model(tmp_path / "run", dtype=torch.float64)(tokens).detach(), expected)
@@ -193,18 +206,132 @@ def test_import_export_round_trip_is_bit_exact(hf_dir, imported, tmp_path, shard
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
 
-def test_tp2_pp2_checkpoint_exports_the_same_tensors_as_one_process(tmp_path):
+@pytest.mark.parametrize("preset, world, tp, pp, tensors", [("tiny", 4, 2, 2, 4 + 12 * 2),
+                                                            ("llama-tiny", 8, 4, 2, 3 + 9 * 2)],
+                         ids=["gpt2-tp2-pp2", "llama-tp4-pp2"])
+def test_grid_checkpoint_exports_the_same_tensors_as_one_process(tmp_path, preset, world, tp, pp, tensors):
+    """The Llama on tp 4 has 2 kv heads: each is replicated on two ranks."""
     exports = []
-    for name, world, tp, pp in (("one", 1, 1, 1), ("grid", 4, 2, 2)):
-        cfg = tiny_config(steps=2, save=str(tmp_path / name))
-        cfg.parallel.tp, cfg.parallel.pp = tp, pp
-        train_in_process(cfg) if world == 1 else train_layout(cfg, world)
+    for name, size, layout in (("one", 1, (1, 1)), ("grid", world, (tp, pp))):
+        cfg = tiny_config(steps=2, save=str(tmp_path / name), global_batch_size=4)
+        cfg.model = dataclasses.replace(preset_config(preset).model, seq_len=32)
+        cfg.parallel.tp, cfg.parallel.pp = layout
+        train_in_process(cfg) if size == 1 else train_layout(cfg, size)
         assert cli.main(["export-hf", "--load", str(tmp_path / name), "--out", str(tmp_path / f"{name}-hf")]) == 0
         exports.append(stored(tmp_path / f"{name}-hf"))
     one, grid = exports
-    assert one.keys() == grid.keys() and len(one) == 4 + 12 * 2
+    assert one.keys() == grid.keys() and len(one) == tensors
     for name in one:
         assert relative_difference(grid[name], one[name]) <= 1e-9, name
+
+
+# ---- Llama: the same, through the Llama table ---------------------------------------------------
+
+LLAMA_SHAPES = {"gqa-untied": dict(num_key_value_heads=2, tie_word_embeddings=False),
+                "llama3-tied": dict(num_key_value_heads=4, tie_word_embeddings=True, rope_theta=500000.0,
+                                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8})}
+
+
+def hf_llama(directory: Path, *, seed: int = 0, **shape) -> "transformers.LlamaForCausalLM":
+    """A random Llama in fp64 saved by transformers into ``directory``, every weight
+    perturbed (no norm is one)."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**dict(vocab_size=300, hidden_size=32, intermediate_size=48,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=32, rms_norm_eps=1e-5, bos_token_id=0,
+                                                eos_token_id=0, tie_word_embeddings=False), **shape})
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(directory)
+    return model
+
+
+def keep_hf_rmsnorm_in_fp64(monkeypatch) -> None:
+    """transformers' LlamaRMSNorm normalises in fp32 whatever the input's dtype, which
+    caps fp64 agreement near 1e-7; this makes it keep fp64 (its rotary angles are fp32,
+    as gridtrain's are, so nothing else differs)."""
+    from transformers.models.llama import modeling_llama
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hf-llama")
+    return directory, hf_llama(directory, **LLAMA_SHAPES["gqa-untied"])
+
+
+def test_llama_import_gives_transformers_logits_loss_and_gradients(llama_dir, tmp_path, monkeypatch):
+    """fp64 on both sides. As transformers ships it, its RMSNorm rounds to fp32, so logits
+    agree to 1.3e-7, gradients to 3.6e-7 and the loss to 6e-10 (measured; bounded here at
+    1e-6); with its RMSNorm kept in fp64 (keep_hf_rmsnorm_in_fp64: its rotary angles are fp32,
+    as gridtrain's are) all agree to rounding, 1e-15 (bounded at 1e-12)."""
+    directory, hf = llama_dir
+    assert cli.main(["import-hf", str(directory), "--out", str(tmp_path / "ckpt")]) == 0
+    tokens = torch.randint(0, hf.config.vocab_size, (3, 32), generator=torch.Generator().manual_seed(1))
+    for tolerance in (1e-6, 1e-12):
+        if tolerance == 1e-12:
+            keep_hf_rmsnorm_in_fp64(monkeypatch)
+        hf.zero_grad()
+        logits = hf(input_ids=tokens).logits
+        hf_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        hf_loss.backward()
+        hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+        for source in (tmp_path / "ckpt", directory):
+            model = gridtrain.load_model(source, dtype=torch.float64)
+            assert model.cfg.arch == "llama" and model.cfg.kv_heads == 2
+            assert relative_difference(model(tokens).detach(), logits.detach()) <= tolerance
+            loss = gridtrain_loss(model, tokens)
+            assert abs(loss.item() - hf_loss.item()) <= tolerance * hf_loss.item()
+            loss.backward()
+            ours = dict(model.named_parameters())
+            compared = set()
+            for r in LLAMA.rules_for(model.cfg):
+                grads = [ours[n].grad[: model.cfg.vocab_size] if n in ("embedding.word.weight", "head")
+                         else ours[n].grad for n in r.ours]
+                for name, grad in zip(r.theirs, r.transform.to_hf(grads, model.cfg)):
+                    assert relative_difference(grad, hf_grads[name]) <= tolerance, name
+                    compared.add(name)
+            assert compared == set(hf_grads)
+
+
+@pytest.mark.parametrize("shape", LLAMA_SHAPES)
+def test_llama_import_export_round_trip_is_bit_exact(tmp_path, shape):
+    hf_llama(tmp_path / "hf", **LLAMA_SHAPES[shape])
+    assert cli.main(["import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
+    assert cli.main(["export-hf", "--load", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back")]) == 0
+    original, exported = stored(tmp_path / "hf"), stored(tmp_path / "back")
+    assert exported.keys() == original.keys()
+    for name, value in original.items():
+        assert value.dtype == exported[name].dtype and torch.equal(value, exported[name]), name
+    # and the config says the same model
+    first, again = (transformers.AutoConfig.from_pretrained(tmp_path / d) for d in ("hf", "back"))
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                "rope_parameters"):
+        assert getattr(first, key) == getattr(again, key), key
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("attention_bias", True, "attention_bias True is not supported"),
+    ("mlp_bias", True, "mlp_bias True is not supported"),
+    ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "rope_scaling type 'yarn' is not supported"),
+])
+def test_llama_variant_gridtrain_lacks_is_one_line(llama_dir, tmp_path, key, value, words, capsys):
+    directory = tmp_path / "variant"
+    shutil.copytree(llama_dir[0], directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("rope_parameters", None) if key == "rope_scaling" else None
+    (directory / "config.json").write_text(json.dumps({**config, key: value}))
+    assert cli.main(["import-hf", str(directory), "--out", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err and not (tmp_path / "ckpt").exists()
 
 
 # ---- fine-tuning from a Hugging Face directory -----------------------------------------------------
@@ -251,6 +378,20 @@ def test_init_from_hf_dir_on_tp2_starts_from_its_weights(hf_dir, imported, token
     apply_init_from(cfg)
     assert cfg.data.tokenizer.endswith("tokenizer.json")
     assert abs(train_in_process(cfg)["losses"][0] - expected) <= 1e-9 * expected
+
+
+def test_init_from_llama_takes_another_seq_len(llama_dir, jsonl, monkeypatch):
+    """Rotary positions have no weights: a run may start from a Llama with a shorter
+    window (here 16 of its 32) and its first loss is transformers' on that batch
+    (1e-6: transformers' RMSNorm is fp32); GPT-2's learned positions still refuse it."""
+    directory, hf = llama_dir
+    expected = hf_first_batch_loss(hf, None, jsonl, 16, seed=3, global_batch=4)
+    cfg = tiny_config(steps=1, seed=3, global_batch_size=4, micro_batch_size=2, init_from=str(directory))
+    cfg.data.path, cfg.model.seq_len = str(jsonl), 16
+    apply_init_from(cfg, {"seq_len"})
+    assert (cfg.model.arch, cfg.model.seq_len, cfg.model.max_positions) == ("llama", 16, 32)
+    check_init_from(cfg)
+    assert abs(train_in_process(cfg)["losses"][0] - expected) <= 1e-6 * expected
 
 
 def test_init_from_gives_zero1_its_master_weights(imported, jsonl):
@@ -342,13 +483,14 @@ def test_bad_hf_dir_is_one_line_for_every_command(kind, hf_dir, tmp_path, capsys
 
 @pytest.mark.parametrize("argv, words", [
     (["train", "--n-layer", "3"], "--n-layer 3 (source: 2)"),
+    (["train", "--seq-len", "16"], "--seq-len 16 (source: 32)"),  # GPT-2's positions are weights
     (["train", "--load", "{imported}"], "pass one of them"),
     (["import-hf", "{hf}", "--out", "{imported}"], "exists and is not an empty directory"),
     (["export-hf", "--load", "{missing}", "--out", "{missing}"], "does not exist"),
     (["export-hf", "--load", "{imported}", "--out", "{missing}", "--max-shard-size", "lots"], "not a size"),
     (["generate", "--load", "{empty}"], "neither a Hugging Face model directory"),
-], ids=["contradicting-flag", "with-load", "import-over-a-checkpoint", "export-missing", "bad-shard-size",
-        "generate-neither"])
+], ids=["contradicting-flag", "gpt2-seq-len", "with-load", "import-over-a-checkpoint", "export-missing",
+        "bad-shard-size", "generate-neither"])
 def test_bad_hf_command_is_one_line(argv, words, hf_dir, imported, tmp_path, capsys, no_process_may_start):
     (tmp_path / "empty").mkdir()
     paths = dict(hf=hf_dir[0], imported=imported, missing=tmp_path / "missing", empty=tmp_path / "empty")
