@@ -1,13 +1,13 @@
 """Fine-tune a model from a Hugging Face-format directory on JSON lines, on tp 2 x pp 2,
 then sample from the result and export it back to Hugging Face's format.
 
-The steps a user takes with a model downloaded from the Hub, with a stand-in for the
-download (this example runs offline): a small GPT-2 trained here for one step and
-exported with ``gridtrain export-hf``. With a real download, start
-at step 3 with its directory. ``--arch llama`` makes the stand-in a Llama (the source's
+The steps a user takes with a model downloaded from the Hub (say SmolLM2 or TinyLlama),
+with a stand-in for the download (this example runs offline): a small Llama trained here
+for one step and exported with ``gridtrain export-hf``. With a real download, start at
+step 3 with its directory. ``--arch gpt2`` makes the stand-in a GPT-2 (the source's
 config.json decides the architecture of everything after it).
 
-    python examples/finetune_hf.py [WORK_DIR] [--arch gpt2|llama]
+    python examples/finetune_hf.py [WORK_DIR] [--arch llama|gpt2]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def losses(metrics: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
 
-def main(work: Path, arch: str = "gpt2") -> None:
+def main(work: Path, arch: str = "llama") -> None:
     # 1-2. the stand-in for a downloaded model: a brief base run, exported
     gridtrain("train", *BASE[arch], "--steps", "1", "--save", str(work / "base"), *QUIET)
     gridtrain("export-hf", "--load", str(work / "base"), "--out", str(work / "base-hf"))
@@ -68,7 +68,7 @@ def main(work: Path, arch: str = "gpt2") -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("work", nargs="?", type=Path, help="keep the files here (default: a temporary directory)")
-    parser.add_argument("--arch", choices=sorted(BASE), default="gpt2")
+    parser.add_argument("--arch", choices=sorted(BASE), default="llama")
     args = parser.parse_args()
     if args.work is not None:
         main(args.work, args.arch)

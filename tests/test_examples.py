@@ -16,7 +16,7 @@ def test_custom_model_example_learns_to_count():
     assert last < 0.1 * first and valid < 0.1 * first
 
 
-def test_finetune_hf_example_tunes_on_tp2_pp2_then_samples_and_exports(tmp_path):
+def test_finetune_hf_example_tunes_a_llama_on_tp2_pp2_then_samples_and_exports(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_hf.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
