@@ -14,7 +14,7 @@ from gridtrain.config import Config, preset_config
 from gridtrain.data_parallel import GradientReducer
 from gridtrain.model import GPT, init_parameters
 from tests.harness import run_on_ranks
-from tests.training import relative_difference, tiny_config, train_in_process, train_layout, train_layouts
+from tests.training import relative_difference, tiny_config, train_in_process, train_layout
 
 
 def _config(**parallel) -> Config:
@@ -61,23 +61,36 @@ LAYOUTS = [(2, 2, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (2, 4, 1), (4, 1, 2)]  # 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 
 
+RECOMPUTE = ["none", "selective", "full"]
+
+
+def _recompute_mode(layout: tuple[int, int, int], schedule: str) -> str:
+    """One recomputation mode per cell, rotating so that every layout meets every mode
+    (over its 4 schedules) and every schedule meets every mode (over its 6 layouts): the
+    pairs the matrix exists to check, at a third of the runs (the suite's time budget).
+    Each mode against one process is also checked on its own in test_recompute.py."""
+    return RECOMPUTE[(LAYOUTS.index(layout) + SCHEDULES.index(schedule)) % len(RECOMPUTE)]
+
+
+def test_the_recompute_rotation_covers_every_pair():
+    modes = {(layout, s): _recompute_mode(layout, s) for layout in LAYOUTS for s in SCHEDULES}
+    assert all({modes[layout, s] for s in SCHEDULES} == set(RECOMPUTE) for layout in LAYOUTS)
+    assert all({modes[layout, s] for layout in LAYOUTS} == set(RECOMPUTE) for s in SCHEDULES)
+
+
 @pytest.mark.parametrize("dp,pp,tp", LAYOUTS)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_3d_layout_trains_the_single_process_model(dp, pp, tp, schedule):
     """DESIGN.md invariant over the 3D matrix (fp64, 1e-9, 10 steps), sequence parallel on
-    whenever tp > 1, without recomputation and with selective and full recomputation
-    (the reference recomputes nothing); interleaving uses 2 chunks per rank at pp 2 (at
-    pp 4 the 4 blocks leave one per rank, so one chunk: the schedule without
-    interleaving)."""
+    whenever tp > 1, with the cell's recomputation mode (none, selective or full, see
+    :func:`_recompute_mode`; the reference recomputes nothing); interleaving uses 2 chunks
+    per rank at pp 2 (at pp 4 the 4 blocks leave one per rank, so one chunk: the schedule
+    without interleaving)."""
     vpp = 2 if schedule == "interleaved-1f1b" and pp > 1 and 4 % (2 * pp) == 0 else 1
-    cfgs = []
-    for mode in ("none", "selective", "full"):
-        cfg = _config(dp=dp, pp=pp, tp=tp, vpp=vpp, schedule=schedule, sequence_parallel=tp > 1)
-        cfg.training.recompute = mode
-        cfgs.append(cfg)
-    for runs in train_layouts(cfgs, dp * pp * tp):
-        for run in runs:
-            assert_matches_reference(run)
+    cfg = _config(dp=dp, pp=pp, tp=tp, vpp=vpp, schedule=schedule, sequence_parallel=tp > 1)
+    cfg.training.recompute = _recompute_mode((dp, pp, tp), schedule)
+    for run in train_layout(cfg, dp * pp * tp):
+        assert_matches_reference(run)
 
 
 # ---- the reducer against torch DDP, and its counts --------------------------------------------
