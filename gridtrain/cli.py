@@ -75,6 +75,7 @@ TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
     ("--metrics-file", "training", "metrics_file", str, "JSON lines, one per optimizer step"),
     ("--save", "training", "save", str, "checkpoint directory"),
     ("--save-interval", "training", "save_interval", int, "steps between checkpoints (0: at end)"),
+    ("--keep-last", "training", "keep_last", int, "keep only the newest K checkpoints in --save (0: all)"),
     ("--load", "training", "load", str, "resume from this checkpoint directory"),
     ("--init-from", "training", "init_from", str,
      "start from these weights (a checkpoint or a Hugging Face directory; step 0, fresh optimizer)"),
@@ -95,6 +96,8 @@ SWITCHES: dict[str, str] = {
     "--recompute-early": "with --pp > 1: recompute while the output gradient is on its way",
     "--offload-activations": "keep saved activations in host memory until backward (GPU)",
     "--memory-report": "print saved-activation bytes per layer and stage, beside the formula",
+    "--save-async": "write checkpoints in the background: training waits only while the state is "
+                    "copied to host memory",
     "--auto-resume": "resume from the --save directory's latest checkpoint when there is one, "
                      "else start fresh (the same command restarts a preempted job)",
 }

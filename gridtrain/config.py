@@ -140,6 +140,8 @@ class TrainingConfig:
     metrics_file: str | None = None
     save: str | None = None
     save_interval: int = 0  # 0: save only at the end (when --save is given)
+    keep_last: int = 0  # keep only the newest K complete checkpoints in --save (0: keep all)
+    save_async: bool = False  # write checkpoints in the background; the step waits only for staging
     load: str | None = None
     init_from: str | None = None  # weights only, step 0: a gridtrain checkpoint or a Hugging Face directory
     auto_resume: bool = False  # resume from --save's latest checkpoint when there is one

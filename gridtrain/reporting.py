@@ -166,11 +166,23 @@ class RunReport:
                       ", ".join(f"{g} {format_bytes(n)}" for g, n in sorted(moved.items())))
         if ctx.dtype == "fp16":
             log.print(f"fp16: {result.skipped_steps} step(s) skipped on gradient overflow")
+        if self.trainer.saves:
+            log.print(save_summary(self.trainer.saves, self.trainer.saver is not None))
         log.print(f"final train loss {result.losses[-1]:.4f} {data.loss_unit}")
         if result.valid_loss is not None:
             ref = "" if data.reference_loss is None else \
                 f" (corpus unigram entropy {data.reference_loss:.4f} {data.loss_unit})"
             log.print(f"validation loss {result.valid_loss:.4f} {data.loss_unit}{ref}")
+
+
+def save_summary(saves, background: bool) -> str:
+    """One line: how long checkpoints blocked training, and how long they took to write."""
+    blocked = sorted(s.blocked_s for s in saves)
+    written = sorted(s.write_s for s in saves)
+    how = "in the background (--save-async)" if background else "synchronously"
+    return (f"checkpoints: {len(saves)} saved {how}; training blocked {blocked[len(blocked) // 2]:.3f} s per save "
+            f"(median; max {blocked[-1]:.3f} s, in order: {', '.join(f'{s.blocked_s:.3f}' for s in saves[:8])}"
+            f"{' ...' if len(saves) > 8 else ''}), writing took {written[len(written) // 2]:.3f} s (median)")
 
 
 # ---- byte accounting ---------------------------------------------------------------------------

@@ -56,9 +56,11 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
         report.end_of_steps()
         if preemption is not None:
             preemption.close()
+        trainer.finish_saves()  # a background write ends (or reports its failure) before anything exits
     final_valid = trainer.evaluate() if validates and not _due(t.steps, t.eval_interval) else None
     if t.save and not _due(t.steps, t.save_interval):
         trainer.save(t.steps)
+    trainer.finish_saves()
     return report.finish(final_valid)
 
 

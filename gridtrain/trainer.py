@@ -10,7 +10,8 @@ loop (train.py), the benchmarks and the tests share:
 5. the gradient reducer: flat buffer, buckets, hooks (data_parallel.py);
 6. the optimizer (AdamW, or flat master weights with ZeRO-1 / 16-bit parameters) and the
    fp16 loss scaler;
-7. the checkpoint to resume from, if any; else the weights of ``--init-from``, if given.
+7. the checkpoint to resume from, if any; else the weights of ``--init-from``, if given;
+   with ``--save-async``, the background checkpoint writer and its process group.
 
 A :class:`Trainer` then runs one optimizer step (:meth:`Trainer.train_step`), a
 validation pass, or a save. The loss is defined once: the mean over every loss-bearing
@@ -22,14 +23,17 @@ yields exactly that mean's gradient for any number of DP ranks and micro-batches
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from gridtrain import checkpoint, host_sync
+from gridtrain.checkpoint.background import BackgroundSaver
+from gridtrain.checkpoint.sharded import SaveReport
 from gridtrain.config import Config
 from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
 from gridtrain.data_parallel import GradientReducer, broadcast_parameters
@@ -73,6 +77,8 @@ class Trainer:
     sampler: GlobalBatchSampler | None = None
     start_step: int = 0  # steps already taken (resumed from a checkpoint)
     resumed_from: Path | None = None  # the checkpoint this run started from
+    saver: BackgroundSaver | None = None  # --save-async's writer
+    saves: list[SaveReport] = field(default_factory=list)  # every save of this run, in order
 
     @property
     def step_tokens(self) -> int:
@@ -147,8 +153,21 @@ class Trainer:
         if not self._weights_finite():
             raise Diverged(f"step {step}: some weights are not finite (inf or NaN); not saved, the latest "
                            f"checkpoint in {self.cfg.training.save} is from before; lower --lr", step)
-        checkpoint.save_checkpoint(self.cfg.training.save, step, self.model, self.optimizer, self.cfg, self.ctx,
-                                   scaler=self.scaler)
+        t = self.cfg.training
+        state = checkpoint.state_to_save(self.model, self.optimizer, self.ctx)
+        meta = checkpoint.meta_of(step, self.cfg, self.ctx, self.optimizer, self.scaler)
+        if self.saver is not None:
+            self.saves.append(self.saver.save(t.save, step, state, meta, keep_last=t.keep_last))
+            return
+        began = time.perf_counter()
+        path = checkpoint.write_state(t.save, step, state, meta, keep_last=t.keep_last)
+        elapsed = time.perf_counter() - began
+        self.saves.append(SaveReport(step=step, blocked_s=elapsed, write_s=elapsed, path=path))
+
+    def finish_saves(self) -> None:
+        """Wait for a background save in flight; raise its failure (never silent)."""
+        if self.saver is not None:
+            self.saver.wait()
 
     def _weights_finite(self) -> bool:
         """Whether every rank's parameters are all finite (collective over the world)."""
@@ -187,9 +206,10 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     if source is None and t.init_from is not None:  # fine-tuning: weights only, step 0, fresh optimizer
         init = open_source(t.init_from, "--init-from")
         checkpoint.init_weights(init.tensors, model, optimizer, ctx, where=init.where)
+    saver = BackgroundSaver() if t.save and t.save_async else None  # collective: its own process group
     return Trainer(cfg=cfg, ctx=ctx, model=model, pipeline=pipeline, reducer=reducer, optimizer=optimizer,
                    scaler=scaler, num_micro_batches=micro_batches, data=data, sampler=sampler,
-                   start_step=start, resumed_from=source)
+                   start_step=start, resumed_from=source, saver=saver)
 
 
 def resume_source(cfg: Config) -> Path | None:

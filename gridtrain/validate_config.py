@@ -109,6 +109,7 @@ RANGES: dict[tuple[str, str], tuple[str, str]] = {
     ("training", "eval_interval"): (">= 0", " (0 turns validation off)"),
     ("training", "eval_iters"): (">= 1", "; use --eval-interval 0 to turn validation off"),
     ("training", "save_interval"): (">= 0", " (0 saves at the end only)"),
+    ("training", "keep_last"): (">= 0", " (0 keeps every checkpoint)"),
     ("training", "sample_tokens"): (">= 0", " (0: no sample)"),
     ("training", "temperature"): ("> 0", ""),
     ("training", "top_k"): (">= 1", "; or null for no top-k cut"),
@@ -333,6 +334,8 @@ def _validate_checkpoint(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
     _require(not t.auto_resume or t.save is not None or t.load is not None,
              "--auto-resume resumes from the --save directory; pass --save DIR")
+    _require(not t.save_async or t.save is not None, "--save-async writes checkpoints to --save; pass --save DIR")
+    _require(not t.keep_last or t.save is not None, "--keep-last prunes the --save directory; pass --save DIR")
 
 
 def _validate_init_from(cfg: Config) -> None:

@@ -1,0 +1,56 @@
+"""Checkpoints: sharded on torch.distributed.checkpoint, checked, atomic, resharded on load.
+
+* integrity.py: the manifest (sizes, sha256), atomic moves, ``latest``, ``--keep-last``,
+  finding and checking a checkpoint, comparing model configs (any format);
+* shards.py: where a rank's pieces lie in the global tensors (pure arithmetic), and the
+  :class:`~gridtrain.checkpoint.shards.Slab` that hands them to DCP;
+* sharded.py: format 2, what every save writes: each rank its own shards through DCP;
+* background.py: ``--save-async``: stage to host memory, write on a thread of its own;
+* reader.py: tensors by name, one at a time, from either format (export, generate,
+  ``load_model``, ``gridtrain checkpoint info``);
+* whole.py: whole tensors by name (the end-of-run sample, ``--init-from``) and the reader
+  of format 1 (the whole-tensor checkpoints of earlier versions, and ``import-hf``'s).
+
+This module is the entry point: :func:`save_checkpoint`, :func:`load_checkpoint`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gridtrain.checkpoint.integrity import (DCP_METADATA, LATEST, MANIFEST, META, CheckpointError,  # noqa: F401
+                                            _sha256, _read_meta_file, check_loadable, compare_models, first_line,
+                                            is_sharded, latest_step_dir, read_meta, resolve, saved_model,
+                                            step_dir, weight_files, write_manifest, write_weights_checkpoint)
+from gridtrain.checkpoint.sharded import SaveReport, load_sharded, meta_of, state_to_save, write_state  # noqa: F401
+from gridtrain.checkpoint.whole import copy_weights, gather_model, init_weights, load_whole  # noqa: F401
+from gridtrain.config import Config, ModelConfig
+
+
+def save_checkpoint(directory: str | Path, step: int, model: nn.Module, optimizer, cfg: Config, ctx=None, *,
+                    scaler=None, keep_last: int | None = None) -> Path:
+    """Write the state after ``step`` completed steps in the sharded format, each rank
+    its own pieces; collective over the world. Returns the step directory.
+    ``keep_last``: default ``cfg.training.keep_last`` (0 keeps every checkpoint)."""
+    keep = cfg.training.keep_last if keep_last is None else keep_last
+    return write_state(directory, step, state_to_save(model, optimizer, ctx),
+                       meta_of(step, cfg, ctx, optimizer, scaler), keep_last=keep)
+
+
+@torch.no_grad()
+def load_checkpoint(directory: str | Path, model: nn.Module, optimizer=None, ctx=None, *, scaler=None) -> int:
+    """Load weights (and optimizer, loss-scaler and RNG state when given) into whatever
+    part of the model this rank holds, in whatever layout; returns the completed step
+    count. Either format; checked first through :func:`check_loadable` (the manifest,
+    every file hashed once per process; the model config when ``model.cfg`` is one)."""
+    run_model = getattr(model, "cfg", None)
+    path = check_loadable(directory, run_model if isinstance(run_model, ModelConfig) else None)
+    meta = _read_meta_file(path, "--load")
+    if is_sharded(path):
+        load_sharded(path, meta, model, optimizer, ctx, scaler=scaler)
+    else:
+        load_whole(path, model, optimizer, ctx, scaler=scaler)
+    return int(meta["step"])
