@@ -151,6 +151,15 @@ def _hf_parsers(sub) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="largest weights file before sharding (default 5GB)")
 
 
+def _checkpoint_parser(sub) -> None:
+    p = sub.add_parser("checkpoint", help="inspect a checkpoint")
+    actions = p.add_subparsers(dest="action", required=True)
+    info = actions.add_parser("info", help="step, the layout that wrote it, model, sizes, integrity")
+    info.add_argument("dir", metavar="DIR", help="a save directory (its latest) or a step directory")
+    info.add_argument("--json", action="store_true", help="print the same as JSON")
+    info.add_argument("--no-verify", action="store_true", help="check file sizes only, not their sha256")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line like every other bad input (exit status 2),
     not the usage block; ``--help`` still shows everything."""
@@ -167,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _prepare_parser(sub)
     _hf_parsers(sub)
+    _checkpoint_parser(sub)
     add_schedule_parser(sub)
     add_plot_parser(sub)
     return parser
@@ -257,8 +267,15 @@ def _export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    from gridtrain.checkpoint.reader import info_command
+
+    print(info_command(args.dir, as_json=args.json, verify=not args.no_verify))
+    return 0
+
+
 COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "import-hf": _import_hf,
-            "export-hf": _export_hf, "schedule": schedule_command, "plot": plot_command}
+            "export-hf": _export_hf, "checkpoint": _checkpoint, "schedule": schedule_command, "plot": plot_command}
 USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, HFError)  # one line, exit status 2
 
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from gridtrain import checkpoint
+from gridtrain.checkpoint.reader import weight_tensors
 from gridtrain.config import Config, ModelConfig
 from gridtrain.data import ByteTokenizer, load_tokenizer
 from gridtrain.hf_mapping import HFError, Rule, architecture_for, architecture_of, model_config_from_hf
@@ -234,7 +235,7 @@ class CheckpointSource:
         self.step = checkpoint.check_loadable(path, flag=flag, verify_data=verify_data)
         self.config = Config.from_dict(checkpoint.read_meta(self.step)["config"])
         self.model = checkpoint.saved_model(self.step, flag)
-        self.files = TensorFiles.of_files(checkpoint.weight_files(self.step))
+        self.files = weight_tensors(self.step)  # either format, one tensor at a time
         self.tensors = self.files
         own = self.step / TOKENIZER
         listed = own.is_file() and TOKENIZER in json.loads((self.step / checkpoint.MANIFEST).read_text())["files"]

@@ -26,6 +26,7 @@ from gridtrain.checkpoint.integrity import (DCP_METADATA, LATEST, MANIFEST, META
                                             is_sharded, latest_step_dir, read_meta, resolve, saved_model,
                                             step_dir, weight_files, write_manifest, write_weights_checkpoint)
 from gridtrain.checkpoint.sharded import SaveReport, load_sharded, meta_of, state_to_save, write_state  # noqa: F401
+from gridtrain.checkpoint.reader import weight_tensors  # noqa: F401
 from gridtrain.checkpoint.whole import copy_weights, gather_model, init_weights, load_whole  # noqa: F401
 from gridtrain.config import Config, ModelConfig
 

@@ -156,11 +156,11 @@ def _write_manifest(path: Path, step: int | None, entries: dict[str, dict[str, A
 
 def write_manifest(directory: str | Path) -> Path:
     """Write ``manifest.json`` for a step directory as it is now (every regular file but
-    the manifest and hidden ones): the way to adopt a checkpoint written before
-    manifests, once you trust it. Returns the manifest's path."""
+    the manifest and hidden ones, DCP's ``.metadata`` included): the way to adopt a
+    checkpoint written before manifests, once you trust it. Returns the manifest's path."""
     path = Path(directory)
     entries = {f.name: _seal(f) for f in sorted(path.iterdir())
-               if f.is_file() and f.name != MANIFEST and not f.name.startswith(".")}
+               if f.is_file() and f.name != MANIFEST and (f.name == DCP_METADATA or not f.name.startswith("."))}
     step = None
     try:
         step = int(json.loads((path / META).read_text())["step"])

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +47,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from gridtrain.checkpoint.integrity import (DCP_METADATA, META, CheckpointError, _all_gather,
                                             _broadcast_from_rank0, _first_line, _new_tmp_dir, _raise_everywhere,
                                             _REDO, _seal, _swap_into_place, _write_atomically, _write_manifest,
                                             step_dir)
-from gridtrain.checkpoint.shards import LoadPlanner, Placement, SavePlanner, Slab
+from gridtrain.checkpoint.shards import LoadPlanner, Placement, SavePlanner, Slab, Writer, single_process
 from gridtrain.config import Config
 from gridtrain.tensor_parallel import TensorParallel, shard_spec
 
@@ -173,6 +174,17 @@ def _restore_rng(state: dict[str, Any], ctx) -> None:
             torch.cuda.set_rng_state(state["cuda"], ctx.device)
 
 
+def _own_failure(exc: BaseException, rank: int) -> BaseException | None:
+    """This rank's part in a failure: DCP raises the same :class:`CheckpointException`
+    (a BaseException, its message a traceback per rank) on every rank when any rank
+    fails; the rank that failed takes its original exception, the others none (the
+    failed rank reports it to them)."""
+    if not isinstance(exc, CheckpointException) or not exc.failures:
+        return exc
+    mine = exc.failures.get(rank)
+    return mine[0] if mine is not None else None
+
+
 @dataclass
 class SaveReport:
     """What one save cost: seconds the training loop was blocked, seconds to write."""
@@ -207,15 +219,15 @@ def write_state(directory: str | Path, step: int, state: dict[str, Any], meta: d
     entries: dict[str, dict[str, Any]] = {}
     own: BaseException | None = None
     try:
-        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
-        dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=group,
-                 no_dist=not dist.is_initialized())
+        with single_process():
+            dcp.save(state, storage_writer=Writer(tmp), planner=SavePlanner(), process_group=group,
+                     no_dist=not dist.is_initialized())
         for file in sorted(tmp.glob(f"__{rank}_*.distcp")):
             entries[file.name] = _seal(file)
         if rank0:
             entries[DCP_METADATA] = _seal(tmp / DCP_METADATA)
-    except Exception as exc:  # reported to every rank below, so that none waits forever
-        own = exc
+    except (Exception, CheckpointException) as exc:  # reported to every rank below, so that none waits forever
+        own = _own_failure(exc, rank)
     results = _all_gather((entries, None if own is None else _first_line(own)), group)
     try:
         _raise_everywhere([e for _, e in results], own, where)
@@ -350,6 +362,9 @@ def load_sharded(path: Path, meta: dict[str, Any], model: nn.Module, optimizer=N
         raise problem
     if failed:
         raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]}")
+    for p in model.parameters():
+        if hasattr(p, "vocab_rows"):
+            p.zero_()  # vocabulary padding is never stored and is zero; the read fills the real rows
     _read(path, request.state, group, where)
     if sixteen and not masters_stored:
         _read(path, second.state, group, where)
@@ -369,13 +384,38 @@ def load_sharded(path: Path, meta: dict[str, Any], model: nn.Module, optimizer=N
         scaler.load_state_dict(meta["scaler"])
 
 
+class _Unreadable(Exception):
+    """A stored file that DCP could not read; the message names it."""
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader, one file at a time, so that a failure names the file."""
+
+    def read_data(self, plan, planner):
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(replace(plan, items=items), planner).wait()
+            except Exception as exc:
+                raise _Unreadable(f"{name} cannot be read ({type(exc).__name__}: {_first_line(exc)})") from None
+        return super().read_data(replace(plan, items=[]), planner)
+
+
 def _read(path: Path, state: dict[str, Any], group, where: str) -> None:
-    """DCP's collective read of ``state``'s keys into its destinations."""
+    """DCP's collective read of ``state``'s keys into its destinations; a failure on any
+    rank is one line on every rank, naming the file where one could not be read."""
     try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(),
-                 process_group=group, no_dist=not dist.is_initialized())
-    except Exception as exc:
-        raise CheckpointError(f"{where}: reading failed ({type(exc).__name__}: {_first_line(exc)}); {_REDO}") from None
+        with single_process():
+            dcp.load(state, storage_reader=_Reader(path), planner=LoadPlanner(),
+                     process_group=group, no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as exc:
+        failures = exc.failures if isinstance(exc, CheckpointException) else {}
+        cause = failures[min(failures)][0] if failures else exc
+        what = str(cause) if isinstance(cause, _Unreadable) else \
+            f"reading failed ({type(cause).__name__}: {_first_line(cause)})"
+        raise CheckpointError(f"{where}: {what}; {_REDO}") from None
 
 
 def _same_layout(meta: dict[str, Any], model: nn.Module, ctx) -> bool:

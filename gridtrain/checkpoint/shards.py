@@ -25,9 +25,14 @@ from or read into, so neither save nor load copies a whole tensor.
 from __future__ import annotations
 
 import math
+import os
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import filesystem as dcp_files
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -205,3 +210,48 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return _lookup(self.state_dict, index)
+
+
+class Writer(FileSystemWriter):
+    """DCP's file writer (one file per rank, synced), writing one chunk at a time.
+
+    torch's own writer keeps every tensor it wrote in a dictionary until the rank's file
+    is done (for its safetensors option), after cloning each view of a larger storage
+    (so that ``torch.save`` does not write the whole storage): a rank whose pieces are
+    views, a ZeRO-1 shard's boxes of its flat buffers, would hold a second copy of its
+    whole state. Here each view is cloned, written and dropped before the next, so a
+    save needs at most the largest piece on top of the rank's own state. The file format
+    is torch's (``_write_item``), so DCP's reader reads it unchanged.
+    """
+
+    def __init__(self, path):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+
+    def write_data(self, plan, planner) -> torch.futures.Future:
+        name = f"{plan.storage_data.prefix}0{dcp_files.DEFAULT_SUFFIX}"
+        results = []
+        with open(self.fs.concat_path(self.path, name), "wb") as stream:
+            for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):
+                data = planner.resolve_data(item)
+                if isinstance(data, torch.Tensor):
+                    data = data.detach().cpu()
+                    if data.untyped_storage().nbytes() != data.nbytes:
+                        data = data.clone()  # a view: write its own elements only
+                results.append(dcp_files._write_item(self.transforms, stream, data, item, name,
+                                                     self.serialization_format))
+                del data
+            stream.flush()
+            os.fsync(stream.fileno())
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(results)
+        return future
+
+
+@contextmanager
+def single_process():
+    """Silence DCP's warning that no process group is initialised (a one-process save or
+    read is meant to be one)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+

@@ -1,0 +1,176 @@
+"""Sharded checkpoints as data: where each rank's pieces lie in the global tensors, what
+the files hold (every element once), and how much host memory a save and a load take.
+
+The box arithmetic is checked against tensor_parallel.shard (the function that cuts
+every rank's shard at init), so a checkpoint describes exactly what each rank holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from gridtrain import checkpoint
+from gridtrain.checkpoint.shards import Placement, Slab, flat_boxes
+from gridtrain.config import preset_config
+from gridtrain.distributed import shutdown
+from gridtrain.model import GPT
+from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
+from gridtrain.tensor_parallel import ShardSpec, shard
+from gridtrain.trainer import build
+
+
+def _box_of(tensor_shape, box):
+    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))
+
+
+@pytest.mark.parametrize("shape", [(7,), (4, 5), (3, 4, 5), (2, 3, 2, 3)])
+def test_flat_boxes_partition_a_range_into_contiguous_boxes(shape):
+    rng = random.Random(0)
+    total = math.prod(shape)
+    flat = torch.arange(total).reshape(shape)
+    for _ in range(60):
+        lo = rng.randrange(total)
+        hi = rng.randrange(lo, total) + 1
+        boxes = flat_boxes(shape, lo, hi)
+        covered = torch.cat([flat[_box_of(shape, b)].reshape(-1) for b in boxes])
+        assert covered.tolist() == list(range(lo, hi))  # in order, each element once
+        for b in boxes:  # each box is one contiguous run starting at b.start
+            assert flat[_box_of(shape, b)].reshape(-1).tolist() == list(range(b.start, b.start + b.numel))
+        assert len(boxes) <= 2 * len(shape) - 1
+
+
+CASES = [  # (global shape, spec, tp, real rows)
+    ((12, 6), None, 1, None),
+    ((12, 6), ShardSpec(0), 2, None),
+    ((6, 12), ShardSpec(1), 4, None),
+    ((12, 6), ShardSpec(0, parts=3), 2, None),  # GPT-2's fused QKV
+    ((4, 6), ShardSpec(0, replicas=2), 4, None),  # Llama's kv heads replicated over tp 4
+    ((16, 4), ShardSpec(0), 4, 9),  # a padded vocabulary: rows 9.. are padding
+    ((16, 4), None, 1, 13),
+]
+
+
+@pytest.mark.parametrize("global_shape,spec,tp,rows", CASES)
+def test_each_rank_pieces_are_its_shard_at_the_right_place(global_shape, spec, tp, rows):
+    full = torch.randn(global_shape)
+    real = full[:rows] if rows is not None else full
+    seen = torch.zeros(real.shape, dtype=torch.long)
+    for rank in range(tp):
+        local = shard(full, spec, rank, tp) if spec is not None else full
+        where = Placement.of(tuple(local.shape), spec, rank, tp, rows)
+        assert where.global_shape == tuple(real.shape)
+        for offsets, view in Slab.of(local, where).pieces.items():
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
+            assert torch.equal(view, real[index])
+            seen[index] += 1
+        # a ZeRO-like split of the flattened shard: the same elements, cut differently
+        flat = local.reshape(-1)
+        cut = flat.numel() // 3
+        for lo, hi in ((0, cut), (cut, flat.numel())):
+            for offsets, view in Slab.of_flat(flat[lo:hi], lo, tuple(local.shape), where).pieces.items():
+                index = tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))
+                assert torch.equal(view, real[index])
+    copies = spec.replicas if spec is not None else tp
+    assert torch.equal(seen, torch.full_like(seen, copies))  # every element held, replicas alike
+
+
+# ---- what the files hold ------------------------------------------------------------------------
+
+
+def stored_bytes_by_file(step) -> tuple[dict[str, int], dict[str, int]]:
+    """Payload bytes per rank's file, and per key prefix (model/optim), from DCP's index;
+    checks that each tensor's chunks tile it exactly (every element stored once)."""
+    md = dcp.FileSystemReader(step).read_metadata()
+    per_file: dict[str, int] = {}
+    per_kind: dict[str, int] = {}
+    for key, tensor in md.state_dict_metadata.items():
+        if not hasattr(tensor, "chunks"):
+            continue
+        cover = torch.zeros(tuple(tensor.size), dtype=torch.int8)
+        for index, chunk in enumerate(tensor.chunks):
+            cover[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))] += 1
+        assert bool((cover == 1).all()), f"{key}: elements stored {cover.min()}..{cover.max()} times"
+        item = tensor.properties.dtype.itemsize
+        kind = key.split("/")[0]
+        per_kind[kind] = per_kind.get(kind, 0) + cover.numel() * item
+    for index, info in md.storage_data.items():
+        if not hasattr(md.state_dict_metadata[index.fqn], "chunks"):
+            continue  # RNG states (bytes)
+        chunk = next(c for c in md.state_dict_metadata[index.fqn].chunks if tuple(c.offsets) == tuple(index.offset))
+        item = md.state_dict_metadata[index.fqn].properties.dtype.itemsize
+        per_file[info.relative_path] = per_file.get(info.relative_path, 0) + math.prod(chunk.sizes) * item
+    return per_file, per_kind
+
+
+# ---- host memory of a save and a load -----------------------------------------------------------
+
+
+def _peak_rss_reset() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak resident set, to the current one
+    return _status("VmRSS")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def test_save_and_load_need_little_more_host_memory_than_the_state(tmp_path):
+    """A bf16 model with flat fp32 optimizer state (about 310 MiB written): a save needs at
+    most the largest tensor plus a small constant on top of the rank's own state (one
+    piece cloned at a time: shards.Writer); a load twice the largest tensor (the chunk's
+    bytes and the tensor torch.load makes of them) plus the constant. Measured as the
+    peak resident set of this process (VmHWM, reset before each)."""
+    cfg = preset_config("tiny")
+    cfg.model = dataclasses.replace(cfg.model, n_layer=6, d_model=512, n_head=8, vocab_size=8192)
+    cfg.training = dataclasses.replace(cfg.training, dtype="bf16", steps=1, global_batch_size=2,
+                                       micro_batch_size=2, progress=False, save=str(tmp_path / "run"))
+    try:
+        trainer = build(cfg, gpt_model_provider, gpt_forward_step, text_datasets_provider)
+        largest = max(p.numel() for p in trainer.model.parameters()) * 4  # in fp32 (the masters)
+        state = sum(p.numel() for p in trainer.model.parameters()) * (2 + 3 * 4)
+        before = _peak_rss_reset()
+        trainer.save(1)
+        save_extra = _status("VmHWM") - before
+        step = checkpoint.step_dir(tmp_path / "run", 1)
+        per_file, per_kind = stored_bytes_by_file(step)
+        assert sum(per_kind.values()) == state  # bf16 weights, fp32 masters and two moments, once
+        checkpoint.load_checkpoint(step, trainer.model, trainer.optimizer, trainer.ctx)  # hashed first
+        before = _peak_rss_reset()
+        checkpoint.load_checkpoint(step, trainer.model, trainer.optimizer, trainer.ctx)
+        load_extra = _status("VmHWM") - before
+    finally:
+        shutdown()
+    constant = 24 << 20
+    print(f"state {state / 2**20:.0f} MiB, largest tensor {largest / 2**20:.1f} MiB; peak above the state: "
+          f"save {save_extra / 2**20:.1f} MiB, load {load_extra / 2**20:.1f} MiB")
+    assert save_extra <= largest + constant, f"save needed {save_extra / 2**20:.1f} MiB more"
+    assert load_extra <= 2 * largest + constant, f"load needed {load_extra / 2**20:.1f} MiB more"
+
+
+def test_a_whole_model_reads_one_tensor_at_a_time(tmp_path):
+    """The one-process readers (export, generate, load_model) see every weight by name with
+    its shape from the index, and read exactly the saved values."""
+    cfg = preset_config("tiny")
+    model = GPT(cfg.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    checkpoint.save_checkpoint(tmp_path, 3, model, None, cfg)
+    tensors = checkpoint.weight_tensors(checkpoint.step_dir(tmp_path, 3))
+    expected = {n: p for n, p in model.named_parameters()}
+    assert sorted(tensors.names()) == sorted(expected)
+    for name in tensors.names():
+        rows = cfg.model.vocab_size if name == "embedding.word.weight" else expected[name].shape[0]
+        assert tensors.spec(name) == (torch.float32, (rows, *expected[name].shape[1:]))
+        assert torch.equal(tensors.get(name), expected[name][:rows])
