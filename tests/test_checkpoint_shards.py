@@ -19,7 +19,7 @@ from gridtrain import checkpoint
 from gridtrain.checkpoint.shards import Placement, Slab, flat_boxes
 from gridtrain.config import preset_config
 from gridtrain.distributed import shutdown
-from gridtrain.model import GPT
+from gridtrain.model import GPT, init_parameters
 from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
 from gridtrain.tensor_parallel import ShardSpec, shard
 from gridtrain.trainer import build
@@ -174,3 +174,71 @@ def test_a_whole_model_reads_one_tensor_at_a_time(tmp_path):
         rows = cfg.model.vocab_size if name == "embedding.word.weight" else expected[name].shape[0]
         assert tensors.spec(name) == (torch.float32, (rows, *expected[name].shape[1:]))
         assert torch.equal(tensors.get(name), expected[name][:rows])
+
+
+# ---- the background writer, and checkpoint info ----------------------------------------------------
+
+
+def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path, monkeypatch):
+    """--save-async: the training thread learns of a failed write at the next save (or
+    the end of the run), as one line naming the step; nothing is silent."""
+    from gridtrain.checkpoint import background
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(background, "write_state", fail)
+    saver = background.BackgroundSaver()
+    piece = torch.ones(4)
+    report = saver.save(tmp_path, 7, {"model/w": Slab.of(piece, Placement.of((4,), None, 0, 1))}, {"step": 7})
+    piece.zero_()  # the step goes on changing the weights: the write uses the staged copy
+    with pytest.raises(checkpoint.CheckpointError, match="background save of step 7 failed.*No space left"):
+        saver.wait()
+    saver.wait()  # reported once
+    assert report.blocked_s >= 0 and report.write_s >= 0
+
+
+def test_background_write_uses_the_state_as_it_was_when_staged(tmp_path):
+    cfg = preset_config("tiny")
+    model = GPT(cfg.model)
+    init_parameters(model, 0)
+    from gridtrain.checkpoint import background
+
+    saver = background.BackgroundSaver()
+    saver.save(tmp_path, 1, checkpoint.state_to_save(model, None, None), checkpoint.meta_of(1, cfg, None, None, None))
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the next steps, while the write runs
+    saver.wait()
+    tensors = checkpoint.weight_tensors(checkpoint.step_dir(tmp_path, 1))
+    for name in tensors.names():
+        assert torch.equal(tensors.get(name), expected[name][: tensors.spec(name)[1][0]])
+
+
+def test_checkpoint_info_describes_a_checkpoint_and_refuses_a_damaged_one(tmp_path, capsys):
+    from gridtrain import cli
+
+    cfg = preset_config("tiny")
+    model = GPT(cfg.model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    optimizer.step()
+    checkpoint.save_checkpoint(tmp_path, 3, model, optimizer, cfg)
+    assert cli.main(["checkpoint", "info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    n = sum(p.numel() for p in model.parameters())
+    assert "step 3, format 2" in out and "integrity: ok" in out and "optimizer step 1" in out
+    assert cli.main(["checkpoint", "info", "--json", str(tmp_path)]) == 0
+    info = __import__("json").loads(capsys.readouterr().out)
+    real = n - (GPT(cfg.model).embedding.word.weight.shape[0] - cfg.model.vocab_size) * cfg.model.d_model
+    assert info["parameters"] == real
+    assert info["bytes"]["weights"] == 4 * real and info["bytes"]["optimizer"] == 8 * real
+    assert info["layout"]["world_size"] == 1 and info["step"] == 3
+    rank_file = checkpoint.step_dir(tmp_path, 3) / "__0_0.distcp"
+    data = bytearray(rank_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    assert cli.main(["checkpoint", "info", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "__0_0.distcp has sha256" in err

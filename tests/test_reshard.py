@@ -17,7 +17,8 @@ import pytest
 
 from gridtrain import checkpoint
 from gridtrain.config import Config, preset_config
-from gridtrain.model import GPT, init_parameters
+from gridtrain.model import GPT, count_parameters, init_parameters
+from tests.test_checkpoint_shards import stored_bytes_by_file
 from tests.training import relative_difference, tiny_config, train_in_process, train_layouts
 
 SAVE_STEP = 5
@@ -72,7 +73,11 @@ def resharded(tmp_path_factory):
             runs[name + "/b"] = train_in_process(b_cfgs[name])
     for name, *_ in PAIRS:
         runs[name + "/b"]["save"] = saves[name] + "-b"
-    return refs, runs
+    return refs, runs, saves
+
+
+def _save_dirs(resharded) -> dict[str, str]:
+    return resharded[2]
 
 
 def _final_weights(save_dir: str, model: str) -> dict:
@@ -87,7 +92,7 @@ def _final_weights(save_dir: str, model: str) -> dict:
 
 @pytest.mark.parametrize("name,model", [(name, model) for name, model, _, _ in PAIRS])
 def test_a_checkpoint_continues_exactly_on_another_layout(resharded, tmp_path_factory, name, model):
-    refs, runs = resharded
+    refs, runs, _ = resharded
     reference = refs[model]
     for key in ("losses", "grad_norms"):  # A trains the same model, B continues it
         assert relative_difference(runs[name + "/a"][key], reference[key]) <= 1e-9, key
@@ -112,3 +117,17 @@ def test_the_pairs_cover_every_transition_the_issue_names():
                     ("sequence_parallel", True, False)]:
         assert (k, x, y) in moves, (k, x, y)
     assert {m for _, m, _, _ in PAIRS} == {"tiny", "llama-tiny"}
+
+
+@pytest.mark.parametrize("name,model", [(name, model) for name, model, a, _ in PAIRS if a is not ONE])
+def test_every_rank_writes_its_own_pieces_and_every_element_is_stored_once(resharded, name, model):
+    """Counted from DCP's index of A's checkpoint: each tensor's chunks tile it exactly
+    (replicas written once), the weights and the two Adam moments total the model's
+    parameters x 8 bytes each (fp64: no separate masters), and every rank wrote a file."""
+    step = checkpoint.step_dir(_save_dirs(resharded)[name], SAVE_STEP)
+    per_file, per_kind = stored_bytes_by_file(step)
+    n = count_parameters(_config(model, ONE).model)
+    assert per_kind == {"model": 8 * n, "optim": 2 * 8 * n}
+    assert sum(per_file.values()) == 3 * 8 * n
+    assert sorted(per_file) == [f"__{r}_0.distcp" for r in range(4)]
+    assert all(per_file.values())  # the replicas' writes are spread over the ranks holding them
