@@ -33,12 +33,15 @@ parameter on every rank whatever dp is. The updated weights are all-gathered in 
 parameters' own dtype straight into one flat buffer (half the bytes of gathering fp32
 masters for bf16/fp16, and no list of per-rank copies to concatenate).
 
-**Checkpoints** hold whole tensors per parameter, whatever the layout (checkpoint.py):
-:meth:`DistributedOptimizer.state_by_param` gathers the shards to the DP group's first
-rank only, which is where the checkpoint is written (the other ranks of a DP group hold
-the same weights and write nothing), and hands over the master weights with the moments,
-so that a bf16 or fp16 run resumes from its fp32 masters instead of from the rounded
-16-bit parameters. :class:`LossScaler` has its own ``state_dict`` for the same reason:
+**Checkpoints** store each parameter's optimizer state by name through
+torch.distributed.checkpoint (gridtrain/checkpoint/), whatever the layout: each DP rank
+writes the boxes of its own flat range of the master weights and both moments
+(gridtrain/checkpoint/shards.py), and reads back into that range the parts it owns, so
+nothing is gathered, with ZeRO-1 or without. The master weights are stored beside the
+moments, so that a bf16 or fp16 run resumes from its fp32 masters instead of from the
+rounded 16-bit parameters. :meth:`DistributedOptimizer.load_state_by_param` takes whole
+per-parameter tensors instead (the whole-tensor checkpoints of earlier versions,
+``--init-from``). :class:`LossScaler` has its own ``state_dict`` for the same reason:
 an fp16 run resumed with a fresh scale would skip steps the uninterrupted run did not.
 """
 
@@ -196,32 +199,15 @@ class DistributedOptimizer:
         for p, o in zip(self.params, self.offsets):
             p.copy_(full[o: o + p.numel()].view_as(p))
 
-    # ---- checkpoints: whole per-parameter state, whatever the sharding --------------------
-
-    def state_by_param(self) -> dict[nn.Parameter, dict[str, torch.Tensor]] | None:
-        """AdamW state per parameter, as torch.optim.AdamW names it, plus ``master`` (the
-        master weights, whole, in the master dtype), on the DP group's first rank; None on
-        the others. Collective over DP with ZeRO-1: each shard goes only to the rank that
-        writes the checkpoint (one flat vector at a time, so that rank holds at most one
-        gathered vector beside the per-parameter copies it returns)."""
-        first = self.dp.rank == 0
-        state: dict[nn.Parameter, dict[str, torch.Tensor]] = {
-            p: {"step": torch.tensor(float(self.steps))} for p in self.params} if first else None
-        for key, shard in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
-            full = self.dp.gather_to_first(shard) if self.reducer.shard else shard
-            if first:
-                # copies rather than views (views would share one storage when saved)
-                for p, o in zip(self.params, self.offsets):
-                    state[p][key] = full[o: o + p.numel()].view_as(p).clone()
-            del full
-        return state
+    # ---- whole per-parameter state (format-1 checkpoints, --init-from) --------------------
 
     @torch.no_grad()
     def load_state_by_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
-        """The inverse of :meth:`state_by_param`, for whatever this rank owns: each
-        parameter's whole state sliced to the pieces of it in this rank's shard. Master
-        weights come from ``master`` where the checkpoint has them, else from the
-        parameters as loaded; moments from the checkpoint, else zero."""
+        """Load AdamW state given whole per parameter (as torch.optim.AdamW names it, plus
+        ``master``: the master weights) into whatever this rank owns: each parameter's
+        state sliced to the pieces of it in this rank's shard. Master weights come from
+        ``master`` where the checkpoint has them, else from the parameters as loaded;
+        moments from the checkpoint, else zero."""
         self.exp_avg.zero_()
         self.exp_avg_sq.zero_()
         self._master_from_params()

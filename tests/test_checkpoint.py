@@ -1,6 +1,9 @@
 """Checkpoint integrity: the manifest, damaged and mismatched checkpoints refused in one
 line, re-saves that never lose the complete old copy, and finding the latest checkpoint.
 
+Saves are in the sharded format (torch.distributed.checkpoint: DCP's ``.metadata`` index
+and one ``__<rank>_0.distcp`` file per rank); the whole-tensor format of earlier versions
+(``model-pp000.safetensors``, ``trainer-pp000.pt``) is built by hand and must still load.
 Most tests save a tiny model directly in this process (no training, no process group);
 one trains through the real loop, one saves from two real ranks.
 """
@@ -17,9 +20,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from gridtrain import checkpoint, cli
-from gridtrain.checkpoint import CheckpointError, check_loadable, latest_step_dir, load_checkpoint
+from gridtrain.checkpoint import CheckpointError, check_loadable, integrity, latest_step_dir, load_checkpoint, sharded
 from gridtrain.config import preset_config
 from gridtrain.model import GPT, init_parameters
 from gridtrain.tensor_parallel import TensorParallel
@@ -27,7 +31,7 @@ from tests.harness import run_on_ranks
 from tests.training import tiny_config, train_in_process
 
 STEP = 4
-WEIGHTS, TRAINER = "model-pp000.safetensors", "trainer-pp000.pt"
+SHARDS, INDEX = "__0_0.distcp", checkpoint.DCP_METADATA  # rank 0's chunks; DCP's index of them
 
 
 def _model_and_optimizer(seed: int = 0):
@@ -45,13 +49,27 @@ def _weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _adam(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """AdamW's state by parameter name (step count and both moments)."""
+    return {name: {k: v.clone() for k, v in optimizer.state[p].items()}
+            for name, p in model.named_parameters() if p in optimizer.state}
+
+
+def _assert_same_adam(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    for name, state in a.items():
+        assert sorted(state) == sorted(b[name]) == ["exp_avg", "exp_avg_sq", "step"], name
+        for key, value in state.items():
+            assert torch.equal(value, b[name][key]), (name, key)
+
+
 @pytest.fixture(scope="module")
 def original(tmp_path_factory):
-    """One good save directory (step 4 of a tiny model) and the weights in it."""
+    """One good save directory (step 4 of a tiny model), the weights and the Adam state in it."""
     directory = tmp_path_factory.mktemp("original")
     cfg, model, optimizer = _model_and_optimizer()
     checkpoint.save_checkpoint(directory, STEP, model, optimizer, cfg)
-    return directory, cfg, _weights(model)
+    return directory, cfg, _weights(model), _adam(model, optimizer)
 
 
 @pytest.fixture
@@ -62,12 +80,17 @@ def saved(original, tmp_path) -> Path:
     return directory
 
 
-def _loaded_weights(directory) -> dict[str, torch.Tensor]:
+def _loaded(directory) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """Weights and Adam state loaded from ``directory`` into a fresh model and optimizer."""
     cfg = preset_config("tiny")
     model = GPT(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     assert load_checkpoint(directory, model, optimizer) == STEP
-    return _weights(model)
+    return _weights(model), _adam(model, optimizer)
+
+
+def _loaded_weights(directory) -> dict[str, torch.Tensor]:
+    return _loaded(directory)[0]
 
 
 def _one_line(exc: pytest.ExceptionInfo) -> str:
@@ -84,21 +107,26 @@ def test_manifest_lists_every_file_with_size_and_sha256(saved):
     manifest = json.loads((step / "manifest.json").read_text())
     assert manifest["checksum"] == "sha256" and manifest["step"] == STEP
     assert sorted(manifest["files"]) == sorted(p.name for p in step.iterdir() if p.name != "manifest.json")
-    assert sorted(manifest["files"]) == ["meta.json", WEIGHTS, TRAINER]
+    assert sorted(manifest["files"]) == [INDEX, SHARDS, "meta.json"]
     for name, entry in manifest["files"].items():
         assert entry["size"] == (step / name).stat().st_size
         assert entry["sha256"] == checkpoint._sha256(step / name)
+    meta = json.loads((step / "meta.json").read_text())
+    assert (meta["format"], meta["version"], meta["step"]) == ("gridtrain-checkpoint", 2, STEP)
+    assert meta["optimizer"]["step"] == 1 and meta["scaler"] is None
     assert (saved / "latest").read_text() == step.name
     assert sorted(p.name for p in saved.iterdir()) == sorted(["latest", step.name])  # no leftovers
 
 
 def test_good_checkpoint_round_trips_and_extra_files_are_ignored(saved, original):
-    (checkpoint.step_dir(saved, STEP) / "notes.txt").write_text("mine")
-    (checkpoint.step_dir(saved, STEP) / "model-pp009.safetensors").write_bytes(b"not listed, never read")
+    for name in ("notes.txt", "__9_0.distcp", "model-pp009.safetensors", "trainer-pp000.pt"):
+        (checkpoint.step_dir(saved, STEP) / name).write_bytes(b"not listed, never read")
     assert check_loadable(saved, original[1]) == checkpoint.step_dir(saved, STEP)
     assert check_loadable(checkpoint.step_dir(saved, STEP), original[1].model).name == "step_0000004"
-    for name, value in _loaded_weights(saved).items():
+    weights, adam = _loaded(saved)
+    for name, value in weights.items():
         assert torch.equal(value, original[2][name]), name
+    _assert_same_adam(adam, original[3])
     assert checkpoint.read_meta(saved)["step"] == STEP
 
 
@@ -136,22 +164,25 @@ def _edit_manifest(step: Path, edit) -> None:
 
 # (id, damage(save_dir, step_dir), words the one line must contain)
 DAMAGE = [
-    ("truncated-weights", lambda d, s: _truncate(s / WEIGHTS), [WEIGHTS, "bytes, the manifest says", "truncated"]),
-    ("flipped-tensor-data", lambda d, s: _flip(s / WEIGHTS, (s / WEIGHTS).stat().st_size - 7),
-     [WEIGHTS, "sha256"]),
-    ("flipped-weights-header", lambda d, s: _flip(s / WEIGHTS, 18), [WEIGHTS, "sha256"]),
-    ("truncated-trainer", lambda d, s: _truncate(s / TRAINER), [TRAINER, "truncated"]),
-    ("flipped-trainer", lambda d, s: _flip(s / TRAINER, (s / TRAINER).stat().st_size // 2), [TRAINER, "sha256"]),
+    ("truncated-shards", lambda d, s: _truncate(s / SHARDS), [SHARDS, "bytes, the manifest says", "truncated"]),
+    ("flipped-tensor-data", lambda d, s: _flip(s / SHARDS, (s / SHARDS).stat().st_size // 2), [SHARDS, "sha256"]),
+    ("flipped-shards-start", lambda d, s: _flip(s / SHARDS, 18), [SHARDS, "sha256"]),
+    ("grown-shards", lambda d, s: (s / SHARDS).write_bytes((s / SHARDS).read_bytes() + b"\0"),
+     [SHARDS, "longer than written"]),
+    ("truncated-index", lambda d, s: _truncate(s / INDEX), [INDEX, "truncated"]),
+    ("flipped-index", lambda d, s: _flip(s / INDEX, (s / INDEX).stat().st_size // 2), [INDEX, "sha256"]),
     ("broken-meta", lambda d, s: (s / "meta.json").write_text("{not json"), ["meta.json"]),
     ("flipped-meta", lambda d, s: _flip(s / "meta.json", 5), ["meta.json", "sha256"]),
     ("missing-manifest", lambda d, s: (s / "manifest.json").unlink(), ["no manifest.json", "write_manifest"]),
     ("broken-manifest", lambda d, s: (s / "manifest.json").write_text("{"), ["manifest.json cannot be read"]),
     ("foreign-manifest", lambda d, s: (s / "manifest.json").write_text("[1, 2]"), ["not a gridtrain"]),
     ("manifest-lists-a-missing-file",
-     lambda d, s: _edit_manifest(s, lambda m: m["files"].update({"model-pp001.safetensors": {"size": 1, "sha256": "0"}})),
-     ["model-pp001.safetensors is missing"]),
-    ("missing-weights", lambda d, s: (s / WEIGHTS).unlink(), [WEIGHTS, "is missing"]),
-    ("missing-trainer", lambda d, s: (s / TRAINER).unlink(), [TRAINER, "is missing"]),
+     lambda d, s: _edit_manifest(s, lambda m: m["files"].update({"__1_0.distcp": {"size": 1, "sha256": "0"}})),
+     ["__1_0.distcp is missing"]),
+    ("manifest-without-index", lambda d, s: _edit_manifest(s, lambda m: m["files"].pop(INDEX)),
+     ["lists no meta.json, or neither .metadata"]),
+    ("missing-shards", lambda d, s: (s / SHARDS).unlink(), [SHARDS, "is missing"]),
+    ("missing-index", lambda d, s: (s / INDEX).unlink(), [INDEX, "is missing"]),
     ("latest-names-a-missing-step", lambda d, s: (d / "latest").write_text("step_0000099"),
      ["latest names 'step_0000099', which does not exist", "step_0000004"]),
     ("empty-latest", lambda d, s: (d / "latest").write_text(""), ["latest is empty", "step_0000004"]),
@@ -182,10 +213,10 @@ def test_damaged_checkpoint_is_refused_in_one_line(saved, original, damage, word
 # Damage that the manifest cannot see (it was rewritten over the damaged file, as
 # write_manifest would): the readers' own errors still come out as one line.
 UNREADABLE = [
-    ("broken-weights-header", WEIGHTS, lambda p: p.write_bytes(b"\xff" * 8 + p.read_bytes()[8:])),
-    ("truncated-weights", WEIGHTS, lambda p: _truncate(p, 50)),
-    ("truncated-trainer", TRAINER, lambda p: _truncate(p, 50)),
-    ("garbage-trainer", TRAINER, lambda p: p.write_bytes(b"garbage")),
+    ("garbage-shards", SHARDS, lambda p: p.write_bytes(b"garbage")),
+    ("truncated-shards", SHARDS, lambda p: _truncate(p, 50)),
+    ("truncated-index", INDEX, lambda p: _truncate(p, 50)),
+    ("garbage-index", INDEX, lambda p: p.write_bytes(b"garbage")),
     ("broken-meta", "meta.json", lambda p: p.write_text("{not json")),
     ("meta-without-step", "meta.json", lambda p: p.write_text('{"config": {}}')),
 ]
@@ -210,6 +241,38 @@ def test_checkpoint_from_before_manifests_is_refused_then_adopted(saved, origina
     checkpoint.write_manifest(step)  # the fix the message gives
     for name, value in _loaded_weights(saved).items():
         assert torch.equal(value, original[2][name]), name
+
+
+def _whole_tensor_checkpoint(directory: Path) -> Path:
+    """A step directory in the whole-tensor format of earlier versions (format 1), made by
+    hand: each weight whole by name without vocabulary padding, Adam's state by name."""
+    cfg, model, optimizer = _model_and_optimizer()
+    step = checkpoint.step_dir(directory, STEP)
+    step.mkdir(parents=True)
+    save_file({name: p.detach()[: getattr(p, "vocab_rows", p.shape[0])].contiguous()
+               for name, p in model.named_parameters()}, step / "model-pp000.safetensors")
+    torch.save({"state": {name: {k: state[k] for k in ("step", "exp_avg", "exp_avg_sq")}
+                          for name, state in _adam(model, optimizer).items()},
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+                "rng": None, "scaler": None}, step / "trainer-pp000.pt")
+    (step / "meta.json").write_text(json.dumps({"step": STEP, "config": cfg.to_dict()}))
+    checkpoint.write_manifest(step)
+    (directory / "latest").write_text(step.name)
+    return step
+
+
+def test_whole_tensor_checkpoint_of_earlier_versions_still_loads(tmp_path, original):
+    step = _whole_tensor_checkpoint(tmp_path)
+    assert not checkpoint.is_sharded(step) and check_loadable(tmp_path, original[1]) == step
+    weights, adam = _loaded(tmp_path)
+    for name, value in weights.items():
+        assert torch.equal(value, original[2][name]), name
+    _assert_same_adam(adam, original[3])
+    (step / "trainer-pp000.pt").write_bytes(b"garbage")  # its files' damage is one line too
+    checkpoint.write_manifest(step)
+    with pytest.raises(CheckpointError) as exc:
+        _loaded(tmp_path)
+    assert "trainer-pp000.pt cannot be read" in _one_line(exc)
 
 
 def test_missing_and_empty_directories_are_one_line(tmp_path):
@@ -262,16 +325,19 @@ def _hidden(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
 
 
-@pytest.mark.parametrize("broken", ["save_file", "torch_save", "_write_manifest"])
+def _no_space(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+# where a save fails: inside DCP's writing (every file is synced), sealing a rank's file,
+# rank 0 writing the manifest
+BREAK = {"fsync": (os, "fsync"), "_seal": (sharded, "_seal"), "_write_manifest": (sharded, "_write_manifest")}
+
+
+@pytest.mark.parametrize("broken", list(BREAK))
 def test_failed_resave_keeps_the_complete_old_checkpoint(saved, original, monkeypatch, broken):
     cfg, model, optimizer = _model_and_optimizer(seed=7)
-
-    def fail(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-    if broken == "torch_save":
-        monkeypatch.setattr(checkpoint.torch, "save", fail)
-    else:
-        monkeypatch.setattr(checkpoint, broken, fail)
+    monkeypatch.setattr(*BREAK[broken], _no_space)
     with pytest.raises(CheckpointError) as exc:
         checkpoint.save_checkpoint(saved, STEP, model, optimizer, cfg)
     assert "No space left on device" in _one_line(exc) and "previous checkpoint is unchanged" in str(exc.value)
@@ -292,7 +358,7 @@ def test_crash_between_the_renames_leaves_latest_loadable(saved, original, monke
         if Path(dst).name == f"step_{STEP:07d}":
             raise KeyboardInterrupt  # the process dies here
         real_replace(src, dst)
-    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    monkeypatch.setattr(integrity.os, "replace", replace)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_checkpoint(saved, STEP, model, optimizer, cfg)
     monkeypatch.undo()
@@ -311,7 +377,7 @@ def test_crash_between_the_renames_leaves_latest_loadable(saved, original, monke
 def test_resave_replaces_the_step_and_clears_leftovers(saved, original):
     stale = saved / ".step_0000004.tmp-123-deadbeef"  # a crashed save's leftovers
     stale.mkdir()
-    (stale / WEIGHTS).write_bytes(b"half")
+    (stale / SHARDS).write_bytes(b"half")
     cfg, model, optimizer = _model_and_optimizer(seed=7)
     assert checkpoint.save_checkpoint(saved, STEP, model, optimizer, cfg) == checkpoint.step_dir(saved, STEP)
     assert _hidden(saved) == [] and (saved / "latest").read_text() == "step_0000004"
@@ -332,7 +398,7 @@ def test_latest_step_dir(saved, tmp_path):
     (saved / "latest").unlink()  # saved, but gone before `latest` was written
     assert latest_step_dir(saved) == checkpoint.step_dir(saved, STEP)
     (saved / "latest").write_text("step_0000004")
-    _truncate(checkpoint.step_dir(saved, STEP) / WEIGHTS)
+    _truncate(checkpoint.step_dir(saved, STEP) / SHARDS)
     with pytest.raises(CheckpointError, match="truncated") as exc:
         latest_step_dir(saved)
     assert _one_line(exc).startswith("--save ")
@@ -344,39 +410,53 @@ def test_latest_step_dir(saved, tmp_path):
 def test_verification_hashes_a_file_once_per_process(saved, monkeypatch):
     check_loadable(saved)
     hashed = []
-    monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append(p.name) or "x")
+    monkeypatch.setattr(integrity, "_sha256", lambda p: hashed.append(p.name) or "x")
     check_loadable(saved)
     _loaded_weights(saved)
     assert hashed == []
     time.sleep(0.05)  # past the file system's timestamp granularity
-    _flip(checkpoint.step_dir(saved, STEP) / WEIGHTS, 100)  # a changed file is hashed again
+    _flip(checkpoint.step_dir(saved, STEP) / SHARDS, 100)  # a changed file is hashed again
     with pytest.raises(CheckpointError, match="sha256"):
         check_loadable(saved)
-    assert hashed == [WEIGHTS]
+    assert hashed == [SHARDS]
 
 
 # ---- two ranks -------------------------------------------------------------------------------
 
 
-def _two_stage_save(rank: int, world_size: int, directory: str, fail_rank: int | None):
+def _two_rank_save(rank: int, world_size: int, root: str) -> dict:
+    """Two ranks holding the same model save it (DCP writes each tensor once, each rank
+    its own file), then the same save fails on one rank: inside DCP's writing, sealing
+    rank 1's file, rank 0 writing the manifest. Returns the manifest's files and each
+    failure's message, as this rank saw them, and the state saved."""
     cfg, model, optimizer = _model_and_optimizer()
-    ctx = SimpleNamespace(coords=SimpleNamespace(pp=rank, dp=0, tp=0), tp=TensorParallel(),
+    ctx = SimpleNamespace(coords=SimpleNamespace(pp=0, dp=rank, tp=0), tp=TensorParallel(),
                           device=torch.device("cpu"))
-    if rank == fail_rank:
-        def fail(*args, **kwargs):
-            raise OSError(28, "No space left on device")
-        checkpoint.save_file = fail
-    try:
-        checkpoint.save_checkpoint(directory, STEP, model, optimizer, cfg, ctx)
-    except CheckpointError as exc:
-        return str(exc)
-    return sorted(json.loads((checkpoint.step_dir(directory, STEP) / "manifest.json").read_text())["files"])
+    checkpoint.save_checkpoint(f"{root}/ok", STEP, model, optimizer, cfg, ctx)
+    out = {"ok": sorted(json.loads((checkpoint.step_dir(f"{root}/ok", STEP) / "manifest.json").read_text())["files"]),
+           "state": (_weights(model), _adam(model, optimizer))}
+    for broken, fail_rank in (("fsync", 1), ("_seal", 1), ("_write_manifest", 0)):
+        module, name = BREAK[broken]
+        real = getattr(module, name)
+        if rank == fail_rank:
+            setattr(module, name, _no_space)
+        try:
+            checkpoint.save_checkpoint(f"{root}/{broken}", STEP, model, optimizer, cfg, ctx)
+        except CheckpointError as exc:
+            out[broken] = str(exc)
+        finally:
+            setattr(module, name, real)
+    return out
 
 
 def test_two_ranks_write_one_manifest_and_a_failure_reaches_both(tmp_path):
-    ok, fail = str(tmp_path / "ok"), str(tmp_path / "fail")
-    files = ["meta.json", WEIGHTS, "model-pp001.safetensors", TRAINER, "trainer-pp001.pt"]
-    assert run_on_ranks(_two_stage_save, 2, ok, None) == [sorted(files)] * 2
-    errors = run_on_ranks(_two_stage_save, 2, fail, 1)
-    assert all("rank 1 could not write the checkpoint" in e and "\n" not in e for e in errors), errors
-    assert not any(Path(fail).glob("*step*")) and not any(Path(fail).glob(".step*"))
+    ranks = run_on_ranks(_two_rank_save, 2, str(tmp_path))
+    assert [r["ok"] for r in ranks] == [[INDEX, SHARDS, "__1_0.distcp", "meta.json"]] * 2
+    weights, adam = _loaded(tmp_path / "ok")  # both ranks' files: the model once
+    assert all(torch.equal(value, ranks[0]["state"][0][name]) for name, value in weights.items())
+    _assert_same_adam(adam, ranks[0]["state"][1])
+    for broken, fail_rank in (("fsync", 1), ("_seal", 1), ("_write_manifest", 0)):
+        errors = [r.get(broken) for r in ranks]
+        assert all(e and f"rank {fail_rank} could not write the checkpoint" in e and "No space left" in e
+                   and "\n" not in e for e in errors), (broken, errors)
+        assert not any((tmp_path / broken).glob("*step*")) and not any((tmp_path / broken).glob(".step*")), broken

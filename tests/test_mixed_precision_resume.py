@@ -15,8 +15,12 @@ show up; with ZeRO-1 it must be exactly ``3 x 4 bytes x padded / dp`` for fp32 m
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from gridtrain import checkpoint
 from gridtrain.comm import CommGroup, single
@@ -32,7 +36,6 @@ from tests.harness import run_on_ranks
 from tests.training import relative_difference, summarize, tiny_config, train_in_process
 
 N, K = 6, 3  # train N steps; the resumed run starts from the checkpoint after step K
-TRAINER = "trainer-pp000.pt"
 # fp16: a first scale that overflows (the first two steps are skipped) and a short growth
 # window (the scale doubles every two good steps): at step K the scaler has a scale
 # other than the first and is half-way through a window, so a resume that lost its state
@@ -59,8 +62,23 @@ def _pair(root, dtype: str, **parallel) -> tuple[Config, Config]:
     return configs[0], configs[1]
 
 
-def _trainer_file(cfg: Config, step: int) -> dict:
-    return torch.load(checkpoint.step_dir(cfg.training.save, step) / TRAINER, weights_only=False)
+def _saved(cfg: Config, step: int) -> dict:
+    """What the checkpoint after ``step`` holds beyond the weights: ``state``, each
+    parameter's whole optimizer tensors by name (``optim/<name>/<what>`` read through
+    DCP, whatever layout wrote them), and meta.json's ``optimizer`` and ``scaler``."""
+    path = checkpoint.step_dir(cfg.training.save, step)
+    index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+               for key, md in index.items() if key.startswith("optim/")}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: meant
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        _, name, what = key.split("/")
+        state.setdefault(name, {})[what] = value
+    meta = json.loads((path / checkpoint.META).read_text())
+    return {"state": state, "optimizer": meta["optimizer"], "scaler": meta["scaler"]}
 
 
 def _assert_continues_exactly(straight: dict, resumed: dict, cfgs: tuple[Config, Config]) -> None:
@@ -68,19 +86,21 @@ def _assert_continues_exactly(straight: dict, resumed: dict, cfgs: tuple[Config,
     assert resumed["grad_norms"] == straight["grad_norms"][K:]
     for name, value in straight["state"].items():
         assert (resumed["state"][name] == value).all(), name
-    a, b = (_trainer_file(cfg, N) for cfg in cfgs)
-    assert a["state"].keys() == b["state"].keys()
+    a, b = (_saved(cfg, N) for cfg in cfgs)
+    assert a["state"].keys() == b["state"].keys() and a["state"]
     for name, state in a["state"].items():
+        assert sorted(state) == ["exp_avg", "exp_avg_sq", "master"], name
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(state[key], b["state"][name][key]), (name, key)
     assert a["scaler"] == b["scaler"]
+    assert a["optimizer"] == b["optimizer"]  # step count (fp16: without the skipped steps), groups
 
 
 def _assert_state_matters(cfg: Config, dtype: str) -> None:
     """What the checkpoint at K holds beyond the weights file, so that these tests would
     fail without it: masters that 16-bit weights cannot represent, and (fp16) a scaler
     that has skipped steps and no longer has its initial scale."""
-    saved = _trainer_file(cfg, K)
+    saved = _saved(cfg, K)
     master = saved["state"]["blocks.0.attn.qkv.weight"]["master"]
     assert master.dtype == torch.float32
     assert not torch.equal(master, master.to(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])).float())
@@ -113,9 +133,9 @@ def _dp2_worker(rank: int, world_size: int, cfgs: list[Config]) -> dict:
 
 
 def test_16bit_zero1_runs_resume_bit_for_bit_on_dp2_and_load_on_one_process(tmp_path):
-    """dp 2 + ZeRO-1 on real processes: the shards are gathered to the writer on save and
-    sliced back on load; bf16 and fp16 resume bit for bit, and the bf16 checkpoint loads on
-    one process (no sharding) with the same masters and moments."""
+    """dp 2 + ZeRO-1 on real processes: each DP rank writes the pieces of its own shard
+    and reads back those it owns; bf16 and fp16 resume bit for bit, and the bf16
+    checkpoint loads on one process (no sharding) with the same masters and moments."""
     bf16, fp16 = _pair(tmp_path, "bf16", dp=2), _pair(tmp_path, "fp16", dp=2)
     ranks = run_on_ranks(_dp2_worker, 2, [*bf16, *fp16], timeout_s=600)
     for out in ranks:  # fp32 master + two moments, 1/2 of the padded vector each; nothing else
@@ -130,7 +150,7 @@ def test_16bit_zero1_runs_resume_bit_for_bit_on_dp2_and_load_on_one_process(tmp_
     # the dp 2 ZeRO-1 checkpoint on one process, without sharding: masters intact
     one = tiny_config(dtype="bf16", steps=N)
     one.training.load = bf16[1].training.load
-    saved = _trainer_file(bf16[0], K)["state"]
+    saved = _saved(bf16[0], K)["state"]
     try:
         trainer = build(one, gpt_model_provider, gpt_forward_step)
         opt = trainer.optimizer

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -130,6 +131,10 @@ CHECKPOINTS = {
                                        "d_model 64 (checkpoint) vs 32 (flags)"),
     "auto-resume onto a broken latest": (["--auto-resume", "--save", "{d}/latest-missing"],
                                          "names 'step_0000005', which does not exist"),
+    "checkpoint without its shard file": (["--load", "{d}/ckpt-damaged"], "__0_0.distcp is missing"),
+    "negative keep-last": (["--keep-last", "-1", "--save", "{d}/run"], "--keep-last must be >= 0, got -1"),
+    "keep-last without save": (["--keep-last", "2"], "--keep-last prunes the --save directory; pass --save DIR"),
+    "save-async without save": (["--save-async"], "--save-async writes checkpoints to --save; pass --save DIR"),
 }
 
 OUTPUTS = {
@@ -197,6 +202,8 @@ def d(tmp_path_factory) -> Path:
         (root / name / "latest").write_text(latest)
     cfg = preset_config("tiny")
     checkpoint.save_checkpoint(root / "ckpt", 1, GPT(cfg.model), None, cfg)
+    shutil.copytree(root / "ckpt", root / "ckpt-damaged")
+    (checkpoint.step_dir(root / "ckpt-damaged", 1) / "__0_0.distcp").unlink()
     (root / "yaml").mkdir()
     for i, (text, _) in enumerate(YAML.values()):
         (root / "yaml" / f"{i}.yaml").write_text(text)
