@@ -186,23 +186,6 @@ class CommGroup:
         self.counter.add("all_gather", self.name, tensor, copies=self.size)
         return out
 
-    def gather_to_first(self, shard: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's ``shard`` concatenated on the group's first rank (None elsewhere),
-        received straight into one flat tensor (its slices are the gather's outputs)."""
-        if self.size == 1:
-            return shard
-        self.check_device("gather", shard)
-        first, n = self.rank == 0, shard.numel()
-        full = shard.new_empty(n * self.size) if first else None
-        self.counter.add("gather", self.name, shard, copies=self.size)
-        rec = self.record("gather", shard, shard.numel() * shard.element_size() * self.size)
-        try:
-            dist.gather(shard.contiguous(), [full[i * n:(i + 1) * n] for i in range(self.size)] if first else None,
-                        dst=self.global_rank(0), group=self.group)
-        finally:
-            self.done(rec, shard)
-        return full
-
     def _gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` stacked along a new first dimension, ``[size, *shape]``,
         gathered into a buffer allocated once (rank r's copy is the r-th block)."""
