@@ -82,3 +82,36 @@ def test_pp_vs_torch_pipelining_runs_and_the_tied_variant_agrees():
     out = _run("pp_vs_torch_pipelining", "--microbatches", "2", "--micro-batch-size", "2", "--no-reference")
     diff = re.search(r"torch 1F1B \+ tied all-reduce \S+ \(diff \S+; largest over 2 steps (\S+)\)", out)
     assert diff and float(diff.group(1)) < 1e-4, out
+
+
+def test_checkpoint_save_reads_gridtrain_s_summary_line():
+    """The benchmark parses the run summary's `checkpoints:` line: the format it expects is gridtrain's."""
+    from gridtrain.checkpoint.sharded import SaveReport
+    from gridtrain.reporting import save_summary
+
+    module = _load("checkpoint_save")
+    saves = [SaveReport(step=2 * i, blocked_s=0.1 * i, write_s=1.0 + i) for i in (1, 2, 3)]
+    for background in (False, True):
+        found = module.SUMMARY.search(save_summary(saves, background))
+        assert found and found.groups() == ("3", "0.200", "0.300", "0.100, 0.200, 0.300", "3.000")
+
+
+def test_checkpoint_save_default_command_validates_and_a_bad_one_is_status_2(tmp_path):
+    module = _load("checkpoint_save")
+    module.check(module.parse_args([]), tmp_path)  # gpt2 at dp 2 x tp 2: what gridtrain train checks
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "checkpoint_save.py"), "--model", "tiny", "--tp", "3",
+                           "--dp", "1"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("checkpoint_save: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_checkpoint_save_runs_both_modes():
+    """One process, the tiny model, one round: both modes run, are measured and reported."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "checkpoint_save.py"), "--model", "tiny", "--dp", "1",
+                           "--tp", "1", "--seq-len", "32", "--steps", "3", "--save-interval", "1", "--rounds", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for mode in ("sync", "async"):
+        assert re.search(rf"^\| 1 \| {mode} \| [\d.]+ \| 3 \| ", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^  pause per save \(measured, median\) \S+", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^wall time \d+ s$", proc.stdout, re.M)
