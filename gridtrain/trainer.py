@@ -148,7 +148,10 @@ class Trainer:
     def save(self, step: int) -> None:
         """Write a checkpoint after ``step`` steps, unless some weight is not finite (e.g. an
         fp16 copy of a master weight beyond fp16's range): then the run has diverged, and
-        ``latest`` stays the last finite checkpoint."""
+        ``latest`` stays the last finite checkpoint. The time the loop is blocked (the
+        finiteness check, building the state, waiting for the previous background write,
+        staging or writing) is recorded per save for the run summary."""
+        began = time.perf_counter()
         self.ctx.recorder.set_action("checkpoint save")
         if not self._weights_finite():
             raise Diverged(f"step {step}: some weights are not finite (inf or NaN); not saved, the latest "
@@ -157,12 +160,14 @@ class Trainer:
         state = checkpoint.state_to_save(self.model, self.optimizer, self.ctx)
         meta = checkpoint.meta_of(step, self.cfg, self.ctx, self.optimizer, self.scaler)
         if self.saver is not None:
-            self.saves.append(self.saver.save(t.save, step, state, meta, keep_last=t.keep_last))
-            return
-        began = time.perf_counter()
-        path = checkpoint.write_state(t.save, step, state, meta, keep_last=t.keep_last)
-        elapsed = time.perf_counter() - began
-        self.saves.append(SaveReport(step=step, blocked_s=elapsed, write_s=elapsed, path=path))
+            report = self.saver.save(t.save, step, state, meta, keep_last=t.keep_last)
+        else:
+            report = SaveReport(step=step)
+            written = time.perf_counter()
+            report.path = checkpoint.write_state(t.save, step, state, meta, keep_last=t.keep_last)
+            report.write_s = time.perf_counter() - written
+        report.blocked_s = time.perf_counter() - began
+        self.saves.append(report)
 
     def finish_saves(self) -> None:
         """Wait for a background save in flight; raise its failure (never silent)."""

@@ -431,7 +431,7 @@ def _two_rank_save(rank: int, world_size: int, root: str) -> dict:
     failure's message, as this rank saw them, and the state saved."""
     cfg, model, optimizer = _model_and_optimizer()
     ctx = SimpleNamespace(coords=SimpleNamespace(pp=0, dp=rank, tp=0), tp=TensorParallel(),
-                          device=torch.device("cpu"))
+                          grid=SimpleNamespace(dp=world_size, tp=1, pp=1), device=torch.device("cpu"))
     checkpoint.save_checkpoint(f"{root}/ok", STEP, model, optimizer, cfg, ctx)
     out = {"ok": sorted(json.loads((checkpoint.step_dir(f"{root}/ok", STEP) / "manifest.json").read_text())["files"]),
            "state": (_weights(model), _adam(model, optimizer))}

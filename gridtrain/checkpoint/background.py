@@ -65,7 +65,8 @@ class BackgroundSaver:
         self.wait()
         began = time.perf_counter()
         staged = stage(state)
-        report = SaveReport(step=step, blocked_s=time.perf_counter() - began)
+        seconds = time.perf_counter() - began
+        report = SaveReport(step=step, blocked_s=seconds, staged_s=seconds)
         self._current = report
         self._thread = threading.Thread(target=self._write, args=(directory, step, staged, meta, keep_last, report),
                                         name=f"gridtrain-save-{step}", daemon=True)

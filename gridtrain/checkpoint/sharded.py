@@ -23,9 +23,10 @@ or ``tp`` in them):
   when the layout is the same.
 
 Tensor-parallel shards are boxes of the global tensors (shards.py); replicas (DP copies,
-TP-replicated parameters, shared key/value heads) are the same box on several ranks,
-and DCP's planner keeps one writer for each (the least loaded), so the ranks' files sum
-to the model and optimizer state once. No rank gathers a tensor: each piece is written
+TP-replicated parameters, shared key/value heads) are the same box on several ranks, of
+which one, picked by a stable hash of the key (:func:`writes`), offers it to DCP, so the
+ranks' files sum to the model and optimizer state once, spread over the replicas, and a
+rank stages for a background write only what it writes. No rank gathers a tensor: each piece is written
 from, and read into, a view of the memory that holds it. Loading builds the same boxes
 for the loading layout and DCP reads the overlapping parts of the stored chunks, which
 is how a checkpoint moves between any dp, pp, vpp, tp, ZeRO and SP.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -108,17 +110,34 @@ def layout_of(cfg: Config, ctx) -> dict[str, Any]:
 # ---- what a rank writes ------------------------------------------------------------------------
 
 
+def writes(key: str, param: torch.Tensor, ctx, dp_copies: bool = True) -> bool:
+    """Whether this rank writes ``key``'s pieces of ``param``: of the ranks that hold the
+    same pieces (its DP replicas when ``dp_copies``, and the TP ranks holding the same
+    slice: all of them for a replicated parameter, ``spec.replicas`` for shared kv
+    heads), the one a stable hash of the key picks, so that every piece is written once
+    and the writes spread over the replicas. Decided before anything is staged: a rank
+    copies to host memory only what it writes."""
+    if ctx is None:
+        return True
+    spec, tp = shard_spec(param), ctx.tp
+    tp_copies = tp.size if spec is None else (spec.replicas if tp.size > 1 else 1)
+    dp = ctx.grid.dp if dp_copies else 1
+    index = (ctx.coords.dp if dp_copies else 0) * tp_copies + tp.rank % tp_copies
+    return zlib.crc32(key.encode()) % (dp * tp_copies) == index
+
+
 def state_to_save(model: nn.Module, optimizer, ctx) -> dict[str, Any]:
-    """This rank's pieces of every tensor, by global key, as :class:`Slab` views of the
-    memory that holds them (nothing is copied), plus its RNG states."""
+    """The pieces this rank writes (:func:`writes`), by global key, as :class:`Slab` views
+    of the memory that holds them (nothing is copied), plus its RNG states."""
     tp = _tp_of(ctx)
     names = {p: name for name, p in model.named_parameters()}
     state: dict[str, Any] = {}
     for name, p in model.named_parameters():
-        if not getattr(p, "tied_copy", False):
+        if not getattr(p, "tied_copy", False) and writes(model_key(name), p, ctx):
             state[model_key(name)] = Slab.of(p.detach(), placement(p, tp))
     if keeps_masters(optimizer):
         masters = optimizer.master.dtype != optimizer.params[0].dtype if optimizer.params else False
+        sharded = optimizer.reducer.shard  # ZeRO-1: each DP rank its own range; else DP replicas
         for q in optimizer.pieces:
             name = names[q.param]
             if getattr(q.param, "tied_copy", False):
@@ -126,14 +145,16 @@ def state_to_save(model: nn.Module, optimizer, ctx) -> dict[str, Any]:
             where = placement(q.param, tp)
             flats = [(m, getattr(optimizer, m)) for m in MOMENTS] + ([("master", optimizer.master)] if masters else [])
             for what, flat in flats:
-                state[optim_key(name, what)] = Slab.of_flat(flat[q.at:q.end], q.lo, tuple(q.param.shape), where)
+                if writes(optim_key(name, what), q.param, ctx, dp_copies=not sharded):
+                    state[optim_key(name, what)] = Slab.of_flat(flat[q.at:q.end], q.lo, tuple(q.param.shape), where)
     elif optimizer is not None:
         for name, p in model.named_parameters():
             saved = optimizer.state.get(p) or {}
             if getattr(p, "tied_copy", False) or not saved:
                 continue
             for what in MOMENTS:
-                state[optim_key(name, what)] = Slab.of(saved[what], placement(p, tp))
+                if writes(optim_key(name, what), p, ctx):
+                    state[optim_key(name, what)] = Slab.of(saved[what], placement(p, tp))
     state[rng_key(_rank())] = _rng_state(ctx)
     return state
 
@@ -187,10 +208,12 @@ def _own_failure(exc: BaseException, rank: int) -> BaseException | None:
 
 @dataclass
 class SaveReport:
-    """What one save cost: seconds the training loop was blocked, seconds to write."""
+    """What one save cost: seconds the training loop was blocked (all of it, set by the
+    trainer), of which staging to host memory (``--save-async``), and seconds to write."""
 
     step: int
     blocked_s: float = 0.0
+    staged_s: float = 0.0
     write_s: float = 0.0
     path: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
