@@ -321,10 +321,10 @@ def report(results: list[Result], cmds: dict[str, list[str]], opts: dict, load: 
         f"  wall {_ratio(results, lambda r: r.wall_s)}",
         f"  peak RSS {_ratio(results, lambda r: r.peak_rss)}",
         "",
-        f"each rank stages (async) or writes from (sync) {format_bytes(staged)} (parameters per rank x 12 bytes: fp32 "
-        f"weights + two Adam moments, replicas included; with --save-async a second copy of it while a write "
-        f"is in flight: {opts['dp'] * opts['tp']} ranks x {format_bytes(staged)} = "
-        f"{opts['dp'] * opts['tp'] * staged / 2**30:.2f} GiB); the checkpoint holds every tensor once: "
+        f"each rank holds {format_bytes(staged)} of state (parameters per rank x 12 bytes: fp32 weights + two "
+        f"Adam moments) and writes, and with --save-async stages, only the pieces it writes (a replicated piece is "
+        f"written by one replica): {format_bytes(first.checkpoint_bytes / (opts['dp'] * opts['tp']))} per rank on "
+        f"average; the checkpoint holds every tensor once: "
         f"{format_bytes(first.checkpoint_bytes)} in {first.checkpoint_files} files",
         f"wall time {wall:.0f} s",
     ]
