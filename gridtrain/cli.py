@@ -19,6 +19,7 @@ from gridtrain.hf_mapping import HFError
 from gridtrain.launch import WorkerError, WorkerTimeout
 from gridtrain.stops import EXIT_CRASH, EXIT_INTERRUPTED, RunStopped
 from gridtrain.pipeline.draw import add_schedule_parser, schedule_command
+from gridtrain.planner.command import add_plan_parser
 from gridtrain.pipeline.schedules import ORDERS
 from gridtrain.plot import PlotError, add_plot_parser, plot_command
 from gridtrain.validate_config import validate
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     _prepare_parser(sub)
     _hf_parsers(sub)
     _checkpoint_parser(sub)
+    add_plan_parser(sub)
     add_schedule_parser(sub)
     add_plot_parser(sub)
     return parser
@@ -267,6 +269,12 @@ def _export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from gridtrain.planner.command import plan_command
+
+    return plan_command(args)
+
+
 def _checkpoint(args: argparse.Namespace) -> int:
     from gridtrain.checkpoint.reader import info_command
 
@@ -275,7 +283,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "import-hf": _import_hf,
-            "export-hf": _export_hf, "checkpoint": _checkpoint, "schedule": schedule_command, "plot": plot_command}
+            "export-hf": _export_hf, "checkpoint": _checkpoint, "plan": _plan, "schedule": schedule_command, "plot": plot_command}
 USER_ERRORS = (ConfigError, DataError, CheckpointError, PlotError, HFError)  # one line, exit status 2
 
 

@@ -10,6 +10,7 @@ their cost is the latency on the dependency.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gridtrain.pipeline.schedules import B, COMPUTE, F, W, Action, virtual_stage
@@ -60,11 +61,20 @@ class DeadlockError(RuntimeError):
     """The compute orders wait on each other in a cycle."""
 
 
-def simulate(schedule: list[list[Action]], costs: Costs = Costs(), chunks: int = 1) -> Timeline:
+def simulate(schedule: list[list[Action]], costs: Costs | Callable[[int, int], Costs] = Costs(),
+             chunks: int = 1) -> Timeline:
+    """``costs``: the same for every action, or per (stage, chunk) (the planner's: a
+    chunk's blocks, and the head on the last); a dependency between stages waits for
+    the receiving chunk's ``latency``."""
     p = len(schedule)
     last_virtual = p * chunks - 1
     split = any(a.kind == W for stage in schedule for a in stage)
-    duration = {F: costs.f, B: costs.b if split else costs.b + costs.w, W: costs.w}
+    cost_of = costs if callable(costs) else (lambda stage, chunk: costs)
+    table = {(s, c): cost_of(s, c) for s in range(p) for c in range(chunks)}
+
+    def duration(s: int, a: Action) -> float:
+        c = table[(s, a.chunk)]
+        return {F: c.f, B: c.b if split else c.b + c.w, W: c.w}[a.kind]
     orders = [[a for a in stage if a.kind in COMPUTE] for stage in schedule]
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> end time
     free = [0.0] * p
@@ -84,7 +94,7 @@ def simulate(schedule: list[list[Action]], costs: Costs = Costs(), chunks: int =
         if dep not in done:
             return None
         same_stage = dep[2] == v
-        return done[dep] + (0.0 if same_stage else costs.latency)
+        return done[dep] + (0.0 if same_stage else table[(s, a.chunk)].latency)
 
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -96,7 +106,7 @@ def simulate(schedule: list[list[Action]], costs: Costs = Costs(), chunks: int =
                 if t is None:
                     break
                 start = max(free[s], t)
-                end = start + duration[a.kind]
+                end = start + duration(s, a)
                 free[s] = end
                 done[(a.kind, a.mb, virtual_stage(s, a.chunk, p))] = end
                 timeline.intervals.append(Interval(s, a, start, end))

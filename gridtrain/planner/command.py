@@ -1,0 +1,139 @@
+"""``gridtrain plan``: the best layouts for N GPUs, each with its predicted step, memory
+and the command that runs it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from gridtrain.config import PRESETS, ConfigError, ModelConfig, preset_config
+from gridtrain.planner.cost import Job, Prediction
+from gridtrain.planner.machine import MACHINES, machine
+from gridtrain.planner.search import RECOMPUTE, SCHEDULES, Fixed, search
+
+_MODEL_FLAGS = {"arch": str, "n_layer": int, "d_model": int, "n_head": int, "n_kv_head": int, "ffn_size": int,
+                "vocab_size": int}
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="choose the layout for N GPUs: predicted step time and memory")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware's (8)")
+    p.add_argument("--hardware", required=True, help=f"{' | '.join([*MACHINES, 'cpu'])} (cpu: profiled here)")
+    p.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
+    for name, typ in _MODEL_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    g = p.add_argument_group("layout", "given fields are fixed; the others are searched")
+    g.add_argument("--tp", type=int)
+    g.add_argument("--pp", type=int)
+    g.add_argument("--vpp", type=int)
+    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--recompute", choices=RECOMPUTE)
+    g.add_argument("--sequence-parallel", action="store_true", default=None)
+    g.add_argument("--zero", type=int, choices=(0, 1))
+    g.add_argument("--schedule", choices=SCHEDULES)
+    p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    p.add_argument("--json", action="store_true", help="print the layouts as JSON")
+    p.add_argument("--explain", metavar="FILE.png", help="draw the top layouts' breakdown")
+
+
+def model_of(args: argparse.Namespace) -> ModelConfig:
+    base = preset_config(args.model).model if args.model else None
+    given = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}
+    if base is None:
+        missing = [f"--{k.replace('_', '-')}" for k in ("n_layer", "d_model", "n_head", "vocab_size") if k not in given]
+        if missing:
+            raise ConfigError(f"plan: no model: pass --model PRESET or {' '.join(missing)}")
+        base = ModelConfig(n_layer=given["n_layer"], n_head=given["n_head"], d_model=given["d_model"],
+                           vocab_size=given["vocab_size"], seq_len=args.seq_len)
+    ffn = given.pop("ffn_size", None)
+    model = dataclasses.replace(base, seq_len=args.seq_len, dropout=0.0, **given)
+    if ffn is not None:
+        model = dataclasses.replace(model, ffn_hidden=ffn)
+    if model.d_model % model.n_head:
+        raise ConfigError(f"plan: --d-model {model.d_model} is not a multiple of --n-head {model.n_head}")
+    return model
+
+
+def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
+    lay = p.layout
+    nodes = max(1, p.gpus // node)
+    model = f"--model {args.model}" if args.model else ""
+    shape = " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in _MODEL_FLAGS
+                     if getattr(args, k) is not None and k != "ffn_size")
+    parts = [f"torchrun --nnodes {nodes} --nproc-per-node {min(node, p.gpus)} -m gridtrain train", model, shape,
+             f"--seq-len {args.seq_len} --global-batch-size {args.global_batch_size} --dtype {args.dtype}",
+             f"--tp {lay.tp} --pp {lay.pp} --micro-batch-size {lay.micro_batch_size} --schedule {lay.schedule}",
+             f"--vpp {lay.vpp}" if lay.vpp > 1 else "", f"--recompute {lay.recompute}",
+             "--sequence-parallel" if lay.sequence_parallel else "", f"--zero {lay.zero}" if lay.zero else ""]
+    return " ".join(x for x in parts if x)
+
+
+def describe(p: Prediction) -> str:
+    lay = p.layout
+    name = (f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp}" + (f" x vpp {lay.vpp}" if lay.vpp > 1 else "")
+            + f", micro-batch {lay.micro_batch_size}, {lay.schedule}, recompute {lay.recompute}"
+            + (", SP" if lay.sequence_parallel else "") + (", ZeRO-1" if lay.zero else ""))
+    fits = "fits" if p.fits else "DOES NOT FIT"
+    return (f"{name}\n    step {p.step_time_s:.3f} s: compute {p.compute_s:.3f} (of which TP communication "
+            f"{p.tp_comm_s:.3f}), pipeline bubble {p.bubble_s:.3f}, exposed DP communication "
+            f"{p.dp_exposed_s:.3f}, optimizer {p.optimizer_s:.3f}\n"
+            f"    {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {p.model_tflops_per_gpu:.1f} model TFLOP/s per GPU "
+            f"({p.hardware_tflops_per_gpu:.1f} with recomputation), MFU {100 * p.mfu:.1f}%; memory "
+            f"{p.memory_bytes / 1e9:.1f} GB per GPU ({fits})")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    model = model_of(args)
+    hw = machine(args.hardware)
+    job = Job(model=model, global_batch_size=args.global_batch_size, hardware=hw, dtype=args.dtype,
+              gpus_per_node=args.gpus_per_node)
+    fixed = Fixed(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
+                  schedule=args.schedule, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+                  zero=args.zero)
+    best = search(job, args.gpus, fixed, top=args.top)
+    if not best:
+        raise ConfigError(f"plan: no layout of {args.gpus} GPUs divides this model and batch with the given "
+                          "fields; change --gpus, --global-batch-size or the fixed layout flags")
+    if args.json:
+        print(json.dumps({"layouts": [p.as_json() for p in best]}, indent=1))
+    else:
+        print(f"gridtrain plan: {args.gpus} x {hw.name} ({job.node} per node), {model.arch} {model.n_layer} layers "
+              f"d {model.d_model}, seq {model.seq_len}, global batch {args.global_batch_size}, {args.dtype}")
+        for i, p in enumerate(best, 1):
+            print(f"{i}. {describe(p)}\n    {torchrun_command(args, p, job.node)}")
+    if args.explain:
+        draw(best, Path(args.explain))
+    return 0
+
+
+def draw(best: list[Prediction], path: Path) -> None:
+    """Stacked bars of each layout's step: compute, bubble, exposed DP communication, optimizer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [("compute (TP comm. inside)", lambda p: p.compute_s - p.tp_comm_s), ("TP communication", lambda p: p.tp_comm_s),
+             ("pipeline bubble", lambda p: p.bubble_s), ("exposed DP communication", lambda p: p.dp_exposed_s),
+             ("optimizer", lambda p: p.optimizer_s)]
+    fig, ax = plt.subplots(figsize=(9, 1 + 0.6 * len(best)))
+    labels = [f"dp{p.layout.dp} tp{p.layout.tp} pp{p.layout.pp} v{p.layout.vpp} mb{p.layout.micro_batch_size} "
+              f"{p.layout.schedule} {p.layout.recompute}{' sp' if p.layout.sequence_parallel else ''}"
+              f"{' z1' if p.layout.zero else ''}" for p in best]
+    left = [0.0] * len(best)
+    for name, part in parts:
+        widths = [part(p) for p in best]
+        ax.barh(labels, widths, left=left, label=name)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("predicted seconds per step")
+    ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

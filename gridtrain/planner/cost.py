@@ -1,0 +1,344 @@
+"""Step time and memory of a layout, predicted from the project's own parts.
+
+One optimizer step of a ``dp x tp x pp`` layout is modelled as gridtrain runs it:
+
+* **compute** of one micro-batch through one model chunk, split as the schedules split
+  it (forward F, input-gradient B, weight-gradient W; a schedule without W runs both in
+  B), from the GEMMs a TP rank runs (shapes from the model and the layout) and the
+  memory-bound work around them. A GEMM of ``m x k`` by ``k x n`` takes
+  ``max(2 m n k / (peak x eff), bytes / bandwidth)``, a roofline whose compute side runs
+  at ``eff = gemm_efficiency x x / (x + gemm_half)``, ``x`` the GEMM's smallest
+  dimension: large GEMMs run at the hardware's achievable fraction of peak, the small
+  per-rank matrices of a high TP degree run further from it (the tile and wave
+  quantisation a small dimension wastes), and very thin ones are bandwidth-bound.
+  Layer norms, activations, residual adds and the loss are memory-bound passes over
+  the activations (``ELEMENTWISE_PASSES``), and every kernel costs a launch.
+  Recomputation adds what the layout recomputes: full, the whole forward of each block
+  again in B; selective, the attention core's forward;
+* **tensor-parallel communication**, in each F and B and not overlapped (gridtrain
+  issues TP collectives synchronously): per block two all-reduces of the block's
+  activations (or, with SP, two all-gathers and two reduce-scatters, the same volume),
+  ring algorithm, over NVLink when the TP group fits a node;
+* **the pipeline**: the schedule's own action lists (pipeline/schedules.py) run through
+  the simulator (pipeline/simulate.py) with the per-chunk costs above and the
+  point-to-point transfer of one micro-batch's activations as the latency between
+  stages, so bubbles, interleaving and ZB-H1 come from the schedule, not a formula;
+* **data parallel** gradient all-reduce (ZeRO-1: reduce-scatter, then an all-gather of
+  the updated parameters) of the reducer's fp32 gradient buffer, ring, over NVLink when
+  the DP group fits a node and over each GPU's own network link otherwise; the reducer
+  fires buckets during the last micro-batch's backward, so that much of it hides
+  behind it, all but the last bucket; the ZeRO all-gather follows the optimizer;
+* **the optimizer**: one memory-bound pass over the owned master weights, moments and
+  gradients;
+* **memory** per GPU: the dry run's closed forms (dryrun.expected_bytes: parameters,
+  gradient buffer, optimizer state with ZeRO-1; dryrun.expected_activation_peak: the
+  schedule's action list walked with each chunk's activation bytes for the recompute
+  mode), for the first and last pipeline stage, whichever is larger.
+
+Everything is per GPU and in seconds and bytes; the constants are named and the
+hardware's are in hardware.py (a ``cpu`` entry measured on the host, profile.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from gridtrain.config import Config, ModelConfig
+from gridtrain.grid import ProcessGrid
+from gridtrain.model import training_flops_per_token
+from gridtrain.pipeline.schedules import build_schedule
+from gridtrain.pipeline.simulate import Costs, simulate
+
+# memory-bound passes over a block's activations (b s d elements each) in a forward:
+# two norms (read, write), the bias/dropout/residual adds, the MLP activation (of 4 d
+# per token: 4 passes), rotary/softmax bookkeeping; a backward makes twice as many
+ELEMENTWISE_PASSES = 24
+KERNELS_PER_BLOCK = 24  # launches in one block's forward (twice in backward)
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    vpp: int = 1
+    micro_batch_size: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    zero: int = 0
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained and on what: the model, the global batch and the machine."""
+
+    model: ModelConfig
+    global_batch_size: int
+    hardware: "Hardware"  # noqa: F821 (hardware.py)
+    dtype: str = "bf16"
+    gpus_per_node: int | None = None  # default: the hardware's
+
+    @property
+    def node(self) -> int:
+        return self.gpus_per_node or self.hardware.gpus_per_node
+
+
+@dataclass
+class Prediction:
+    """A layout's predicted step, broken down (seconds per step, bytes per GPU)."""
+
+    layout: Layout
+    step_time_s: float
+    compute_s: float  # the busiest stage's F, B and W, communication inside them included
+    tp_comm_s: float  # of which tensor-parallel collectives
+    bubble_s: float  # the pipeline's idle time on the busiest stage (makespan - busy)
+    dp_exposed_s: float  # data-parallel communication not hidden behind backward
+    optimizer_s: float
+    memory_bytes: float
+    fits: bool
+    model_flops: float  # per step, whole model, no recomputation
+    hardware_flops: float  # per step, recomputation included
+    tokens: int
+    gpus: int
+    peak_flops: float
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens / self.step_time_s / self.gpus
+
+    @property
+    def model_tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_time_s / self.gpus / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        return self.hardware_flops / self.step_time_s / self.gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.model_tflops_per_gpu * 1e12 / self.peak_flops
+
+    def as_json(self) -> dict:
+        lay = self.layout
+        return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "micro_batch_size": lay.micro_batch_size,
+                "schedule": lay.schedule, "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel,
+                "zero": lay.zero, "step_time_s": self.step_time_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "model_tflops_per_gpu": self.model_tflops_per_gpu,
+                "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
+                "memory_gb_per_gpu": self.memory_bytes / 1e9, "fits": self.fits,
+                "breakdown_s": {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "bubble": self.bubble_s,
+                                "dp_exposed": self.dp_exposed_s, "optimizer": self.optimizer_s}}
+
+
+# ---- compute --------------------------------------------------------------------------------------
+
+
+def gemm_seconds(m: int, n: int, k: int, hw, dtype: str, batch: int = 1) -> float:
+    """One (batched) GEMM, ``m x k`` by ``k x n``: the roofline of the module docstring."""
+    if min(m, n, k) <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k * batch
+    moved = (m * k + k * n + m * n) * DTYPE_BYTES[dtype] * batch
+    x = min(m, n, k)
+    eff = hw.gemm_efficiency * x / (x + hw.gemm_half)
+    return max(flops / (hw.peak_flops(dtype) * eff), moved / hw.memory_bandwidth) + hw.kernel_s
+
+
+def block_gemms(m: ModelConfig, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the GEMMs of one block's forward on one TP rank, for ``tokens`` rows."""
+    d, f = m.d_model, m.ffn_size
+    if m.arch == "llama":
+        kv = max(1, m.kv_heads // tp) * m.head_dim  # replicated when tp exceeds the kv heads
+        return [(tokens, d // tp, d), (tokens, kv, d), (tokens, kv, d), (tokens, d, d // tp),
+                (tokens, f // tp, d), (tokens, f // tp, d), (tokens, d, f // tp)]
+    return [(tokens, 3 * d // tp, d), (tokens, d, d // tp), (tokens, f // tp, d), (tokens, d, f // tp)]
+
+
+def attention_core_seconds(m: ModelConfig, b: int, tp: int, hw, dtype: str) -> float:
+    """Scores and weighted sum of one block's forward: two batched GEMMs per local head."""
+    heads = b * max(1, m.n_head // tp)
+    s, hd = m.seq_len, m.head_dim
+    return gemm_seconds(s, s, hd, hw, dtype, heads) + gemm_seconds(s, hd, s, hw, dtype, heads)
+
+
+def ring_seconds(nbytes: float, n: int, bandwidth: float, latency: float, kind: str = "all_reduce") -> float:
+    """A ring collective of ``nbytes`` (the whole tensor) over ``n`` ranks: an all-reduce
+    sends 2 (n-1)/n of it per rank, an all-gather or reduce-scatter (n-1)/n."""
+    if n <= 1:
+        return 0.0
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return steps / n * nbytes / bandwidth + steps * latency
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    f: float  # forward, TP communication included
+    b: float  # input gradient (+ recomputation)
+    w: float  # weight gradient
+    tp_comm_f: float
+    tp_comm_b: float
+
+
+def block_cost(job: Job, lay: Layout) -> BlockCost:
+    m, hw, dt = job.model, job.hardware, job.dtype
+    b, t = lay.micro_batch_size, lay.tp
+    tokens = b * m.seq_len
+    gemms = sum(gemm_seconds(mm, n, k, hw, dt) for mm, n, k in block_gemms(m, tokens, t))
+    core = attention_core_seconds(m, b, t, hw, dt)
+    act = tokens * m.d_model * DTYPE_BYTES[dt]
+    elementwise = ELEMENTWISE_PASSES * act / (t if lay.sequence_parallel else 1) / hw.memory_bandwidth \
+        + KERNELS_PER_BLOCK * hw.kernel_s
+    link = hw.link(t, job.node)
+    if lay.sequence_parallel:
+        comm = 2 * (ring_seconds(act, t, link.bandwidth, link.latency, "all_gather")
+                    + ring_seconds(act, t, link.bandwidth, link.latency, "reduce_scatter"))
+    else:
+        comm = 2 * ring_seconds(act, t, link.bandwidth, link.latency)
+    forward = gemms + core + elementwise + comm
+    recompute = {"none": 0.0, "selective": core, "full": forward}[lay.recompute]
+    # backward: the input-gradient GEMMs (as many FLOPs as the forward's), the attention
+    # core's backward (twice its forward), twice the elementwise work, the mirrored
+    # collectives; the weight-gradient GEMMs as many FLOPs again
+    b_time = gemms + 2 * core + 2 * elementwise + comm + recompute
+    return BlockCost(f=forward, b=b_time, w=gemms, tp_comm_f=comm, tp_comm_b=comm)
+
+
+def head_cost(job: Job, lay: Layout) -> tuple[float, float, float]:
+    """The logits GEMM and the loss on the chunk that ends the model (f, b, w)."""
+    m, hw, dt = job.model, job.hardware, job.dtype
+    tokens = lay.micro_batch_size * m.seq_len
+    vocab = m.padded_vocab_size(lay.tp) // lay.tp
+    logits = gemm_seconds(tokens, vocab, m.d_model, hw, dt)
+    loss = 3 * tokens * vocab * 4 / hw.memory_bandwidth  # fp32 softmax: read, exp, write
+    return logits + loss, logits + loss, logits
+
+
+def pipeline_costs(job: Job, lay: Layout, layers_per_chunk: list[int]):
+    """Per (stage, chunk) costs of one micro-batch, for the simulator."""
+    block = block_cost(job, lay)
+    hf, hb, hw_ = head_cost(job, lay)
+    p, v = lay.pp, lay.vpp
+    last = p * v - 1
+
+    def cost(stage: int, chunk: int) -> Costs:
+        virtual = chunk * p + stage
+        n = layers_per_chunk[virtual]
+        ends = virtual == last
+        return Costs(f=n * block.f + (hf if ends else 0.0), b=n * block.b + (hb if ends else 0.0),
+                     w=n * block.w + (hw_ if ends else 0.0), latency=p2p_seconds(job, lay))
+    return cost, block
+
+
+def p2p_seconds(job: Job, lay: Layout) -> float:
+    """One micro-batch's activations from one stage to the next (a sequence shard under SP)."""
+    if lay.pp == 1:
+        return 0.0
+    m = job.model
+    nbytes = lay.micro_batch_size * m.seq_len * m.d_model * DTYPE_BYTES[job.dtype] \
+        / (lay.tp if lay.sequence_parallel else 1)
+    link = job.hardware.link(lay.tp * lay.dp + 1, job.node)  # neighbours are tp x dp ranks apart
+    return nbytes / link.bandwidth + link.latency
+
+
+# ---- the whole step ----------------------------------------------------------------------------------
+
+
+def config_of(job: Job, lay: Layout) -> Config:
+    cfg = Config(model=job.model, preset="")
+    cfg.parallel = replace(cfg.parallel, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, schedule=lay.schedule,
+                           sequence_parallel=lay.sequence_parallel)
+    cfg.training = replace(cfg.training, micro_batch_size=lay.micro_batch_size,
+                           global_batch_size=job.global_batch_size, recompute=lay.recompute, zero=lay.zero,
+                           dtype=job.dtype)
+    return cfg
+
+
+def memory_bytes(job: Job, lay: Layout) -> float:
+    """Bytes per GPU: the dry run's closed forms on the first and the last stage."""
+    from gridtrain.dryrun import expected_activation_peak, expected_bytes
+
+    cfg = config_of(job, lay)
+    grid = ProcessGrid(world_size=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp)
+    worst = 0.0
+    for stage in sorted({0, lay.pp - 1}):
+        rank = stage * lay.dp * lay.tp
+        held = expected_bytes(cfg, grid, rank)
+        total = held["parameter_bytes"] + held["gradient_bytes"] + held["optimizer_bytes"] \
+            + expected_activation_peak(cfg, grid, rank, "cuda")
+        worst = max(worst, total)
+    return worst
+
+
+def micro_batches(job: Job, lay: Layout) -> int:
+    return job.global_batch_size // (lay.micro_batch_size * lay.dp)
+
+
+def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction:
+    """The step of ``lay`` on ``job``'s machine, broken down (module docstring).
+    ``memory``: compute it (True), skip it (False), or its bytes already computed."""
+    from gridtrain.dryrun import stage_layers
+
+    m, hw = job.model, job.hardware
+    mbs = micro_batches(job, lay)
+    cfg = config_of(job, lay)
+    grid = ProcessGrid(world_size=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp)
+    chunks = [stage_layers(cfg, grid, s) for s in range(lay.pp)]
+    layers = [0] * (lay.pp * lay.vpp)
+    for s, stage in enumerate(chunks):
+        for c, (ids, _, _) in enumerate(stage):
+            layers[c * lay.pp + s] = len(ids)
+    cost, block = pipeline_costs(job, lay, layers)
+    schedule = build_schedule(lay.schedule, lay.pp, mbs, lay.vpp)
+    timeline = simulate(schedule, cost, lay.vpp)
+    busy = max(timeline.busy(s) for s in range(lay.pp))
+    makespan = timeline.makespan
+    tp_comm = mbs * max(layers) * lay.vpp * (block.tp_comm_f + block.tp_comm_b * (2 if lay.recompute == "full" else 1))
+    # data parallel: the reducer's fp32 buffer of this rank's parameters
+    params = _rank_parameters(cfg, grid)
+    grad_bytes = params * (8 if job.dtype == "fp64" else 4)
+    link = hw.link(lay.tp * lay.dp, job.node)
+    kind = "reduce_scatter" if lay.zero else "all_reduce"
+    reduce = ring_seconds(grad_bytes, lay.dp, link.bandwidth, link.latency, kind)
+    last_mb_backward = sum(cost(0, c).b + cost(0, c).w for c in range(lay.vpp))
+    bucket = min(1.0, cfg.parallel.bucket_mb * 2**20 / max(grad_bytes, 1))
+    exposed = max(reduce - last_mb_backward, reduce * bucket) if lay.dp > 1 else 0.0
+    gather = ring_seconds(params * DTYPE_BYTES[job.dtype], lay.dp, link.bandwidth, link.latency, "all_gather") \
+        if lay.zero and lay.dp > 1 else 0.0
+    owned = params / (lay.dp if lay.zero else 1)
+    optimizer = owned * (4 + 3 * 8 + DTYPE_BYTES[job.dtype]) / hw.memory_bandwidth
+    step = makespan + exposed + gather + optimizer
+    tokens = job.global_batch_size * m.seq_len
+    model_flops = training_flops_per_token(m) * tokens
+    forward_blocks = training_flops_per_token(m) / 3 - 2 * m.d_model * m.vocab_size  # per token, all blocks
+    recomputed = {"none": 0.0, "selective": 4.0 * m.seq_len * m.d_model * m.n_layer,
+                  "full": forward_blocks}[lay.recompute] * tokens
+    hardware_flops = model_flops + recomputed
+    mem = memory_bytes(job, lay) if memory is True else float(memory or 0.0)
+    return Prediction(layout=lay, step_time_s=step, compute_s=busy, tp_comm_s=tp_comm, bubble_s=makespan - busy,
+                      dp_exposed_s=exposed + gather, optimizer_s=optimizer, memory_bytes=mem,
+                      fits=mem <= hw.usable_memory_bytes, model_flops=model_flops, hardware_flops=hardware_flops,
+                      tokens=tokens, gpus=lay.gpus, peak_flops=hw.peak_flops(job.dtype))
+
+
+def _rank_parameters(cfg: Config, grid: ProcessGrid) -> int:
+    """Parameters of the first stage's rank (the largest stage but for the head)."""
+    from gridtrain.dryrun import expected_parameters
+
+    return max(expected_parameters(cfg, grid, s * grid.dp * grid.tp) for s in range(grid.pp))
+
+
+def bubble_closed_form(lay: Layout, m: int) -> float:
+    """(p - 1) / (v m): the 1F1B bubble as a fraction of the ideal time, for pruning only."""
+    return (lay.pp - 1) / (lay.vpp * m)
+
+
+def fraction(x: float, of: float) -> float:
+    return x / of if of else math.nan
