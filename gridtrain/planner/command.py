@@ -40,6 +40,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     p.add_argument("--json", action="store_true", help="print the layouts as JSON")
     p.add_argument("--explain", metavar="FILE.png", help="draw the top layouts' breakdown")
+    p.add_argument("--measure", action="store_true",
+                   help="with --hardware cpu: run the top layouts here for a few steps, measured beside predicted")
+    p.add_argument("--measure-steps", type=int, default=6, help="steps per measured run (default 6)")
 
 
 def model_of(args: argparse.Namespace) -> ModelConfig:
@@ -63,10 +66,8 @@ def model_of(args: argparse.Namespace) -> ModelConfig:
 def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
     lay = p.layout
     nodes = max(1, p.gpus // node)
-    model = f"--model {args.model}" if args.model else ""
-    shape = " ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in _MODEL_FLAGS
-                     if getattr(args, k) is not None and k != "ffn_size")
-    parts = [f"torchrun --nnodes {nodes} --nproc-per-node {min(node, p.gpus)} -m gridtrain train", model, shape,
+    parts = [f"torchrun --nnodes {nodes} --nproc-per-node {min(node, p.gpus)} -m gridtrain train",
+             " ".join(model_flags(args)),
              f"--seq-len {args.seq_len} --global-batch-size {args.global_batch_size} --dtype {args.dtype}",
              f"--tp {lay.tp} --pp {lay.pp} --micro-batch-size {lay.micro_batch_size} --schedule {lay.schedule}",
              f"--vpp {lay.vpp}" if lay.vpp > 1 else "", f"--recompute {lay.recompute}",
@@ -90,7 +91,12 @@ def describe(p: Prediction) -> str:
 
 def plan_command(args: argparse.Namespace) -> int:
     model = model_of(args)
-    hw = machine(args.hardware)
+    if args.measure and (args.hardware != "cpu" or args.gpus > 8):
+        raise ConfigError("plan --measure runs the layouts on this machine: needs --hardware cpu and --gpus <= 8")
+    try:
+        hw = machine(args.hardware, args.gpus)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     job = Job(model=model, global_batch_size=args.global_batch_size, hardware=hw, dtype=args.dtype,
               gpus_per_node=args.gpus_per_node)
     fixed = Fixed(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
@@ -109,7 +115,24 @@ def plan_command(args: argparse.Namespace) -> int:
             print(f"{i}. {describe(p)}\n    {torchrun_command(args, p, job.node)}")
     if args.explain:
         draw(best, Path(args.explain))
+    if args.measure:
+        from gridtrain.planner.measure import measure, table
+
+        fitting = [p for p in best if p.fits]
+        results = measure(model_flags(args), fitting, args.global_batch_size, args.seq_len, args.dtype,
+                          args.measure_steps)
+        print("\n".join(table(results)))
     return 0
+
+
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """The model as ``gridtrain train`` flags."""
+    flags = ["--model", args.model] if args.model else []
+    names = {"ffn_size": "--ffn-hidden"}
+    for k in _MODEL_FLAGS:
+        if getattr(args, k) is not None:
+            flags += [names.get(k, "--" + k.replace("_", "-")), str(getattr(args, k))]
+    return flags
 
 
 def draw(best: list[Prediction], path: Path) -> None:

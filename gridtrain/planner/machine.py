@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gridtrain.planner.hardware import HARDWARE, Hardware
+
 GB = 1e9
 
 
@@ -58,30 +60,29 @@ class Machine:
         return self.memory * self.usable_fraction
 
 
-def _gpu(name: str, bf16: float, fp32: float, hbm: float, memory: float, nvlink: float, network: float,
-         source: str) -> Machine:
-    return Machine(name=name, peak={"bf16": bf16 * 1e12, "fp16": bf16 * 1e12, "fp32": fp32 * 1e12,
-                                    "fp64": fp32 / 2 * 1e12},
-                   memory_bandwidth=hbm * GB, memory=memory * GB, nvlink=Link(nvlink * GB, 5e-6),
-                   network=Link(network * GB, 1e-5), gpus_per_node=8, source=source)
+def from_hardware(key: str, hw: Hardware) -> Machine:
+    """The cost model's view of published figures (hardware.py), with this module's
+    assumptions (efficiency, launch cost, latencies, usable memory)."""
+    return Machine(name=key, peak={"bf16": hw.peak_tflops_bf16 * 1e12, "fp16": hw.peak_tflops_fp16 * 1e12,
+                                   "fp32": hw.peak_tflops_fp32 * 1e12},
+                   memory_bandwidth=hw.memory_bandwidth_gbs * GB, memory=hw.memory_gb * GB,
+                   nvlink=Link(hw.nvlink_gbs_per_direction * GB, NVLINK_LATENCY_S),
+                   network=Link(hw.network_gbs_per_gpu * GB, NETWORK_LATENCY_S), gpus_per_node=hw.gpus_per_node,
+                   source=hw.source)
 
 
-# dense tensor-core peak (TFLOP/s), fp32 without tensor cores, HBM GB/s, memory GB,
-# NVLink GB/s per direction, network GB/s per GPU (one HDR 200 Gb/s or NDR 400 Gb/s NIC)
-MACHINES: dict[str, Machine] = {
-    "a100-40gb": _gpu("a100-40gb", 312, 19.5, 1555, 40, 300, 25, "NVIDIA A100 datasheet; DGX A100 (HDR 200 Gb/s per GPU)"),
-    "a100-80gb": _gpu("a100-80gb", 312, 19.5, 2039, 80, 300, 25, "NVIDIA A100 datasheet; DGX A100 (HDR 200 Gb/s per GPU)"),
-    "h100-sxm": _gpu("h100-sxm", 989, 67, 3350, 80, 450, 50, "NVIDIA H100 datasheet; DGX H100 (NDR 400 Gb/s per GPU)"),
-    "h200": _gpu("h200", 989, 67, 4800, 141, 450, 50, "NVIDIA H200 datasheet; DGX H200 (NDR 400 Gb/s per GPU)"),
-}
+NVLINK_LATENCY_S = 5e-6
+NETWORK_LATENCY_S = 1e-5
+MACHINES: dict[str, Machine] = {key: from_hardware(key, hw) for key, hw in HARDWARE.items()}
 
 
-def machine(name: str) -> Machine:
-    """A machine by name; ``cpu`` is profiled on this host (a few seconds, then cached)."""
+def machine(name: str, gpus: int = 1) -> Machine:
+    """A machine by name; ``cpu`` is profiled on this host (a few seconds, then cached),
+    one "GPU" being one of ``gpus`` local worker processes."""
     if name == "cpu":
         from gridtrain.planner.profile import cpu_machine
 
-        return cpu_machine()
+        return cpu_machine(gpus)
     if name not in MACHINES:
         raise ValueError(f"--hardware {name!r} is not one of {', '.join([*MACHINES, 'cpu'])}")
     return MACHINES[name]
