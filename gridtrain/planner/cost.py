@@ -272,7 +272,7 @@ def memory_bytes(job: Job, lay: Layout) -> float:
         rank = stage * lay.dp * lay.tp
         held = expected_bytes(cfg, grid, rank)
         total = held["parameter_bytes"] + held["gradient_bytes"] + held["optimizer_bytes"] \
-            + expected_activation_peak(cfg, grid, rank, "cuda")
+            + expected_activation_peak(cfg, grid, rank, "cpu" if job.hardware.name == "cpu" else "cuda")
         worst = max(worst, total)
     return worst
 
