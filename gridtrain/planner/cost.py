@@ -12,7 +12,11 @@ One optimizer step of a ``dp x tp x pp`` layout is modelled as gridtrain runs it
   per-rank matrices of a high TP degree run further from it (the tile and wave
   quantisation a small dimension wastes), and very thin ones are bandwidth-bound.
   Layer norms, activations, residual adds and the loss are memory-bound passes over
-  the activations (``ELEMENTWISE_PASSES``), and every kernel costs a launch.
+  the activations (``ELEMENTWISE_PASSES``), and every kernel costs a launch. The
+  op-by-op attention core (``attention="math"``) also writes its ``s x s`` scores per
+  local head and passes over them (scale, causal bias, softmax, dropout:
+  ``SCORE_PASSES_*``), which for a small hidden size is a large share of a block;
+  torch's fused kernel (``sdpa``) keeps no scores.
   Recomputation adds what the layout recomputes: full, the whole forward of each block
   again in B; selective, the attention core's forward;
 * **tensor-parallel communication**, in each F and B and not overlapped (gridtrain
@@ -25,7 +29,9 @@ One optimizer step of a ``dp x tp x pp`` layout is modelled as gridtrain runs it
   stages, so bubbles, interleaving and ZB-H1 come from the schedule, not a formula;
 * **data parallel** gradient all-reduce (ZeRO-1: reduce-scatter, then an all-gather of
   the updated parameters) of the reducer's fp32 gradient buffer, ring, over NVLink when
-  the DP group fits a node and over each GPU's own network link otherwise; the reducer
+  the DP group fits a node and over the network otherwise, each of the group's ranks on
+  a node driving its own NIC (``ring_link``: a group with k ranks per node moves at k
+  times one GPU's network bandwidth, one rank per node at one NIC's); the reducer
   fires buckets during the last micro-batch's backward, so that much of it hides
   behind it, all but the last bucket; the ZeRO all-gather follows the optimizer;
 * **the optimizer**: one memory-bound pass over the owned master weights, moments and
@@ -49,12 +55,21 @@ from gridtrain.grid import ProcessGrid
 from gridtrain.model import training_flops_per_token
 from gridtrain.pipeline.schedules import build_schedule
 from gridtrain.pipeline.simulate import Costs, simulate
+from gridtrain.planner.machine import Link
 
 # memory-bound passes over a block's activations (b s d elements each) in a forward:
 # two norms (read, write), the bias/dropout/residual adds, the MLP activation (of 4 d
 # per token: 4 passes), rotary/softmax bookkeeping; a backward makes twice as many
 ELEMENTWISE_PASSES = 24
 KERNELS_PER_BLOCK = 24  # launches in one block's forward (twice in backward)
+# the op-by-op attention core (attention="math") writes the scores (b x local heads x s x s
+# elements) and passes over them: in the forward the scale (read, write), the causal bias
+# added (read scores and bias, write) and the softmax (read, write); in the backward the
+# softmax's (read probabilities and gradient, write) and the scale's (read, write).
+# Dropout on the probabilities adds a read and a write and a one-byte mask each way.
+# torch's fused kernel (attention="sdpa") keeps no scores: none of this.
+SCORE_PASSES_FORWARD = 7
+SCORE_PASSES_BACKWARD = 5
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 
 
@@ -169,6 +184,18 @@ def attention_core_seconds(m: ModelConfig, b: int, tp: int, hw, dtype: str) -> f
     return gemm_seconds(s, s, hd, hw, dtype, heads) + gemm_seconds(s, hd, s, hw, dtype, heads)
 
 
+def attention_score_seconds(m: ModelConfig, b: int, tp: int, hw, dtype: str) -> tuple[float, float]:
+    """The memory-bound passes over one block's attention scores (forward, backward):
+    ``SCORE_PASSES_*`` of the op-by-op core; nothing for the fused kernel."""
+    if m.attention != "math":
+        return 0.0, 0.0
+    scores = b * max(1, m.n_head // tp) * m.seq_len * m.seq_len
+    e = DTYPE_BYTES[dtype]
+    dropout = 2 * e + 1 if m.dropout > 0 else 0
+    return (scores * (SCORE_PASSES_FORWARD * e + dropout) / hw.memory_bandwidth,
+            scores * (SCORE_PASSES_BACKWARD * e + dropout) / hw.memory_bandwidth)
+
+
 def ring_seconds(nbytes: float, n: int, bandwidth: float, latency: float, kind: str = "all_reduce") -> float:
     """A ring collective of ``nbytes`` (the whole tensor) over ``n`` ranks: an all-reduce
     sends 2 (n-1)/n of it per rank, an all-gather or reduce-scatter (n-1)/n."""
@@ -176,6 +203,20 @@ def ring_seconds(nbytes: float, n: int, bandwidth: float, latency: float, kind: 
         return 0.0
     steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
     return steps / n * nbytes / bandwidth + steps * latency
+
+
+def ring_link(hw, n: int, stride: int, node: int):
+    """The link a ring of ``n`` ranks ``stride`` apart runs at: NVLink when the group fits
+    a node; across nodes the network, where the group's ``k = node // stride`` members on
+    each node each drive their own NIC and the ring's channels (NCCL runs one per NIC)
+    cross between nodes through all of them, so a ring moves at ``k`` times one GPU's
+    network bandwidth (at most NVLink's); ``k`` is 1 when the group has one rank per node."""
+    if n * stride <= node:
+        return hw.link(n * stride, node)
+    k = max(1, min(n, node // stride))
+    if k == 1:
+        return hw.network
+    return Link(min(k * hw.network.bandwidth, hw.nvlink.bandwidth), hw.network.latency)
 
 
 @dataclass(frozen=True)
@@ -193,6 +234,7 @@ def block_cost(job: Job, lay: Layout) -> BlockCost:
     tokens = b * m.seq_len
     gemms = sum(gemm_seconds(mm, n, k, hw, dt) for mm, n, k in block_gemms(m, tokens, t))
     core = attention_core_seconds(m, b, t, hw, dt)
+    scores_f, scores_b = attention_score_seconds(m, b, t, hw, dt)
     act = tokens * m.d_model * DTYPE_BYTES[dt]
     elementwise = ELEMENTWISE_PASSES * act / (t if lay.sequence_parallel else 1) / hw.memory_bandwidth \
         + KERNELS_PER_BLOCK * hw.kernel_s
@@ -202,12 +244,12 @@ def block_cost(job: Job, lay: Layout) -> BlockCost:
                     + ring_seconds(act, t, link.bandwidth, link.latency, "reduce_scatter"))
     else:
         comm = 2 * ring_seconds(act, t, link.bandwidth, link.latency)
-    forward = gemms + core + elementwise + comm
-    recompute = {"none": 0.0, "selective": core, "full": forward}[lay.recompute]
+    forward = gemms + core + scores_f + elementwise + comm
+    recompute = {"none": 0.0, "selective": core + scores_f, "full": forward}[lay.recompute]
     # backward: the input-gradient GEMMs (as many FLOPs as the forward's), the attention
-    # core's backward (twice its forward), twice the elementwise work, the mirrored
-    # collectives; the weight-gradient GEMMs as many FLOPs again
-    b_time = gemms + 2 * core + 2 * elementwise + comm + recompute
+    # core's backward (twice its forward, and its passes over the scores), twice the
+    # elementwise work, the mirrored collectives; the weight-gradient GEMMs as many FLOPs again
+    b_time = gemms + 2 * core + scores_b + 2 * elementwise + comm + recompute
     return BlockCost(f=forward, b=b_time, w=gemms, tp_comm_f=comm, tp_comm_b=comm)
 
 
@@ -304,7 +346,7 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
     # data parallel: the reducer's fp32 buffer of this rank's parameters
     params = _rank_parameters(cfg, grid)
     grad_bytes = params * (8 if job.dtype == "fp64" else 4)
-    link = hw.link(lay.tp * lay.dp, job.node)
+    link = ring_link(hw, lay.dp, lay.tp, job.node)  # a DP group's ranks are tp apart
     kind = "reduce_scatter" if lay.zero else "all_reduce"
     reduce = ring_seconds(grad_bytes, lay.dp, link.bandwidth, link.latency, kind)
     last_mb_backward = sum(cost(0, c).b + cost(0, c).w for c in range(lay.vpp))
