@@ -45,7 +45,7 @@ LAYOUTS = [
     Layout(dp=1, tp=1, pp=4, micro_batch_size=2),
 ]
 BIG = [  # (preset, seq, global batch, layout) at 1024 GPUs, for memory only
-    ("gpt2-xl", 1024, 512, Layout(dp=32, tp=4, pp=8, micro_batch_size=1, recompute="selective")),
+    ("gpt2-large", 1024, 512, Layout(dp=64, tp=4, pp=4, micro_batch_size=1, recompute="selective")),
     ("llama3-70b", 8192, 1024, Layout(dp=32, tp=4, pp=8, micro_batch_size=1, schedule="zb-h1",
                                        recompute="selective", sequence_parallel=True, zero=1)),
     ("llama3-8b", 8192, 1024, Layout(dp=128, tp=8, pp=1, micro_batch_size=1, recompute="full", zero=1)),
