@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,9 +21,16 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def start(argv: list[str], **kwargs) -> subprocess.Popen:
-    """A command in its own session (signals to it do not reach pytest), output captured."""
+    """A command in its own session (signals to it do not reach pytest), output captured,
+    with SIGINT's default disposition, as a terminal's foreground job has it (a suite
+    started in the background by a non-interactive shell runs with SIGINT ignored, and
+    an ignored disposition is inherited)."""
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **kwargs)
+                            start_new_session=True, preexec_fn=_default_sigint, **kwargs)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stat(pid: int) -> tuple[int, str] | None:

@@ -64,7 +64,8 @@ def test_kill_9_during_saves_always_leaves_a_loadable_latest(tmp_path):
         if resumed:  # this run continued from the checkpoint the previous kill left
             assert f"resuming from {checkpoint.step_dir(save, resumed[-1])} after step {resumed[-1]}" in log.read_text()
         resumed.append(_loads(save))
-        assert len([p for p in save.iterdir() if p.name.startswith("step_")]) <= 2  # --keep-last 2
+        # --keep-last 2; a kill between a save's move into place and its pruning leaves one more
+        assert len([p for p in save.iterdir() if p.name.startswith("step_")]) <= 2 + 1
     assert resumed == sorted(resumed)
 
 
