@@ -206,7 +206,7 @@ def dropout_mask_bytes(device: torch.device, element_bytes: int) -> int:
 def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int, tp: int = 1,
                       sequence_parallel: bool = False, recompute: str = "none", element_bytes: int = 2,
                       mask_bytes: int = 1, dropout: bool = True, arch: str = "gpt2",
-                      kv_hidden: int | None = None) -> float:
+                      kv_hidden: int | None = None, attention: str = "math") -> float:
     """Activation bytes one transformer layer saves for backward, per micro-batch.
 
     Korthikanti et al. count, in 16-bit with 1-byte dropout masks and ffn = 4h,
@@ -227,6 +227,13 @@ def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int
     * attention scores: softmax output e, and with dropout its mask m and its output e,
       per (head, query, key): ``a s^2 b / t`` of them.
 
+    That is the op-by-op core (``attention="math"``). Torch's fused kernel (``sdpa``)
+    keeps no scores: it saves its inputs (the un-repeated keys and values: it reads
+    shared kv heads in place), its output (a tensor of its own: the projection keeps
+    the copy that joins the heads) and one fp32 log-sum-exp per (head, query); dropout
+    is drawn again from the RNG state in backward. That assumes torch runs a fused
+    kernel (flash or memory-efficient) for the shapes at hand.
+
     ``selective`` drops the attention-score terms (they are recomputed); ``full`` keeps
     only the layer input, ``e sbh`` (``/ t`` under sequence parallelism). The norms'
     per-token statistics (one or two numbers a token) are left out.
@@ -235,7 +242,8 @@ def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int
     if recompute == "full":
         return tokens * hidden * element_bytes / (tp if sequence_parallel else 1)
     t = _terms(seq=seq, hidden=hidden, heads=heads, ffn=ffn, tp=tp, sequence_parallel=sequence_parallel,
-               element_bytes=element_bytes, mask_bytes=mask_bytes, dropout=dropout, arch=arch, kv_hidden=kv_hidden)
+               element_bytes=element_bytes, mask_bytes=mask_bytes, dropout=dropout, arch=arch, kv_hidden=kv_hidden,
+               attention=attention)
     if recompute == "selective":
         return tokens * (t["before_core"] + t["core_inputs"] + t["after_core"])
     return tokens * (t["before_core"] + t["q_k_v"] + t["scores"] + t["after_core"])
@@ -254,17 +262,21 @@ def rebuilt_core_bytes(**shape) -> float:
 
 def _terms(*, seq: int, hidden: int, heads: int, ffn: int, tp: int, sequence_parallel: bool,
            element_bytes: int, mask_bytes: int, dropout: bool, arch: str = "gpt2",
-           kv_hidden: int | None = None) -> dict[str, float]:
+           kv_hidden: int | None = None, attention: str = "math") -> dict[str, float]:
     """Bytes per token of each part of a layer (see korthikanti_bytes)."""
     e, m, d = element_bytes, mask_bytes, int(dropout)
     sp = tp if sequence_parallel else 1
     llama = arch == "llama"
-    repeated = llama and kv_hidden is not None and kv_hidden < hidden / tp  # query heads share kv heads
+    fused = attention != "math"
+    repeated = llama and kv_hidden is not None and kv_hidden < hidden / tp and not fused  # shared kv heads
+    core_inputs = e * hidden / tp + 2 * e * (kv_hidden if llama else hidden / tp)
     return {
         "before_core": 2 * e * hidden / sp,  # first norm's input, q/k/v's input
-        "q_k_v": 3 * e * hidden / tp,  # the core's q, k, v (Llama: k and v repeated per query head)
-        "core_inputs": e * hidden / tp + 2 * e * (kv_hidden if llama else hidden / tp),  # kept by selective
-        "scores": heads * seq / tp * (e + d * (e + m)),
+        # the core's q, k, v (op by op, Llama's k and v repeated per query head); fused, its
+        # inputs as they are and its own output
+        "q_k_v": core_inputs + e * hidden / tp if fused else 3 * e * hidden / tp,
+        "core_inputs": core_inputs,  # kept by selective
+        "scores": heads / tp * 4 if fused else heads * seq / tp * (e + d * (e + m)),  # fused: fp32 log-sum-exp
         "repeated_kv": 2 * e * hidden / tp if repeated else 0.0,
         "after_core": e * hidden / tp + hidden * (2 * e + 2 * m * d) / sp + (4 if llama else 2) * e * ffn / tp,
     }
@@ -277,7 +289,7 @@ def layer_shape(m, *, batch: int, tp: int, sequence_parallel: bool, element_byte
     kv_per_rank = max(m.kv_heads // tp, 1)  # whole kv heads per rank: replicated when tp exceeds them
     return dict(seq=m.seq_len, batch=batch, hidden=m.d_model, heads=m.n_head, ffn=m.ffn_size, tp=tp,
                 sequence_parallel=sequence_parallel, element_bytes=element_bytes, mask_bytes=mask_bytes,
-                dropout=m.dropout > 0, arch=m.arch, kv_hidden=kv_per_rank * m.head_dim)
+                dropout=m.dropout > 0, arch=m.arch, kv_hidden=kv_per_rank * m.head_dim, attention=m.attention)
 
 
 # ---- what a stage reports -----------------------------------------------------------------------

@@ -70,6 +70,29 @@ def test_tp_collectives_of_a_block(tp):
     assert (expected == 0.0) == (tp == 1)
 
 
+@pytest.mark.parametrize("tp", [2, 8])
+def test_sequence_parallel_backward_gathers_again(tp):
+    """Under SP a block's backward all-gathers its two column layers' inputs again (each
+    kept only its shard), beside the two reduce-scatters and two all-gathers that mirror
+    the forward: 4 all-gathers and 2 reduce-scatters."""
+    job = Job(GPT, 64, A100, "bf16")
+    lay = Layout(dp=1, tp=tp, pp=1, micro_batch_size=2, sequence_parallel=True)
+    act, link = 2 * GPT.seq_len * GPT.d_model * 2, A100.nvlink
+    ag, rs = link.collective(act, tp, "all_gather"), link.collective(act, tp, "reduce_scatter")
+    block = block_cost(job, lay)
+    assert block.tp_comm_f == pytest.approx(2 * ag + 2 * rs)
+    assert block.tp_comm_b == pytest.approx(4 * ag + 2 * rs)
+
+
+def test_a_link_can_time_each_kind_of_operation_at_its_own_rates():
+    from gridtrain.planner.machine import Link
+
+    link = Link(1e9, 1e-4, (("reduce_scatter", 2e-3, 3e8), ("send", 5e-4, 2e9)))
+    assert link.collective(1e6, 2) == pytest.approx(ring_seconds(1e6, 2, 1e9, 1e-4))
+    assert link.collective(1e6, 4, "reduce_scatter") == pytest.approx(ring_seconds(1e6, 4, 3e8, 2e-3, "reduce_scatter"))
+    assert link.send(1e6) == pytest.approx(1e6 / 2e9 + 5e-4)
+
+
 def test_tp_beyond_a_node_goes_over_the_network():
     job = Job(GPT, 64, A100, "bf16", gpus_per_node=4)
     act = GPT.seq_len * GPT.d_model * 2
@@ -202,6 +225,45 @@ def test_per_stage_chunk_costs_are_honoured(name, v):
     for s in range(p):
         assert timeline.busy(s) == pytest.approx(m * sum(table[(s, c)].f + table[(s, c)].b + table[(s, c)].w
                                                          for c in range(v)))
+
+
+@pytest.mark.parametrize("name,v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 9), (8, 16)])
+def test_rendezvous_keeps_the_closed_form_bubbles_when_messages_are_free(name, v, p, m):
+    """Waiting for send/receive batches as the runtime does costs these schedules nothing
+    when a message takes no time: each send meets a receive its peer has already posted."""
+    if m % p and name == "interleaved-1f1b":
+        pytest.skip("interleaving needs m divisible by p")
+    schedule = build_schedule(name, p, m, v)
+    c = Costs(f=1, b=2, w=0)
+    assert simulate(schedule, c, v, rendezvous=True).makespan == simulate(schedule, c, v).makespan
+
+
+def test_rendezvous_holds_zb_h1_back_to_1f1b():
+    """ZB-H1's stage 1 runs B1, then posts SEND_B1 alone and waits for it before W0: the
+    send completes only when stage 0 posts RECV_B1, after its F2. So the deferred weight
+    gradient fills no bubble: the runtime's ZB-H1 takes 1F1B's 3m + 3(p - 1) here, where
+    the dependency-only timeline takes 3m + (p - 1)."""
+    p, m = 2, 4
+    schedule = build_schedule("zb-h1", p, m)
+    c = Costs(f=1, b=1, w=1)
+    assert simulate(schedule, c).makespan == 3 * m + (p - 1)
+    assert simulate(schedule, c, rendezvous=True).makespan == 3 * m + 3 * (p - 1)
+    assert simulate(build_schedule("1f1b", p, m), c, rendezvous=True).makespan == 3 * m + 3 * (p - 1)
+
+
+def test_rendezvous_message_time_and_deadlock():
+    """A message leaves when both sides have posted and takes the receiver's latency; two
+    stages that both wait to receive first never proceed."""
+    from gridtrain.pipeline.schedules import RECV_F, SEND_F, Action
+    from gridtrain.pipeline.simulate import DeadlockError
+
+    schedule = [[Action(F, 0), Action(SEND_F, 0)], [Action(RECV_F, 0), Action(F, 0)]]
+    timeline = simulate(schedule, lambda s, c: Costs(f=1 + s, b=0, w=0, latency=0.5), rendezvous=True)
+    assert [(i.stage, i.start, i.end) for i in timeline.intervals] == [(0, 0, 1), (1, 1.5, 3.5)]
+    stuck = [[Action(RECV_F, 0), Action(F, 0)], [Action(RECV_F, 0), Action(F, 0)]]
+    with pytest.raises(DeadlockError):
+        simulate(stuck, Costs(), rendezvous=True)
 
 
 @pytest.mark.parametrize("name,v", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 2)])

@@ -6,6 +6,14 @@ stage's forward of the same micro-batch (plus the transfer latency), a backward 
 the next virtual stage's backward (or, on the last virtual stage, its own forward), a
 weight-gradient step needs its own backward. Communication actions take no stage time;
 their cost is the latency on the dependency.
+
+With ``rendezvous=True`` the communication actions are simulated as the runtime runs
+them (pipeline/runtime.py): a run of consecutive SEND/RECV actions is one batch, posted
+when the stage reaches it, and the stage waits until every message of the batch has
+arrived; a message leaves when both its sender and its receiver have posted theirs (a
+send completes only against a posted receive, on NCCL and on gloo) and takes the
+receiving chunk's ``latency``. So a stage blocked on a send whose receiver is still
+computing is idle, as it is in the runtime; a schedule's bubble then includes that.
 """
 
 from __future__ import annotations
@@ -13,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gridtrain.pipeline.schedules import B, COMPUTE, F, W, Action, virtual_stage
+from gridtrain.pipeline.schedules import B, COMM, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, \
+    stage_and_chunk, virtual_stage
 
 
 @dataclass(frozen=True)
@@ -62,10 +71,11 @@ class DeadlockError(RuntimeError):
 
 
 def simulate(schedule: list[list[Action]], costs: Costs | Callable[[int, int], Costs] = Costs(),
-             chunks: int = 1) -> Timeline:
+             chunks: int = 1, rendezvous: bool = False) -> Timeline:
     """``costs``: the same for every action, or per (stage, chunk) (the planner's: a
     chunk's blocks, and the head on the last); a dependency between stages waits for
-    the receiving chunk's ``latency``."""
+    the receiving chunk's ``latency``. ``rendezvous``: simulate the communication
+    batches as the runtime waits for them (module docstring)."""
     p = len(schedule)
     last_virtual = p * chunks - 1
     split = any(a.kind == W for stage in schedule for a in stage)
@@ -75,6 +85,8 @@ def simulate(schedule: list[list[Action]], costs: Costs | Callable[[int, int], C
     def duration(s: int, a: Action) -> float:
         c = table[(s, a.chunk)]
         return {F: c.f, B: c.b if split else c.b + c.w, W: c.w}[a.kind]
+    if rendezvous:
+        return _simulate_rendezvous(schedule, table, duration)
     orders = [[a for a in stage if a.kind in COMPUTE] for stage in schedule]
     done: dict[tuple[str, int, int], float] = {}  # (kind, mb, virtual stage) -> end time
     free = [0.0] * p
@@ -115,5 +127,56 @@ def simulate(schedule: list[list[Action]], costs: Costs | Callable[[int, int], C
                 progressed = True
         if not progressed:
             stuck = {s: str(orders[s][cursor[s]]) for s in range(p) if cursor[s] < len(orders[s])}
+            raise DeadlockError(f"no stage can proceed; waiting: {stuck}")
+    return timeline
+
+
+def _message(s: int, a: Action, p: int) -> tuple[tuple[str, int, int], bool]:
+    """The message a communication action sends or receives, named by (direction,
+    micro-batch, receiving virtual stage), and whether this side sends it."""
+    v = virtual_stage(s, a.chunk, p)
+    return {SEND_F: ((F, a.mb, v + 1), True), RECV_F: ((F, a.mb, v), False),
+            SEND_B: ((B, a.mb, v - 1), True), RECV_B: ((B, a.mb, v), False)}[a.kind]
+
+
+def _simulate_rendezvous(schedule: list[list[Action]], table: dict, duration) -> Timeline:
+    p = len(schedule)
+    steps: list[list[list[Action]]] = []  # per stage: compute actions and communication batches
+    for stage in schedule:
+        out: list[list[Action]] = []
+        for a in stage:
+            if a.kind in COMM and out and out[-1][0].kind in COMM:
+                out[-1].append(a)
+            elif a.kind in COMPUTE or a.kind in COMM:
+                out.append([a])
+        steps.append(out)
+    posted: dict[tuple[tuple[str, int, int], bool], float] = {}  # (message, sender side) -> time
+    free, cursor = [0.0] * p, [0] * p
+    timeline = Timeline(num_stages=p)
+    remaining = sum(len(x) for x in steps)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            while cursor[s] < len(steps[s]):
+                step = steps[s][cursor[s]]
+                if step[0].kind in COMPUTE:
+                    a = step[0]
+                    end = free[s] + duration(s, a)
+                    timeline.intervals.append(Interval(s, a, free[s], end))
+                    free[s] = end
+                else:
+                    messages = [_message(s, a, p) for a in step]
+                    for m in messages:
+                        posted.setdefault(m, free[s])
+                    peers = [posted.get((key, not sends)) for key, sends in messages]
+                    if any(t is None for t in peers):
+                        break
+                    free[s] = max(max(free[s], t) + table[stage_and_chunk(key[2], p)].latency
+                                  for t, (key, _) in zip(peers, messages))
+                cursor[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {s: " ".join(map(str, steps[s][cursor[s]])) for s in range(p) if cursor[s] < len(steps[s])}
             raise DeadlockError(f"no stage can proceed; waiting: {stuck}")
     return timeline

@@ -21,12 +21,19 @@ One optimizer step of a ``dp x tp x pp`` layout is modelled as gridtrain runs it
   again in B; selective, the attention core's forward;
 * **tensor-parallel communication**, in each F and B and not overlapped (gridtrain
   issues TP collectives synchronously): per block two all-reduces of the block's
-  activations (or, with SP, two all-gathers and two reduce-scatters, the same volume),
-  ring algorithm, over NVLink when the TP group fits a node;
+  activations each way (with SP two all-gathers and two reduce-scatters forward, and
+  backward two more all-gathers: a sequence-parallel column layer gathers its input
+  again), the embedding's and the head's, and the loss's three small all-reduces
+  (``BLOCK_COLLECTIVES`` and its neighbours); ring algorithm, over NVLink when the TP
+  group fits a node; a link may time each kind of collective at its own rates (the
+  ``cpu`` machine's gloo, measured: machine.Link);
 * **the pipeline**: the schedule's own action lists (pipeline/schedules.py) run through
-  the simulator (pipeline/simulate.py) with the per-chunk costs above and the
-  point-to-point transfer of one micro-batch's activations as the latency between
-  stages, so bubbles, interleaving and ZB-H1 come from the schedule, not a formula;
+  the simulator (pipeline/simulate.py) with the per-chunk costs above, its send and
+  receive batches waited for as the runtime waits for them (``rendezvous``: a send
+  completes against a posted receive, and the stage waits for its batch), a message
+  taking the point-to-point transfer of one micro-batch's activations; so bubbles,
+  interleaving and ZB-H1 come from the schedule, not a formula (and ZB-H1's deferred
+  weight gradients help only where no blocked send holds the stage);
 * **data parallel** gradient all-reduce (ZeRO-1: reduce-scatter, then an all-gather of
   the updated parameters) of the reducer's fp32 gradient buffer, ring, over NVLink when
   the DP group fits a node and over the network otherwise, each of the group's ranks on
@@ -55,7 +62,7 @@ from gridtrain.grid import ProcessGrid
 from gridtrain.model import training_flops_per_token
 from gridtrain.pipeline.schedules import build_schedule
 from gridtrain.pipeline.simulate import Costs, simulate
-from gridtrain.planner.machine import Link
+from gridtrain.planner.machine import Link, ring_seconds  # noqa: F401 (ring_seconds: re-exported)
 
 # memory-bound passes over a block's activations (b s d elements each) in a forward:
 # two norms (read, write), the bias/dropout/residual adds, the MLP activation (of 4 d
@@ -196,15 +203,6 @@ def attention_score_seconds(m: ModelConfig, b: int, tp: int, hw, dtype: str) -> 
             scores * (SCORE_PASSES_BACKWARD * e + dropout) / hw.memory_bandwidth)
 
 
-def ring_seconds(nbytes: float, n: int, bandwidth: float, latency: float, kind: str = "all_reduce") -> float:
-    """A ring collective of ``nbytes`` (the whole tensor) over ``n`` ranks: an all-reduce
-    sends 2 (n-1)/n of it per rank, an all-gather or reduce-scatter (n-1)/n."""
-    if n <= 1:
-        return 0.0
-    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
-    return steps / n * nbytes / bandwidth + steps * latency
-
-
 def ring_link(hw, n: int, stride: int, node: int):
     """The link a ring of ``n`` ranks ``stride`` apart runs at: NVLink when the group fits
     a node; across nodes the network, where the group's ``k = node // stride`` members on
@@ -216,7 +214,7 @@ def ring_link(hw, n: int, stride: int, node: int):
     k = max(1, min(n, node // stride))
     if k == 1:
         return hw.network
-    return Link(min(k * hw.network.bandwidth, hw.nvlink.bandwidth), hw.network.latency)
+    return Link(min(k * hw.network.bandwidth, hw.nvlink.bandwidth), hw.network.latency, hw.network.measured)
 
 
 @dataclass(frozen=True)
@@ -238,43 +236,78 @@ def block_cost(job: Job, lay: Layout) -> BlockCost:
     act = tokens * m.d_model * DTYPE_BYTES[dt]
     elementwise = ELEMENTWISE_PASSES * act / (t if lay.sequence_parallel else 1) / hw.memory_bandwidth \
         + KERNELS_PER_BLOCK * hw.kernel_s
-    link = hw.link(t, job.node)
-    if lay.sequence_parallel:
-        comm = 2 * (ring_seconds(act, t, link.bandwidth, link.latency, "all_gather")
-                    + ring_seconds(act, t, link.bandwidth, link.latency, "reduce_scatter"))
-    else:
-        comm = 2 * ring_seconds(act, t, link.bandwidth, link.latency)
-    forward = gemms + core + scores_f + elementwise + comm
+    comm_f, comm_b = tp_collectives(job, lay, act, BLOCK_COLLECTIVES)
+    forward = gemms + core + scores_f + elementwise + comm_f
     recompute = {"none": 0.0, "selective": core + scores_f, "full": forward}[lay.recompute]
     # backward: the input-gradient GEMMs (as many FLOPs as the forward's), the attention
     # core's backward (twice its forward, and its passes over the scores), twice the
     # elementwise work, the mirrored collectives; the weight-gradient GEMMs as many FLOPs again
-    b_time = gemms + 2 * core + scores_b + 2 * elementwise + comm + recompute
-    return BlockCost(f=forward, b=b_time, w=gemms, tp_comm_f=comm, tp_comm_b=comm)
+    b_time = gemms + 2 * core + scores_b + 2 * elementwise + comm_b + recompute
+    return BlockCost(f=forward, b=b_time, w=gemms, tp_comm_f=comm_f, tp_comm_b=comm_b)
+
+
+# The tensor-parallel collectives of one micro-batch over the activations (b s d) as
+# gridtrain's layers issue them (comm.py's table of conjugate pairs), forward and backward:
+# a block enters the TP region twice (q/k/v, the MLP's first linear(s)) and leaves it twice
+# (attention's and the MLP's output projections). Without SP: the entries all-reduce in
+# backward, the exits in forward. With SP: the entries all-gather the sequence in forward
+# and reduce-scatter in backward, where they also all-gather their input again (each keeps
+# only its shard: tensor_parallel._SequenceParallelColumnLinear); the exits reduce-scatter
+# in forward and all-gather in backward.
+BLOCK_COLLECTIVES = {False: ({"all_reduce": 2}, {"all_reduce": 2}),
+                     True: ({"all_gather": 2, "reduce_scatter": 2}, {"all_gather": 4, "reduce_scatter": 2})}
+# the embedding leaves the region (vocabulary-parallel lookup: all-reduce, or reduce-scatter
+# under SP); the head enters it (all-reduce in backward; under SP as a block's entry)
+EMBEDDING_COLLECTIVES = {False: ({"all_reduce": 1}, {}), True: ({"reduce_scatter": 1}, {"all_gather": 1})}
+HEAD_COLLECTIVES = {False: ({}, {"all_reduce": 1}), True: ({"all_gather": 1}, {"all_gather": 1, "reduce_scatter": 1})}
+# the vocabulary-parallel cross entropy: the max, the sum of exponentials, the target logit
+LOSS_COLLECTIVES = {sp: ({"all_reduce": 3}, {}) for sp in (False, True)}
+
+
+def tp_collectives(job: Job, lay: Layout, nbytes: float, table: dict) -> tuple[float, float]:
+    """Seconds of the forward's and the backward's TP collectives in ``table`` (one of the
+    tables above) over a tensor of ``nbytes``, ring, over NVLink when the group fits a node."""
+    if lay.tp == 1:
+        return 0.0, 0.0
+    link = job.hardware.link(lay.tp, job.node)
+    sp = lay.sequence_parallel
+    return tuple(sum(n * link.collective(nbytes, lay.tp, kind) for kind, n in ops.items()) for ops in table[sp])
 
 
 def head_cost(job: Job, lay: Layout) -> tuple[float, float, float]:
-    """The logits GEMM and the loss on the chunk that ends the model (f, b, w)."""
+    """The logits GEMM and the loss on the chunk that ends the model (f, b, w), with
+    their TP collectives (the loss's are a few numbers per token: latency)."""
     m, hw, dt = job.model, job.hardware, job.dtype
     tokens = lay.micro_batch_size * m.seq_len
     vocab = m.padded_vocab_size(lay.tp) // lay.tp
     logits = gemm_seconds(tokens, vocab, m.d_model, hw, dt)
     loss = 3 * tokens * vocab * 4 / hw.memory_bandwidth  # fp32 softmax: read, exp, write
-    return logits + loss, logits + loss, logits
+    comm_f, comm_b = tp_collectives(job, lay, tokens * m.d_model * DTYPE_BYTES[dt], HEAD_COLLECTIVES)
+    loss_comm = tp_collectives(job, lay, tokens * 4, LOSS_COLLECTIVES)[0]  # one fp32 number per token
+    return logits + loss + comm_f + loss_comm, logits + loss + comm_b, logits
+
+
+def embedding_cost(job: Job, lay: Layout) -> tuple[float, float]:
+    """The lookup's TP collectives on the chunk that starts the model (f, b)."""
+    m = job.model
+    return tp_collectives(job, lay, lay.micro_batch_size * m.seq_len * m.d_model * DTYPE_BYTES[job.dtype],
+                          EMBEDDING_COLLECTIVES)
 
 
 def pipeline_costs(job: Job, lay: Layout, layers_per_chunk: list[int]):
     """Per (stage, chunk) costs of one micro-batch, for the simulator."""
     block = block_cost(job, lay)
     hf, hb, hw_ = head_cost(job, lay)
+    ef, eb = embedding_cost(job, lay)
     p, v = lay.pp, lay.vpp
     last = p * v - 1
 
     def cost(stage: int, chunk: int) -> Costs:
         virtual = chunk * p + stage
         n = layers_per_chunk[virtual]
-        ends = virtual == last
-        return Costs(f=n * block.f + (hf if ends else 0.0), b=n * block.b + (hb if ends else 0.0),
+        ends, starts = virtual == last, virtual == 0
+        return Costs(f=n * block.f + (hf if ends else 0.0) + (ef if starts else 0.0),
+                     b=n * block.b + (hb if ends else 0.0) + (eb if starts else 0.0),
                      w=n * block.w + (hw_ if ends else 0.0), latency=p2p_seconds(job, lay))
     return cost, block
 
@@ -287,7 +320,7 @@ def p2p_seconds(job: Job, lay: Layout) -> float:
     nbytes = lay.micro_batch_size * m.seq_len * m.d_model * DTYPE_BYTES[job.dtype] \
         / (lay.tp if lay.sequence_parallel else 1)
     link = job.hardware.link(lay.tp * lay.dp + 1, job.node)  # neighbours are tp x dp ranks apart
-    return nbytes / link.bandwidth + link.latency
+    return link.send(nbytes)
 
 
 # ---- the whole step ----------------------------------------------------------------------------------
@@ -324,8 +357,6 @@ def micro_batches(job: Job, lay: Layout) -> int:
 
 
 def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction:
-    """The step of ``lay`` on ``job``'s machine, broken down (module docstring).
-    ``memory``: compute it (True), skip it (False), or its bytes already computed."""
     from gridtrain.dryrun import stage_layers
 
     m, hw = job.model, job.hardware
@@ -339,20 +370,20 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
             layers[c * lay.pp + s] = len(ids)
     cost, block = pipeline_costs(job, lay, layers)
     schedule = build_schedule(lay.schedule, lay.pp, mbs, lay.vpp)
-    timeline = simulate(schedule, cost, lay.vpp)
+    timeline = simulate(schedule, cost, lay.vpp, rendezvous=True)
     busy = max(timeline.busy(s) for s in range(lay.pp))
     makespan = timeline.makespan
-    tp_comm = mbs * max(layers) * lay.vpp * (block.tp_comm_f + block.tp_comm_b * (2 if lay.recompute == "full" else 1))
+    tp_comm = mbs * max(layers) * lay.vpp * (block.tp_comm_f * (2 if lay.recompute == "full" else 1) + block.tp_comm_b)
     # data parallel: the reducer's fp32 buffer of this rank's parameters
     params = _rank_parameters(cfg, grid)
     grad_bytes = params * (8 if job.dtype == "fp64" else 4)
     link = ring_link(hw, lay.dp, lay.tp, job.node)  # a DP group's ranks are tp apart
     kind = "reduce_scatter" if lay.zero else "all_reduce"
-    reduce = ring_seconds(grad_bytes, lay.dp, link.bandwidth, link.latency, kind)
+    reduce = link.collective(grad_bytes, lay.dp, kind)
     last_mb_backward = sum(cost(0, c).b + cost(0, c).w for c in range(lay.vpp))
     bucket = min(1.0, cfg.parallel.bucket_mb * 2**20 / max(grad_bytes, 1))
     exposed = max(reduce - last_mb_backward, reduce * bucket) if lay.dp > 1 else 0.0
-    gather = ring_seconds(params * DTYPE_BYTES[job.dtype], lay.dp, link.bandwidth, link.latency, "all_gather") \
+    gather = link.collective(params * DTYPE_BYTES[job.dtype], lay.dp, "all_gather") \
         if lay.zero and lay.dp > 1 else 0.0
     owned = params / (lay.dp if lay.zero else 1)
     optimizer = owned * (4 + 3 * 8 + DTYPE_BYTES[job.dtype]) / hw.memory_bandwidth

@@ -27,8 +27,40 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Link:
-    bandwidth: float  # bytes/s one GPU sends (per direction)
-    latency: float  # seconds per ring step
+    """A link's bandwidth (bytes/s one GPU sends, per direction) and latency (seconds per
+    ring step). ``measured`` overrides both for some kinds of operation, as
+    ``(kind, latency, bandwidth)``: the ``cpu`` machine's gloo, whose all-gather,
+    reduce-scatter and sends run at rates of their own (profile.py)."""
+
+    bandwidth: float
+    latency: float
+    measured: tuple[tuple[str, float, float], ...] = ()
+
+    def rates(self, kind: str) -> tuple[float, float]:
+        """(latency, bandwidth) of one kind of operation over this link."""
+        for k, latency, bandwidth in self.measured:
+            if k == kind:
+                return latency, bandwidth
+        return self.latency, self.bandwidth
+
+    def collective(self, nbytes: float, n: int, kind: str = "all_reduce") -> float:
+        """A ring collective over ``n`` ranks of this link (:func:`ring_seconds`)."""
+        latency, bandwidth = self.rates(kind)
+        return ring_seconds(nbytes, n, bandwidth, latency, kind)
+
+    def send(self, nbytes: float) -> float:
+        """One point-to-point message of ``nbytes``."""
+        latency, bandwidth = self.rates("send")
+        return nbytes / bandwidth + latency
+
+
+def ring_seconds(nbytes: float, n: int, bandwidth: float, latency: float, kind: str = "all_reduce") -> float:
+    """A ring collective of ``nbytes`` (the whole tensor) over ``n`` ranks: an all-reduce
+    sends 2 (n-1)/n of it per rank, an all-gather or reduce-scatter (n-1)/n."""
+    if n <= 1:
+        return 0.0
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return steps / n * nbytes / bandwidth + steps * latency
 
 
 @dataclass(frozen=True)

@@ -2,18 +2,26 @@
 runs it can make (``gridtrain plan --hardware cpu``, ``--measure``).
 
 A short profile (a few seconds, then cached in ``~/.cache/gridtrain`` per host, core
-count and torch version) measures, on one thread:
+count and torch version) measures, on one thread of each of ``cores`` processes running
+at once (a training run keeps every core busy), the median of a few repeats:
 
 * GEMM throughput at several sizes: the largest gives the peak (``gemm_efficiency``
   1), the others fit ``gemm_half`` of the cost model's ``x / (x + gemm_half)``;
 * memory bandwidth: copying a 64 MiB tensor;
 * the cost of one small op through autograd (the eager overhead every kernel pays);
-* gloo between two local processes: an all-reduce of 8 B (latency per ring step) and of
-  8 MiB (bandwidth).
+* gloo between two local processes that compute between operations, as training does:
+  all-reduce, all-gather, reduce-scatter and send at 64 KiB to 2 MiB, each kind's
+  latency and bandwidth fitted to the (trimmed) mean times. Measured between idle
+  processes the latency was ~0.1 ms; between computing ones it is several times that
+  (each waits for its peer to be scheduled), and gloo's all-gather and reduce-scatter
+  run at rates of their own (not the all-reduce's).
 
 A "GPU" is one worker process. gridtrain's workers take ``cores // world`` threads each
 (worker.py), and more workers than cores share them, so :func:`cpu_machine` scales the
-single-thread figures by ``max(1, cores // world)`` and by ``min(1, cores / world)``.
+single-thread figures by ``max(1, cores // world)`` and by ``min(1, cores / world)``
+(every worker computing at once). While some wait (on a peer, in a pipeline bubble) the
+others get more: not modelled, so layouts with more workers than cores are predicted
+somewhat slow (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -31,20 +39,23 @@ import torch
 from gridtrain.planner.machine import Link, Machine
 
 SIZES = (32, 64, 128, 256, 512)
+PROFILE_VERSION = 3  # bump when what is measured changes: older caches are measured again
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gridtrain"
 
 
-def _best(fn, repeats: int = 5) -> float:
+def _typical(fn, repeats: int = 5) -> float:
+    """The median time of ``fn``: what a run sustains, not the best moment."""
     times = []
     for _ in range(repeats):
         began = time.perf_counter()
         fn()
         times.append(time.perf_counter() - began)
-    return min(times)
+    return statistics.median(times)
 
 
 def profile_compute(dtype=torch.float32) -> dict[str, float]:
-    """Single-thread GEMM FLOP/s by size, copy bandwidth and the per-op overhead."""
+    """Single-thread GEMM FLOP/s by size, copy bandwidth and the per-op overhead, in this
+    process (see :func:`profile_compute_loaded`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -52,42 +63,109 @@ def profile_compute(dtype=torch.float32) -> dict[str, float]:
         for n in SIZES:
             a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
             reps = max(1, int(2e8 / (2 * n ** 3)))
-            seconds = _best(lambda: [a @ b for _ in range(reps)]) / reps
+            seconds = _typical(lambda: [a @ b for _ in range(reps)]) / reps
             flops[n] = 2 * n ** 3 / seconds
         big = torch.empty(16 << 20, dtype=torch.float32)
-        bandwidth = 2 * big.nbytes / _best(lambda: big.clone())
+        bandwidth = 2 * big.nbytes / _typical(lambda: big.clone())
         x = torch.ones(8, requires_grad=True)
-        overhead = _best(lambda: [(x * 2).sum().backward() for _ in range(100)]) / 100 / 4  # ~4 kernels
+        overhead = _typical(lambda: [(x * 2).sum().backward() for _ in range(100)]) / 100 / 4  # ~4 kernels
     finally:
         torch.set_num_threads(threads)
     return {"gemm_flops": {str(k): v for k, v in flops.items()}, "bandwidth": bandwidth, "kernel_s": overhead}
 
 
+def _compute_worker(barrier, out) -> None:
+    barrier.wait()
+    out.put(profile_compute())
+
+
+def profile_compute_loaded() -> dict:
+    """:func:`profile_compute` in one process per core, all at once, averaged: a worker
+    computes while the others do (training keeps every core busy), so the shared caches,
+    memory bandwidth and the host's other tenants weigh on the figures as they do in a
+    run. (One process alone measured 5-25% faster on the 2-core test host.)"""
+    import torch.multiprocessing as mp
+
+    cores = os.cpu_count() or 1
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(cores), ctx.Queue()
+    procs = [ctx.Process(target=_compute_worker, args=(barrier, out)) for _ in range(cores)]
+    for p in procs:
+        p.start()
+    try:
+        results = [out.get(timeout=300) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return {"gemm_flops": {k: statistics.mean(r["gemm_flops"][k] for r in results) for k in results[0]["gemm_flops"]},
+            "bandwidth": statistics.mean(r["bandwidth"] for r in results),
+            "kernel_s": statistics.mean(r["kernel_s"] for r in results)}
+
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+LINK_SIZES = (64 << 10, 512 << 10, 2 << 20)  # bytes of the whole tensor: a block's activations
+LINK_REPEATS = 40
+
+
 def _gloo_worker(rank: int, port: int, out) -> None:
+    """Time each kind of operation between two processes that compute between them, as
+    training does (a GEMM of a few milliseconds): the time includes waiting for the peer
+    to be scheduled, which between idle processes it would not."""
     import torch.distributed as dist
+
+    from gridtrain.comm import _ALL_GATHER_SINGLE, _REDUCE_SCATTER_SINGLE
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    small, large = torch.zeros(1, dtype=torch.float64), torch.zeros(1 << 20, dtype=torch.float64)
-    for t in (small, large):
-        dist.all_reduce(t)  # warm up
-    small_s = statistics.median(_timed(dist, small) for _ in range(50))
-    large_s = statistics.median(_timed(dist, large) for _ in range(10))
+    a, b = torch.randn(512, 256), torch.randn(256, 512)
+    samples: dict[str, list[tuple[int, float]]] = {k: [] for k in KINDS}
+    for nbytes in LINK_SIZES:
+        x = torch.zeros(nbytes // 4)
+        ops = {"all_reduce": (nbytes, lambda: dist.all_reduce(x)),
+               "all_gather": (nbytes, lambda: _ALL_GATHER_SINGLE(torch.empty(nbytes // 4), x[: nbytes // 8])),
+               "reduce_scatter": (nbytes, lambda: _REDUCE_SCATTER_SINGLE(x[: nbytes // 8].clone(), x)),
+               "send": (nbytes, lambda: dist.send(x, 1) if rank == 0 else dist.recv(x, 0))}
+        for kind, (whole, op) in ops.items():
+            op()  # warm up
+            times = []
+            for _ in range(LINK_REPEATS):
+                a @ b
+                began = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - began)
+            samples[kind].append((whole, _trimmed_mean(times)))
     if rank == 0:
-        out.put({"latency": small_s / 2, "bandwidth": large.numel() * 8 / max(large_s - small_s, 1e-9)})
+        out.put({kind: _fit(kind, points) for kind, points in samples.items()})
     dist.destroy_process_group()
 
 
-def _timed(dist, t) -> float:
-    dist.barrier()
-    began = time.perf_counter()
-    dist.all_reduce(t)
-    return time.perf_counter() - began
+def _trimmed_mean(times: list[float], cut: float = 0.1) -> float:
+    """The mean without the slowest and fastest ``cut``: a step pays the waits (so not
+    the median), but not a rare stall of the profile's own."""
+    times = sorted(times)
+    k = int(len(times) * cut)
+    return statistics.mean(times[k: len(times) - k])
 
 
-def profile_link() -> dict[str, float]:
-    """gloo all-reduce between two local processes: seconds per ring step (latency) and
-    bytes/s (an all-reduce of 2 ranks sends the whole tensor once each way)."""
+def _fit(kind: str, points: list[tuple[int, float]]) -> list[float]:
+    """(latency per ring step, bandwidth) from ``t = a + c x`` fitted to (bytes, seconds):
+    between two ranks an all-reduce is 2 ring steps sending the whole tensor once, an
+    all-gather or reduce-scatter 1 step sending half of it, a send 1 step sending all."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    slope = max(slope, 1e-12)
+    intercept = max(my - slope * mx, 1e-6)
+    steps, share = {"all_reduce": (2, 1.0), "send": (1, 1.0)}.get(kind, (1, 0.5))
+    return [intercept / steps, share / slope]
+
+
+def profile_link() -> dict[str, list[float]]:
+    """gloo between two local processes, each kind of operation (``_gloo_worker``):
+    ``{kind: [latency per ring step, bandwidth]}``."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -99,7 +177,7 @@ def profile_link() -> dict[str, float]:
     for p in procs:
         p.start()
     try:
-        result = out.get(timeout=120)
+        result = out.get(timeout=300)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -110,14 +188,14 @@ def profile_link() -> dict[str, float]:
 
 def host_profile(refresh: bool = False) -> dict:
     """The profile of this host, cached (see the module docstring)."""
-    key = f"{platform.node()}-{os.cpu_count()}-{torch.__version__}".replace("/", "_")
+    key = f"{PROFILE_VERSION}-{platform.node()}-{os.cpu_count()}-{torch.__version__}".replace("/", "_")
     path = CACHE / f"cpu-profile-{key}.json"
     if path.is_file() and not refresh:
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             pass
-    profile = {"cores": os.cpu_count() or 1, **profile_compute(), "link": profile_link()}
+    profile = {"cores": os.cpu_count() or 1, **profile_compute_loaded(), "link": profile_link()}
     try:
         CACHE.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(profile, indent=1))
@@ -136,7 +214,11 @@ def machine_from_profile(profile: dict, world: int) -> Machine:
     # x / (x + h) = f(x) / peak  =>  h = x (peak / f(x) - 1), over the sizes below the peak's
     halves = [n * (peak / f - 1) for n, f in flops.items() if f < peak]
     half = statistics.median(halves) if halves else 1.0
-    link = Link(profile["link"]["bandwidth"] * min(1.0, cores / max(world, 1)), profile["link"]["latency"])
+    # more workers than cores: the copies through the loopback share the cores too
+    crowd = max(1.0, world / cores)
+    kinds = tuple((k, lat, bw / crowd) for k, (lat, bw) in sorted(profile["link"].items()))
+    latency, bandwidth = profile["link"]["all_reduce"]
+    link = Link(bandwidth / crowd, latency, kinds)
     return Machine(name="cpu", peak={"fp32": peak * share, "fp64": peak * share / 2, "bf16": peak * share / 4,
                                      "fp16": peak * share / 8},
                    memory_bandwidth=profile["bandwidth"] * share, memory=_host_memory(), nvlink=link, network=link,

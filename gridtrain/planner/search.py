@@ -24,7 +24,8 @@ from gridtrain.planner.cost import (Job, Layout, Prediction, block_cost, head_co
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
-MICRO_BATCHES = (1, 2, 4, 8)
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+VIRTUAL_STAGES = (1, 2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def layouts(job: Job, gpus: int, fixed: Fixed = Fixed()) -> Iterable[Layout]:
             if fixed.pp is not None and pp != fixed.pp:
                 continue
             dp = gpus // (tp * pp)
-            for vpp in (1, 2, 4):
+            for vpp in VIRTUAL_STAGES:
                 if (fixed.vpp is not None and vpp != fixed.vpp) or m.n_layer % (pp * vpp) or (vpp > 1 and pp == 1):
                     continue
                 for mbs in MICRO_BATCHES:
@@ -101,7 +102,9 @@ def rough_step(job: Job, lay: Layout) -> float:
     hf, hb, hw_ = head_cost(job, lay)
     m = micro_batches(job, lay)
     per_mb = job.model.n_layer / lay.pp * (block.f + block.b + block.w) + (hf + hb + hw_) / lay.pp
-    bubble = (lay.pp - 1) / (lay.vpp * m) * (0.5 if lay.schedule == "zb-h1" else 1.0)
+    # ZB-H1 as 1F1B: the runtime's blocking sends hold its deferred weight gradients back
+    # (pipeline/simulate.py, rendezvous), so only the simulator can tell them apart
+    bubble = (lay.pp - 1) / (lay.vpp * m)
     return m * per_mb * (1 + bubble)
 
 
