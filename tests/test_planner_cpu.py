@@ -11,11 +11,12 @@ from gridtrain import cli
 from gridtrain.config import ModelConfig
 from gridtrain.planner.cost import Job, Layout, predict
 from gridtrain.planner.measure import train_args
-from gridtrain.planner.profile import machine_from_profile
+from gridtrain.planner.profile import _fit, machine_from_profile
 from gridtrain.validate_config import validate
 
 PROFILE = {"cores": 4, "gemm_flops": {"32": 2e9, "64": 4e9, "128": 6e9, "512": 8e9}, "bandwidth": 1e10,
-           "kernel_s": 2e-5, "link": {"latency": 1e-4, "bandwidth": 1e9}}
+           "kernel_s": 2e-5, "link": {"all_reduce": [1e-4, 1e9], "all_gather": [2e-4, 5e8],
+                                      "reduce_scatter": [3e-4, 4e8], "send": [5e-5, 2e9]}}
 
 
 @pytest.mark.parametrize("world,share", [(1, 4), (2, 2), (4, 1), (8, 0.5)])
@@ -26,6 +27,28 @@ def test_a_worker_gets_its_share_of_the_host(world, share):
     assert m.memory_bandwidth == pytest.approx(1e10 * share)
     assert m.gemm_efficiency == 1.0 and m.kernel_s == 2e-5
     assert m.link(2) == m.link(64)  # one host: every group on the same (gloo) link
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_each_kind_of_gloo_operation_keeps_its_measured_rates(world):
+    """Latency as measured; bandwidth shared when more workers than cores copy through
+    the loopback."""
+    link = machine_from_profile(PROFILE, world).link(2)
+    crowd = max(1, world / 4)
+    for kind, (latency, bandwidth) in PROFILE["link"].items():
+        assert link.rates(kind) == pytest.approx((latency, bandwidth / crowd))
+    assert (link.latency, link.bandwidth) == pytest.approx((1e-4, 1e9 / crowd))
+
+
+@pytest.mark.parametrize("kind,steps,share", [("all_reduce", 2, 1.0), ("all_gather", 1, 0.5),
+                                              ("reduce_scatter", 1, 0.5), ("send", 1, 1.0)])
+def test_rates_are_fitted_to_two_rank_timings(kind, steps, share):
+    """t = a + c x over (bytes, seconds): a is ``steps`` ring-step latencies, and the
+    bytes a rank sends (all of them for an all-reduce or a send, half for an all-gather
+    or a reduce-scatter between two ranks) move at the bandwidth."""
+    latency, bandwidth = 7e-4, 3e8
+    points = [(x, steps * latency + share * x / bandwidth) for x in (1 << 16, 1 << 19, 1 << 21)]
+    assert _fit(kind, points) == pytest.approx([latency, bandwidth])
 
 
 def test_gemm_half_is_fitted_to_the_measured_sizes():
