@@ -8,7 +8,11 @@ pipeline micro-batches and tensor parallelism:
   loses precision;
 * the buffer is cut into buckets of about ``--bucket-mb`` in *reverse registration
   order*, roughly the order in which backward produces gradients;
-* a hook on each parameter moves each new gradient into the buffer; when a parameter
+* autograd accumulates each new gradient straight into the buffer: ``param.grad`` *is*
+  the parameter's view of it (DDP's ``gradient_as_bucket_view``), so nothing is copied
+  per micro-batch. Where that cannot be (16-bit parameters with an fp32 buffer; a split
+  backward, whose deferred weight gradients the hook must tell apart) a hook on each
+  parameter moves each new gradient into the buffer instead. When a parameter
   has received all of its step's contributions (one per micro-batch through its chunk,
   whatever the schedule: the last B, or the last W of a split backward), it is ready,
   and a bucket whose parameters are all ready starts its asynchronous all-reduce at
@@ -105,7 +109,7 @@ class GradientReducer:
 
     def __init__(self, model: nn.Module, dp: CommGroup, *, accumulations: int, bucket_mb: float = 25.0,
                  grad_dtype: torch.dtype | None = None, shard: bool = False,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, in_place: bool = True):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
         self.dp, self.accumulations, self.shard = dp, accumulations, shard
@@ -118,6 +122,8 @@ class GradientReducer:
         self.buffer = torch.zeros(self.padded, dtype=dtype, device=device)
         self.shard_grad: torch.Tensor | None = None
         self.buckets = self._make_buckets(params, bucket_mb * 2 ** 20 / self.buffer.element_size())
+        # parameters whose .grad is their view of the buffer (same dtype and device)
+        self.in_place = {p for p in params if in_place and p.dtype == dtype and p.device == device}
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.counts = {p: 0 for p in params}
         self.next_bucket = 0
@@ -144,8 +150,9 @@ class GradientReducer:
     def _on_grad(self, p: nn.Parameter) -> None:
         if p.grad is None:  # a backward that deferred this weight's gradient (ZB's B)
             return
-        p.main_grad.add_(p.grad)
-        p.grad = None
+        if p not in self.in_place or p.grad.data_ptr() != p.main_grad.data_ptr():
+            p.main_grad.add_(p.grad)  # not accumulated in the buffer by autograd: move it there
+            p.grad = p.main_grad if p in self.in_place else None
         self.counts[p] += 1
         if self.counts[p] == self.accumulations and self.dp.size > 1 and not self.shard:
             self.bucket_of[p].ready += 1
@@ -215,7 +222,7 @@ class GradientReducer:
         self.buffer.zero_()
         for p in self.counts:
             self.counts[p] = 0
-            p.grad = None
+            p.grad = p.main_grad if p in self.in_place else None  # autograd adds into the buffer
         for b in self.buckets:
             b.ready, b.work, b.record, b.done_at = 0, None, None, None
         self.next_bucket = 0

@@ -202,7 +202,8 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.grid.dp)
     pipeline = build_pipeline(model, cfg, ctx, forward_step, micro_batches)
     reducer = GradientReducer(model, ctx.dp, accumulations=micro_batches,
-                              bucket_mb=cfg.parallel.bucket_mb, shard=t.zero == 1, device=ctx.device)
+                              bucket_mb=cfg.parallel.bucket_mb, shard=t.zero == 1, device=ctx.device,
+                              in_place=not uses_split_backward(cfg.parallel.schedule))
     optimizer = make_optimizer(model, reducer, cfg, ctx)
     scaler = LossScaler(t.loss_scale, t.loss_scale_window, t.min_loss_scale) if t.dtype == "fp16" else None
     source = resume_source(cfg)

@@ -263,3 +263,44 @@ def test_fp16_without_overflow_follows_fp32():
     assert not any(n == float("inf") for n in fp16["grad_norms"])
     for a, b in zip(fp32["losses"], fp16["losses"]):
         assert abs(a - b) <= 0.02 * a
+
+
+class _Two(nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4).to(dtype), nn.Linear(4, 1).to(dtype)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).sum()
+
+
+@pytest.mark.parametrize("dtype,in_place", [(torch.float64, True), (torch.float32, True),
+                                            (torch.bfloat16, False), (torch.float64, False)])
+def test_gradients_accumulate_straight_into_the_buffer(dtype, in_place, monkeypatch):
+    """Counted, one process: with ``in_place`` and the buffer's dtype, ``param.grad`` is
+    the parameter's view of the flat buffer through every micro-batch and the reducer
+    copies nothing (no ``add_`` into the buffer); 16-bit parameters (fp32 buffer) or
+    ``in_place=False`` (a split backward) take the hook's copy. The accumulated gradient
+    is the same either way: the sum over micro-batches."""
+    torch.manual_seed(0)
+    model = _Two(dtype)
+    reducer = GradientReducer(model, CommGroup("dp", size=1), accumulations=3, in_place=in_place)
+    copies = []
+    add = torch.Tensor.add_
+    monkeypatch.setattr(torch.Tensor, "add_", lambda self, *a, **k: copies.append(1) or add(self, *a, **k))
+    direct = dtype != torch.bfloat16 and in_place
+    xs = [torch.randn(2, 4, dtype=dtype) for _ in range(3)]
+    reducer.zero()
+    for x in xs:
+        model(x).backward()
+        for p in model.parameters():
+            assert (p.grad is not None and p.grad.data_ptr() == p.main_grad.data_ptr()) == direct
+    assert len(copies) == (0 if direct else 3 * 4)
+    monkeypatch.undo()
+    reducer.finish()
+    ref = _Two(dtype)
+    ref.load_state_dict(model.state_dict())
+    for x in xs:
+        ref(x).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.main_grad, q.grad.to(p.main_grad.dtype), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)

@@ -239,17 +239,31 @@ def test_rendezvous_keeps_the_closed_form_bubbles_when_messages_are_free(name, v
     assert simulate(schedule, c, v, rendezvous=True).makespan == simulate(schedule, c, v).makespan
 
 
-def test_rendezvous_holds_zb_h1_back_to_1f1b():
-    """ZB-H1's stage 1 runs B1, then posts SEND_B1 alone and waits for it before W0: the
-    send completes only when stage 0 posts RECV_B1, after its F2. So the deferred weight
-    gradient fills no bubble: the runtime's ZB-H1 takes 1F1B's 3m + 3(p - 1) here, where
-    the dependency-only timeline takes 3m + (p - 1)."""
+def test_rendezvous_lets_zb_h1_fill_its_bubble():
+    """ZB-H1's stage 1 runs B1, then posts SEND_B1 alone before W0. The runtime leaves a
+    batch of sends only in flight (it completes only when stage 0 posts RECV_B1, after
+    its F2) and runs W0 meanwhile, so the weight gradients fill the bubble: with equal
+    F, B, W and free messages ZB-H1 takes 3m + (p - 1) against 1F1B's 3m + 3(p - 1). A
+    runtime that waited for that send there ran ZB-H1 no faster than 1F1B."""
     p, m = 2, 4
-    schedule = build_schedule("zb-h1", p, m)
     c = Costs(f=1, b=1, w=1)
-    assert simulate(schedule, c).makespan == 3 * m + (p - 1)
-    assert simulate(schedule, c, rendezvous=True).makespan == 3 * m + 3 * (p - 1)
+    assert simulate(build_schedule("zb-h1", p, m), c, rendezvous=True).makespan == 3 * m + (p - 1)
     assert simulate(build_schedule("1f1b", p, m), c, rendezvous=True).makespan == 3 * m + 3 * (p - 1)
+
+
+def test_rendezvous_waits_for_sends_in_flight_at_the_next_batch():
+    """A batch of sends only does not hold its stage; the stage's next batch (or the end
+    of the schedule) waits for them."""
+    from gridtrain.pipeline.schedules import RECV_F, SEND_F, Action
+
+    schedule = [[Action(F, 0), Action(SEND_F, 0), Action(F, 1), Action(SEND_F, 1)],
+                [Action(RECV_F, 0), Action(F, 0), Action(RECV_F, 1), Action(F, 1)]]
+    timeline = simulate(schedule, lambda s, ch: Costs(f=1 if s == 0 else 5, b=0, w=0, latency=0.5), rendezvous=True)
+    spans = sorted((i.stage, i.action.mb, i.start, i.end) for i in timeline.intervals)
+    # stage 0 computes F1 while SEND_F0 waits for stage 1's receive (posted at 0): it
+    # arrives at 1.5; F1 runs 1-2; SEND_F1 meets RECV_F1 (posted at 6.5) and arrives at 7
+    assert spans == [(0, 0, 0, 1), (0, 1, 1, 2), (1, 0, 1.5, 6.5), (1, 1, 7.0, 12.0)]
+    assert timeline.makespan == 12.0
 
 
 def test_rendezvous_message_time_and_deadlock():

@@ -5,7 +5,12 @@ This is where the pipeline sends activations (SEND_F) and gradients (SEND_B). Th
 schedule decides the order; the runtime only interprets it:
 
 * a run of consecutive SEND/RECV actions is posted as one ``batch_isend_irecv`` and
-  waited for as a whole (the validator proves this cannot deadlock); shapes are known in
+  waited for as a whole (the validator proves this cannot deadlock), except a run of
+  sends only, which the stage leaves in flight and waits for at its next batch (or the
+  end of the schedule): a send completes only when the peer posts its receive, and
+  waiting there would idle the stage, e.g. ZB-H1's W behind a lone SEND_B. Waiting later
+  cannot deadlock: every operation is posted in the same order as before, and a stage
+  waits for nothing it did not wait for before, only later; shapes are known in
   advance (``[micro-batch, seq (/ tp under SP), hidden]``), so nothing is exchanged but
   the tensors. Messages carry no tags: NCCL ignores them and pairs the messages between
   two ranks by the order in which they are posted, whatever their direction, so the
@@ -116,6 +121,7 @@ class PipelineStage:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.grads: dict[tuple[int, int], torch.Tensor] = {}
         self.loss_sum: torch.Tensor | None = None
+        self.pending_sends: list[tuple] = []  # posted batches of sends only, not yet waited for
         self.stats = StageStats(clock=self.clock, tracing=self.tracing)
         self.in_flight = 0
         self.stats.began, self.stats.began_host = self.clock.mark(), time.perf_counter()
@@ -141,6 +147,9 @@ class PipelineStage:
             elif a.kind != OPTIMIZER_STEP:  # the caller steps after clipping
                 raise ValueError(f"unknown pipeline action {a}")
             i += 1
+        for batch in self.pending_sends:
+            self._finish(*batch)
+        self.pending_sends = []
         self.recorder.set_action("after the schedule (loss, clipping, optimizer)")
         self.stats.ended = self.clock.mark()
         return self.loss_sum, self.stats
@@ -238,15 +247,25 @@ class PipelineStage:
             for a in actions:
                 if a.kind == RECV_B:
                     self.recompute.rebuild((a.mb, a.chunk))
-        self._wait(works, records, ops[0].tensor)
-        for a in actions:  # free what has been sent: only the graph is needed now
-            if a.kind == SEND_F:
-                _free_data(self.outputs[(a.mb, a.chunk)])
+        finishing, self.pending_sends = self.pending_sends, []
+        for batch in finishing:  # the sends left in flight at the previous batch
+            self._finish(*batch)
+        if not received:  # only sends: let them travel while this stage computes on
+            self.pending_sends.append((works, records, ops, actions))
+            return
+        self._finish(works, records, ops, actions)
         for a, buffer in received:
             if a.kind == RECV_F:
                 self.inputs[(a.mb, a.chunk)] = buffer.requires_grad_()
             else:
                 self.grads[(a.mb, a.chunk)] = buffer
+
+    def _finish(self, works: list, records: list, ops: list, actions: list[Action]) -> None:
+        """Wait for a posted batch; then free what it sent: only the graph is needed now."""
+        self._wait(works, records, ops[0].tensor)
+        for a in actions:
+            if a.kind == SEND_F:
+                _free_data(self.outputs[(a.mb, a.chunk)])
 
     def _wait(self, works: list, records: list, tensor: torch.Tensor) -> None:
         """Wait for a posted batch, recording each operation's wait. Backends that coalesce

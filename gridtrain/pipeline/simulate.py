@@ -9,11 +9,12 @@ their cost is the latency on the dependency.
 
 With ``rendezvous=True`` the communication actions are simulated as the runtime runs
 them (pipeline/runtime.py): a run of consecutive SEND/RECV actions is one batch, posted
-when the stage reaches it, and the stage waits until every message of the batch has
-arrived; a message leaves when both its sender and its receiver have posted theirs (a
-send completes only against a posted receive, on NCCL and on gloo) and takes the
-receiving chunk's ``latency``. So a stage blocked on a send whose receiver is still
-computing is idle, as it is in the runtime; a schedule's bubble then includes that.
+when the stage reaches it; a message leaves when both its sender and its receiver have
+posted theirs (a send completes only against a posted receive, on NCCL and on gloo) and
+takes the receiving chunk's ``latency``. The stage waits until every message of a batch
+with a receive has arrived; a batch of sends only it leaves in flight and waits for at
+its next batch (or the end of the schedule). So a stage blocked on a receive, or on a
+send still in flight at its next batch, is idle, as it is in the runtime.
 """
 
 from __future__ import annotations
@@ -152,9 +153,19 @@ def _simulate_rendezvous(schedule: list[list[Action]], table: dict, duration) ->
         steps.append(out)
     posted: dict[tuple[tuple[str, int, int], bool], float] = {}  # (message, sender side) -> time
     free, cursor = [0.0] * p, [0] * p
+    in_flight: list[list[tuple[tuple[str, int, int], bool]]] = [[] for _ in range(p)]  # unwaited sends
     timeline = Timeline(num_stages=p)
     remaining = sum(len(x) for x in steps)
-    while remaining:
+
+    def arrival(s: int, messages) -> float | None:
+        """When the last of ``messages`` has arrived, or None while a peer has not posted."""
+        peers = [posted.get((key, not sends)) for key, sends in messages]
+        if any(t is None for t in peers):
+            return None
+        return max((max(posted[(key, sends)], t) + table[stage_and_chunk(key[2], p)].latency
+                    for t, (key, sends) in zip(peers, messages)), default=free[s])
+
+    while remaining or any(in_flight):
         progressed = False
         for s in range(p):
             while cursor[s] < len(steps[s]):
@@ -168,14 +179,27 @@ def _simulate_rendezvous(schedule: list[list[Action]], table: dict, duration) ->
                     messages = [_message(s, a, p) for a in step]
                     for m in messages:
                         posted.setdefault(m, free[s])
-                    peers = [posted.get((key, not sends)) for key, sends in messages]
-                    if any(t is None for t in peers):
-                        break
-                    free[s] = max(max(free[s], t) + table[stage_and_chunk(key[2], p)].latency
-                                  for t, (key, _) in zip(peers, messages))
+                    if all(sends for _, sends in messages):  # sends only: in flight until the next batch
+                        done = arrival(s, in_flight[s])
+                        if done is None:
+                            break
+                        free[s] = max(free[s], done)
+                        in_flight[s] = messages
+                    else:
+                        done = arrival(s, in_flight[s] + messages)
+                        if done is None:
+                            break
+                        free[s] = max(free[s], done)
+                        in_flight[s] = []
                 cursor[s] += 1
                 remaining -= 1
                 progressed = True
+            if cursor[s] == len(steps[s]) and in_flight[s]:  # the schedule's end waits for them
+                done = arrival(s, in_flight[s])
+                if done is not None:
+                    free[s] = max(free[s], done)
+                    in_flight[s] = []
+                    progressed = True
         if not progressed:
             stuck = {s: " ".join(map(str, steps[s][cursor[s]])) for s in range(p) if cursor[s] < len(steps[s])}
             raise DeadlockError(f"no stage can proceed; waiting: {stuck}")
