@@ -26,9 +26,9 @@ import time
 
 from gridtrain.config import ModelConfig, preset_config
 from gridtrain.planner.cost import Job, Layout, config_of, memory_bytes, predict
-from gridtrain.planner.machine import machine
+from gridtrain.planner.machine import machine, machine_from_profile
 from gridtrain.planner.measure import measure_one, train_args
-from gridtrain.planner.profile import host_profile, machine_from_profile, profile_compute_loaded, profile_link
+from gridtrain.planner.profile import host_profile, profile_compute_loaded, profile_link
 
 MODEL = ModelConfig(n_layer=4, n_head=8, d_model=256, seq_len=128, vocab_size=257, dropout=0.0)
 GLOBAL_BATCH = 16

@@ -150,7 +150,7 @@ class GradientReducer:
     def _on_grad(self, p: nn.Parameter) -> None:
         if p.grad is None:  # a backward that deferred this weight's gradient (ZB's B)
             return
-        if p not in self.in_place or p.grad.data_ptr() != p.main_grad.data_ptr():
+        if p.grad is not p.main_grad:
             p.main_grad.add_(p.grad)  # not accumulated in the buffer by autograd: move it there
             p.grad = p.main_grad if p in self.in_place else None
         self.counts[p] += 1

@@ -34,7 +34,9 @@ def build_optimizer(model: nn.Module, t: TrainingConfig) -> torch.optim.Optimize
     models (on 2 CPU cores, 50 fp32 tensors of 256 x 256: ~14x)."""
     groups = param_groups(model, t.weight_decay)
     params = [p for g in groups for p in g["params"]]
-    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    # plain tensors only: torch's fused kernel takes no DTensor (nor the dry run's fake tensors)
+    fused = bool(params) and all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda")
+                                 and p.is_floating_point() for p in params)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps, fused=fused or None)
 
 

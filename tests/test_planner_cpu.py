@@ -10,8 +10,9 @@ import pytest
 from gridtrain import cli
 from gridtrain.config import ModelConfig
 from gridtrain.planner.cost import Job, Layout, predict
+from gridtrain.planner.machine import machine_from_profile
 from gridtrain.planner.measure import train_args
-from gridtrain.planner.profile import _fit, machine_from_profile
+from gridtrain.planner.profile import _fit
 from gridtrain.validate_config import validate
 
 PROFILE = {"cores": 4, "gemm_flops": {"32": 2e9, "64": 4e9, "128": 6e9, "512": 8e9}, "bandwidth": 1e10,

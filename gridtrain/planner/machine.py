@@ -18,6 +18,7 @@ The ``cpu`` machine is measured on the host instead (profile.py).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from gridtrain.planner.hardware import HARDWARE, Hardware
@@ -112,9 +113,47 @@ def machine(name: str, gpus: int = 1) -> Machine:
     """A machine by name; ``cpu`` is profiled on this host (a few seconds, then cached),
     one "GPU" being one of ``gpus`` local worker processes."""
     if name == "cpu":
-        from gridtrain.planner.profile import cpu_machine
-
         return cpu_machine(gpus)
     if name not in MACHINES:
         raise ValueError(f"--hardware {name!r} is not one of {', '.join([*MACHINES, 'cpu'])}")
     return MACHINES[name]
+
+
+def machine_from_profile(profile: dict, world: int) -> Machine:
+    """The ``cpu`` machine: one worker's share of the host profiled by profile.py, for a
+    job of ``world`` local workers (profile.py's docstring says how)."""
+    cores = profile["cores"]
+    threads = max(1, cores // max(world, 1))
+    share = threads * min(1.0, cores / max(world, 1))
+    flops = {int(k): v for k, v in profile["gemm_flops"].items()}
+    peak = max(flops.values())
+    # x / (x + h) = f(x) / peak  =>  h = x (peak / f(x) - 1), over the sizes below the peak's
+    halves = [n * (peak / f - 1) for n, f in flops.items() if f < peak]
+    half = statistics.median(halves) if halves else 1.0
+    # more workers than cores: the copies through the loopback share the cores too
+    crowd = max(1.0, world / cores)
+    kinds = tuple((k, lat, bw / crowd) for k, (lat, bw) in sorted(profile["link"].items()))
+    latency, bandwidth = profile["link"]["all_reduce"]
+    link = Link(bandwidth / crowd, latency, kinds)
+    return Machine(name="cpu", peak={"fp32": peak * share, "fp64": peak * share / 2, "bf16": peak * share / 4,
+                                     "fp16": peak * share / 8},
+                   memory_bandwidth=profile["bandwidth"] * share, memory=_host_memory(), nvlink=link, network=link,
+                   gpus_per_node=max(world, 1), gemm_efficiency=1.0, gemm_half=half, kernel_s=profile["kernel_s"],
+                   usable_fraction=0.8, source=f"measured on this host ({cores} cores)")
+
+
+def _host_memory() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16e9
+
+
+def cpu_machine(world: int = 1, refresh: bool = False) -> Machine:
+    from gridtrain.planner.profile import host_profile
+
+    return machine_from_profile(host_profile(refresh), world)

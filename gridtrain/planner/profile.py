@@ -17,7 +17,7 @@ at once (a training run keeps every core busy), the median of a few repeats:
   run at rates of their own (not the all-reduce's).
 
 A "GPU" is one worker process. gridtrain's workers take ``cores // world`` threads each
-(worker.py), and more workers than cores share them, so :func:`cpu_machine` scales the
+(worker.py), and more workers than cores share them, so machine.cpu_machine scales the
 single-thread figures by ``max(1, cores // world)`` and by ``min(1, cores / world)``
 (every worker computing at once). While some wait (on a peer, in a pipeline bubble) the
 others get more: not modelled, so layouts with more workers than cores are predicted
@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from gridtrain.planner.machine import Link, Machine
 
 SIZES = (32, 64, 128, 256, 512)
 PROFILE_VERSION = 3  # bump when what is measured changes: older caches are measured again
@@ -202,40 +201,3 @@ def host_profile(refresh: bool = False) -> dict:
     except OSError:
         pass  # a read-only home: profile again next time
     return profile
-
-
-def machine_from_profile(profile: dict, world: int) -> Machine:
-    """One worker's share of the host for a job of ``world`` local workers."""
-    cores = profile["cores"]
-    threads = max(1, cores // max(world, 1))
-    share = threads * min(1.0, cores / max(world, 1))
-    flops = {int(k): v for k, v in profile["gemm_flops"].items()}
-    peak = max(flops.values())
-    # x / (x + h) = f(x) / peak  =>  h = x (peak / f(x) - 1), over the sizes below the peak's
-    halves = [n * (peak / f - 1) for n, f in flops.items() if f < peak]
-    half = statistics.median(halves) if halves else 1.0
-    # more workers than cores: the copies through the loopback share the cores too
-    crowd = max(1.0, world / cores)
-    kinds = tuple((k, lat, bw / crowd) for k, (lat, bw) in sorted(profile["link"].items()))
-    latency, bandwidth = profile["link"]["all_reduce"]
-    link = Link(bandwidth / crowd, latency, kinds)
-    return Machine(name="cpu", peak={"fp32": peak * share, "fp64": peak * share / 2, "bf16": peak * share / 4,
-                                     "fp16": peak * share / 8},
-                   memory_bandwidth=profile["bandwidth"] * share, memory=_host_memory(), nvlink=link, network=link,
-                   gpus_per_node=max(world, 1), gemm_efficiency=1.0, gemm_half=half, kernel_s=profile["kernel_s"],
-                   usable_fraction=0.8, source=f"measured on this host ({cores} cores)")
-
-
-def _host_memory() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16e9
-
-
-def cpu_machine(world: int = 1, refresh: bool = False) -> Machine:
-    return machine_from_profile(host_profile(refresh), world)
