@@ -99,6 +99,7 @@ SWITCHES: dict[str, str] = {
     "--memory-report": "print saved-activation bytes per layer and stage, beside the formula",
     "--save-async": "write checkpoints in the background: training waits only while the state is "
                     "copied to host memory",
+    "--compile": "torch.compile each transformer block (forward and backward; the first step compiles)",
     "--auto-resume": "resume from the --save directory's latest checkpoint when there is one, "
                      "else start fresh (the same command restarts a preempted job)",
 }
@@ -237,6 +238,9 @@ def _dry_run(args: argparse.Namespace) -> int:
     cfg.training.init_from = None  # its shape is all a dry run needs, not its weights
     if cfg.parallel.nproc is not None:
         raise ConfigError("--dry-run runs in this process; drop --nproc (use --world-size for the layout)")
+    if cfg.training.compile:
+        raise ConfigError("--dry-run measures the eager blocks (what a compiled block keeps for backward is "
+                          "inductor's choice); drop --compile")
     checked = copy.deepcopy(cfg)
     checked.training.device = None  # the dry run needs no GPU, even for cuda
     validate(checked, world, data=False)

@@ -130,6 +130,7 @@ class TrainingConfig:
     recompute_early: bool = False  # recompute while the output gradient is on its way (pp > 1)
     offload_activations: bool = False  # saved activations to host memory and back (GPU only)
     memory_report: bool = False  # print saved-activation bytes per layer and stage
+    compile: bool = False  # torch.compile each transformer block (model.compile_blocks)
     zero: int = 0  # 1: shard master weights and Adam state over data parallel (ZeRO-1)
     loss_scale: float = 2.0 ** 16  # fp16: initial dynamic loss scale
     loss_scale_window: int = 1000  # fp16: good steps before the scale doubles

@@ -128,8 +128,10 @@ class _Saved:
         return self.tensor.to(self.device, non_blocking=True)
 
     def __del__(self) -> None:
-        if self.meter is not None and self.key is not None:
-            self.meter.release(self.key)
+        # getattr: a compiled block's tracing may make one without running __init__
+        meter, key = getattr(self, "meter", None), getattr(self, "key", None)
+        if meter is not None and key is not None:
+            meter.release(key)
 
 
 class SavedActivations:

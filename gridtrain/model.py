@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -94,8 +94,14 @@ class Block(nn.Module):
         self.ln2 = norm(cfg, tp)
         self.mlp = llama.SwiGLU(cfg, tp) if is_llama else MLP(cfg, tp)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.compiled: Callable | None = None  # see compile_blocks
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        if cache is None and self.compiled is not None:
+            return self.compiled(x)
+        return self.layer(x, cache)
+
+    def layer(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         x = x + self._dropout(self.attn(self.ln1(x), cache))
         return x + self._dropout(self.mlp(self.ln2(x)))
 
@@ -250,6 +256,30 @@ class GPT(nn.Module):
                 x = self.blocks[str(i)](x)
             return x
         return run
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """``--compile``: ``torch.compile`` each transformer block's training forward, and so
+    its backward (AOTAutograd), leaving the rest of the step eager: the embedding, the
+    head and loss, the pipeline runtime, gradient hooks and the optimizer. Returns the
+    number of blocks compiled.
+
+    Blocks are where the time is and they are all alike, so one compiled graph serves
+    every block of a rank (parameters are the graph's inputs). Calls with a key/value
+    cache (generation) stay eager: their shapes change every token. Random draws fall
+    back to eager kernels (inductor's ``fallback_random``) so that dropout masks are the
+    eager ones: recomputation replays them and runs on any layout draw them alike.
+    Full recomputation recompiles nothing new: its first pass runs the block without a
+    graph, its rebuild with one. What a compiled block saves for backward is its
+    partitioner's choice, not the eager list the activation-memory formula counts.
+    """
+    import torch._inductor.config as inductor
+
+    inductor.fallback_random = True
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.compiled = torch.compile(block.layer)
+    return len(blocks)
 
 
 def parameter_seed(seed: int, name: str) -> int:

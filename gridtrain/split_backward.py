@@ -93,5 +93,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     whether or not autograd records, so a recomputed region rebuilds the exact values."""
     if store is None:
         return F.linear(x, weight, bias)
-    y = _DeferrableLinear.apply(x, weight, store)
+    y = outside_compiled_graphs(_DeferrableLinear.apply, x, weight, store)
     return y if bias is None else y + bias
+
+
+@torch._dynamo.disable
+def outside_compiled_graphs(apply: Callable, *args):
+    """``apply(*args)``, always eager, also inside a compiled block (``--compile``): an
+    autograd function whose backward may defer must decide when that backward runs
+    (``store.key``); traced into a compiled graph, the decision would be fixed once, at
+    tracing time."""
+    return apply(*args)

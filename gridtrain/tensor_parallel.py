@@ -37,7 +37,7 @@ from torch import nn
 from gridtrain import comm
 from gridtrain.comm import CommGroup
 from gridtrain.rng import RNGStatesTracker
-from gridtrain.split_backward import WeightGradStore, linear, weight_grad_of
+from gridtrain.split_backward import WeightGradStore, linear, outside_compiled_graphs, weight_grad_of
 
 IGNORE_INDEX = -100
 
@@ -206,7 +206,10 @@ def column_linears(x: torch.Tensor, weights: list[torch.Tensor], tp: TensorParal
     gradients in B under a split backward (see :func:`parallel_lm_logits`)."""
     store = tp.weight_grads if defer else None
     if tp.sequence_parallel and tp.size > 1:
-        return list(_SequenceParallelColumnLinear.apply(x, tp.comm, store, *weights))
+        apply = _SequenceParallelColumnLinear.apply
+        outputs = apply(x, tp.comm, None, *weights) if store is None else \
+            outside_compiled_graphs(apply, x, tp.comm, store, *weights)
+        return list(outputs)
     entered = tp.enter(x)
     return [linear(entered, w, None, store) for w in weights]
 

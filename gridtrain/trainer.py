@@ -41,7 +41,7 @@ from gridtrain.distributed import DistributedContext, setup_distributed
 from gridtrain.distributed_optimizer import DistributedOptimizer, LossScaler
 from gridtrain.grads import clip_gradients, reduce_gradients
 from gridtrain.hf import open_source
-from gridtrain.model import IGNORE_INDEX
+from gridtrain.model import IGNORE_INDEX, compile_blocks
 from gridtrain.optim import build_optimizer, lr_at, set_lr
 from gridtrain.pipeline.runtime import PipelineStage, StageStats
 from gridtrain.pipeline.schedules import build_schedule, uses_split_backward
@@ -193,6 +193,9 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     t = cfg.training
     ctx = ctx if ctx is not None else setup_distributed(cfg)
     model = model_provider(cfg, ctx)
+    if t.compile and compile_blocks(model) == 0:
+        raise ValueError("--compile compiles gridtrain's transformer blocks (model.Block), and this model has "
+                         "none; drop --compile or torch.compile your model in its provider")
     broadcast_parameters(model, ctx.dp)
     data = datasets_provider(cfg) if datasets_provider is not None else None
     sampler = None

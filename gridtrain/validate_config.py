@@ -200,6 +200,9 @@ def _validate_recompute(t: TrainingConfig) -> None:
     for flag, on in (("--recompute-keep-last", t.recompute_keep_last), ("--recompute-early", t.recompute_early)):
         _require(not on or t.recompute != "none",
                  f"{flag} needs recomputation; pass --recompute selective or full")
+    _require(not (t.compile and t.recompute == "selective"),
+             "--compile does not take --recompute selective yet (its recomputed attention core, inside a "
+             "block, breaks the compiled graph); use --recompute full or none with --compile")
 
 
 def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
