@@ -71,6 +71,7 @@ Run from the repository root (``--only plain,ddp,pp,tp`` selects comparisons)::
 
     python3 benchmarks/speed_vs_torch.py                                  # ~5 min on 2 idle cores
     python3 benchmarks/speed_vs_torch.py --d-model 512 --n-head 8 --rounds 2
+    python3 benchmarks/speed_vs_torch.py --gridtrain-flags=--compile     # gridtrain's blocks compiled
     python3 benchmarks/speed_vs_torch.py --only plain --steps 3 --warmup 1 --rounds 1   # smoke test
 """
 
@@ -139,7 +140,7 @@ def gridtrain_args(opts: dict) -> list[str]:
 
 def gridtrain_command(opts: dict, c: Comparison, metrics: Path) -> list[str]:
     return [sys.executable, "-m", "gridtrain", *gridtrain_args(opts), "--metrics-file", str(metrics),
-            "--nproc", str(c.nproc), *c.layout]
+            "--nproc", str(c.nproc), *c.layout, *opts["gridtrain_flags"]]
 
 
 def peer_command(opts: dict, c: Comparison, out: Path) -> list[str]:
@@ -407,10 +408,13 @@ def parse_args(argv: list[str] | None = None) -> dict:
     p.add_argument("--peer-model", choices=("gridtrain", "plain"), default="gridtrain",
                    help="model of the plain and ddp peers: gridtrain's GPT as a plain nn.Module (default), or "
                         "PlainGPT of tp_vs_dtensor.py (nn.Linear q/k/v, F.cross_entropy on masked logits)")
+    p.add_argument("--gridtrain-flags", default="",
+                   help="more flags for every gridtrain run, e.g. '--compile' (the peers stay as written)")
     p.add_argument("--peer", choices=sorted(PEERS), help=argparse.SUPPRESS)
     p.add_argument("--peer-out", help=argparse.SUPPRESS)
     opts = common.parse(p, argv)
     opts["only"] = [c.strip() for c in opts["only"].split(",") if c.strip()]
+    opts["gridtrain_flags"] = shlex.split(opts["gridtrain_flags"])
     unknown = [c for c in opts["only"] if c not in PEERS]
     if unknown or not opts["only"]:
         p.error(f"--only: unknown comparison(s) {unknown}; choose from plain,ddp,pp,tp")
@@ -440,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"timing: {opts['steps']} steps per run, the first {opts['warmup']} left out, median tokens/s of the "
           f"rest; {opts['repeats']} rounds, gridtrain first in odd rounds, the peer first in even ones")
     print(f"gridtrain runs: python -m gridtrain {shlex.join(gridtrain_args(opts))} --metrics-file F "
-          "--nproc N [layout flags]", flush=True)
+          f"--nproc N [layout flags] {shlex.join(opts['gridtrain_flags'])}", flush=True)
     results: dict[str, dict[str, list[Measured]]] = {c.key: {"gridtrain": [], "peer": []} for c in comparisons}
     for r in range(opts["repeats"]):
         for c in comparisons:

@@ -22,6 +22,7 @@ than the queries mean the queries are the last positions.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -51,7 +52,9 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout
     p = dropout if training else 0.0
     group = q.shape[1] // k.shape[1]
     s, t = q.shape[-2], k.shape[-2]
-    with rng.fork():  # this rank's heads: its own dropout stream
+    # this rank's heads: its own dropout stream (no draws without dropout: no fork, which
+    # also keeps a compiled block in one graph)
+    with rng.fork() if p > 0 else contextlib.nullcontext():
         if bias is None:
             # torch's is_causal aligns the mask top-left: after cached positions, say which keys each query sees
             mask = None if s == t else torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
