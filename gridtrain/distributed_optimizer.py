@@ -51,13 +51,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from gridtrain import host_sync
 from gridtrain.comm import CommGroup
 from gridtrain.config import TrainingConfig
 from gridtrain.data_parallel import GradientReducer
+from gridtrain.optim import clip_coefficient
 from gridtrain.tensor_parallel import is_tp_duplicate
 
 
@@ -141,36 +140,31 @@ class DistributedOptimizer:
             return self.reducer.shard_grad
         return self.reducer.buffer[self.start:self.end]
 
-    def unscale_and_check(self, scale: float) -> bool:
-        """Divide this rank's gradient slice by the loss scale; True when every rank's
-        gradients are finite (an fp16 overflow anywhere makes every rank skip the step).
-
-        The flag stays on the device through both all-reduces; reading it at the end is
-        this method's one host synchronisation (a named sync point: whether the step is
-        taken decides what the host does next)."""
-        grad = self._grad()
+    def unscale(self, scale: float) -> None:
+        """Divide this rank's gradient slice by the fp16 loss scale."""
         if scale != 1.0:
-            grad.div_(scale)
-        bad = torch.isfinite(grad).all().logical_not().to(torch.float64)  # empty slice: finite
-        self.dp.all_reduce(bad, op=dist.ReduceOp.MAX)
-        self.mp.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return host_sync.read("fp16_overflow", bad, float, stand_in=0.0) == 0.0
+            self._grad().div_(scale)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """One global norm (DP shards x model-parallel ranks); clip this rank's slice."""
-        grad = self._grad()
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        views = [grad[a:b].to(self.master.dtype) for a, b in self._counted]
-        if views:
-            sq = torch.stack([n.double() for n in torch._foreach_norm(views)]).square().sum()
-        if self.reducer.shard:
-            self.dp.all_reduce(sq)
-        self.mp.all_reduce(sq)
-        stand_in = (2.0 * max_norm if max_norm > 0 else 1.0) ** 2  # the dry run's: above the limit
-        norm = math.sqrt(host_sync.read("grad_norm", sq, float, stand_in=stand_in))
-        if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-            grad.mul_(max_norm / (norm + 1e-6))
-        return norm
+    def nonfinite(self) -> torch.Tensor:
+        """1.0 when this rank's gradient slice holds an inf or NaN, else 0.0 (fp64, on the
+        device: summed with the other ranks' in grads.step_scalars)."""
+        return torch.isfinite(self._grad()).all().logical_not().to(torch.float64)  # empty slice: finite
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """This rank's share of the squared global norm (fp64, on the device): its slice,
+        without TP-replicated copies held by a TP rank other than the first and the last
+        stage's tied head copy. Under ZeRO-1 the DP ranks' slices add up; otherwise every
+        DP replica holds the same whole gradient."""
+        views = [self._grad()[a:b].to(self.master.dtype) for a, b in self._counted]
+        if not views:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([n.double() for n in torch._foreach_norm(views)]).square().sum()
+
+    def clip_to(self, norm: float, max_norm: float) -> None:
+        """Scale this rank's gradient slice, of global norm ``norm``, to at most ``max_norm``."""
+        coef = clip_coefficient(norm, max_norm)
+        if coef is not None:
+            self._grad().mul_(coef)
 
     @torch.no_grad()
     def step(self) -> None:

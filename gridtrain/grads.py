@@ -17,9 +17,10 @@ it still has to be combined with its copies and partial sums elsewhere on the gr
    it during backward, bucket by bucket; ``finish`` waits for the rest and divides by dp.
    Under ZeRO-1 it reduce-scatters instead, leaving each DP rank only the average of its
    own 1/dp slice of the flat buffer;
-4. **the global norm and clipping** (model-parallel group, and DP under ZeRO-1): one norm
-   over every parameter of the whole model, counting TP-replicated parameters and the
-   tied head copy once; the fp16 overflow check reduces over the same groups.
+4. **the step's scalars and clipping**: one norm over every parameter of the whole model
+   (TP-replicated parameters and the tied head copy counted once), the mean loss and the
+   fp16 overflow flag, each rank's shares summed as one vector over the model-parallel
+   group and DP and read once (:func:`step_scalars`); then each rank clips its own.
 
 Why this order: the sums of 1 and 2 and the average of 3 are linear, so they commute.
 Without ZeRO the DP average comes first, because most of its buckets are already in
@@ -31,14 +32,18 @@ its 1/dp slice of the buffer. Clipping needs the final gradients, so it is last 
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from gridtrain import host_sync
 from gridtrain.comm import CommGroup
 from gridtrain.data_parallel import GradientReducer
 from gridtrain.distributed import DistributedContext
 from gridtrain.distributed_optimizer import DistributedOptimizer
-from gridtrain.optim import clip_grad_norm
+from gridtrain.optim import clip_to, grad_norm_squared
 from gridtrain.tensor_parallel import TensorParallel, is_tp_duplicate, shard_spec
 
 
@@ -57,14 +62,57 @@ def reduce_gradients(model: nn.Module, reducer: GradientReducer, ctx: Distribute
     sum_tied_embedding_grads(model, ctx.embedding)
 
 
-def clip_gradients(model: nn.Module, optimizer, ctx: DistributedContext, max_norm: float) -> float:
-    """Step 4: the global gradient norm before clipping; clips to ``max_norm`` (> 0)."""
-    if isinstance(optimizer, DistributedOptimizer):  # flat buffers: a per-element mask counts once
-        return optimizer.clip_grad_norm(max_norm)
-    params = [p for p in model.parameters() if p.requires_grad]
-    counted_once = [p for p in params if not is_tp_duplicate(p, ctx.tp.rank)
-                    and not getattr(p, "tied_copy", False)]
-    return clip_grad_norm(params, max_norm, ctx.mp, norm_params=counted_once)
+@dataclass(frozen=True)
+class StepScalars:
+    """The numbers a step reports and decides by, the same on every rank."""
+
+    loss: float  # mean token loss of the global batch
+    grad_norm: float  # global gradient norm before clipping
+    finite: bool  # every rank's gradients finite (checked for fp16 only; else True)
+
+
+def step_scalars(model: nn.Module, optimizer, ctx: DistributedContext, loss: torch.Tensor | None, *,
+                 check_finite: bool, max_norm: float) -> StepScalars:
+    """Step 4's numbers in one reduction and one host read, instead of a collective (or
+    two) and a read for each: this rank's share of the squared global norm, of the mean
+    loss (``loss``: this DP rank's loss sum over the global token count, on the last
+    stage; None elsewhere) and of the non-finite flags, as one fp64 vector summed over
+    the model-parallel group, then over DP.
+
+    Each share is counted once: the norm skips TP-replicated copies beyond the first TP
+    rank and the tied head copy, and is taken on the first DP replica only unless ZeRO-1
+    shards the gradients over DP; the loss comes from the first TP rank of the last
+    stage of every DP replica. An fp16 overflow anywhere makes the flag sum positive.
+    """
+    device = ctx.device
+    distributed = isinstance(optimizer, DistributedOptimizer)
+    if distributed:
+        norm_sq = optimizer.grad_norm_squared()
+        sharded = optimizer.reducer.shard
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm_sq = grad_norm_squared([p for p in params if not is_tp_duplicate(p, ctx.tp.rank)
+                                     and not getattr(p, "tied_copy", False)], device)
+        sharded = False
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    parts = [norm_sq.to(device=device, dtype=torch.float64) if sharded or ctx.coords.dp == 0 else zero,
+             loss.to(device=device, dtype=torch.float64) if loss is not None and ctx.tp.rank == 0 else zero,
+             optimizer.nonfinite() if check_finite and distributed else zero]
+    sums = torch.stack(parts)
+    ctx.mp.all_reduce(sums)
+    ctx.dp.all_reduce(sums)
+    # the dry run's stand-in: a norm above the clip limit (so clipping runs), finite
+    stand_in = [(2.0 * max_norm if max_norm > 0 else 1.0) ** 2, 0.0, 0.0]
+    norm_sq, mean_loss, bad = host_sync.read("step_scalars", sums, lambda t: t.tolist(), stand_in=stand_in)
+    return StepScalars(mean_loss, math.sqrt(norm_sq) if norm_sq >= 0 else float("nan"), bad == 0.0)
+
+
+def clip_gradients(model: nn.Module, optimizer, norm: float, max_norm: float) -> None:
+    """Step 4's end: scale this rank's gradients, of global norm ``norm``, to ``max_norm``."""
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.clip_to(norm, max_norm)
+    else:
+        clip_to([p for p in model.parameters() if p.requires_grad], norm, max_norm)
 
 
 def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel) -> None:

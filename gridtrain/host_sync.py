@@ -8,9 +8,9 @@ name:
 
 * ``token_count``: the loss-bearing tokens of the global batch (the loss is divided by
   it before backward, and a batch with none is an error);
-* ``loss``: the step's mean loss, for logging and the divergence check;
-* ``grad_norm``: the global gradient norm, compared with ``--grad-clip``;
-* ``fp16_overflow``: whether any rank's fp16 gradients overflowed (skip the step).
+* ``step_scalars``: the step's mean loss (logging, the divergence check), the global
+  gradient norm (compared with ``--grad-clip``) and whether any rank's fp16 gradients
+  overflowed (skip the step), reduced together as one vector (grads.step_scalars).
 
 Outside the step, one read each where a whole pass would otherwise read per tensor:
 

@@ -85,11 +85,24 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group: CommGroup
         group.all_reduce(total_sq)
     # the dry run's stand-in is above the limit, so that the clipping path runs too
     norm = host_sync.read("grad_norm", total_sq.sqrt(), float, stand_in=2.0 * max_norm if max_norm > 0 else 1.0)
-    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+    clip_to(params, norm, max_norm)
     return norm
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float | None:
+    """The factor that brings gradients of global norm ``norm`` down to ``max_norm``, as
+    torch's ``clip_grad_norm_`` (None: leave them; ``max_norm`` 0 is off)."""
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
+        return max_norm / (norm + 1e-6)
+    return None
+
+
+def clip_to(params: list[torch.Tensor], norm: float, max_norm: float) -> None:
+    """Scale ``params``' gradients, whose global norm is ``norm``, to at most ``max_norm``."""
+    coef = clip_coefficient(norm, max_norm)
+    grads = [p.grad for p in params if p.grad is not None]
+    if coef is not None and grads:
+        torch._foreach_mul_(grads, coef)
 
 
 def _norm_device(device: torch.device | str | None, group: CommGroup | None,

@@ -38,6 +38,7 @@ class TrainResult:
     valid_loss: float | None = None
     tokens_per_s: float = 0.0
     step_bytes: list[dict[str, int]] = field(default_factory=list)  # "kind/group" -> bytes, per step
+    step_calls: list[dict[str, int]] = field(default_factory=list)  # "kind/group" -> collectives, per step
     peak_in_flight: int = 0  # most micro-batch chunks whose activations this stage held
     stage_busy_s: float = 0.0  # time this stage spent computing (F, B, W) ...
     stage_wall_s: float = 0.0  # ... out of the time its schedule took
@@ -60,7 +61,8 @@ class RunReport:
         self.tokens_seen = trainer.start_step * self.step_tokens
         self.offload = t.offload_activations and ctx.device.type == "cuda"
         self.stage_memory: memory.StageMemory | None = None  # this stage's, from the first step
-        self._bytes_before: dict = {}  # the byte counter when the current step began ...
+        self._bytes_before: dict = {}  # the byte and call counters when the current step began ...
+        self._calls_before: dict = {}
         self._elapsed = 0.0  # ... and the seconds it took
         if t.offload_activations and not self.offload:
             self.log.print("--offload-activations: activations already live in host memory on the CPU; "
@@ -80,7 +82,8 @@ class RunReport:
         """Around one step's reading and training: its time and bytes; on the ``first``
         step (the counts repeat) the bytes saved for backward, per layer."""
         trainer = self.trainer
-        began, self._bytes_before = time.perf_counter(), dict(trainer.ctx.bytes.bytes)
+        counter = trainer.ctx.bytes
+        began, self._bytes_before, self._calls_before = time.perf_counter(), dict(counter.bytes), dict(counter.calls)
         meter = memory.ActivationMeter.for_model(trainer.model) if first or self.offload else None
         with memory.saved_activations(meter, self.offload), _device_peak(trainer.ctx.device, first) as peak:
             yield
@@ -102,9 +105,8 @@ class RunReport:
         result.stage_busy_s += out.stage.busy_s
         result.stage_wall_s += out.stage.wall_s
         result.trace_events += [(step, *event) for event in out.stage.trace]
-        before = self._bytes_before
-        moved = {f"{k}/{g}": n - before.get((k, g), 0) for (k, g), n in trainer.ctx.bytes.bytes.items()}
-        result.step_bytes.append({k: n for k, n in moved.items() if n})
+        result.step_bytes.append(_since(self._bytes_before, trainer.ctx.bytes.bytes))
+        result.step_calls.append(_since(self._calls_before, trainer.ctx.bytes.calls))
         extra = {"comm_bytes": bytes_by_group(result.step_bytes[-1])}
         if trainer.scaler is not None:
             extra["loss_scale"] = trainer.scaler.scale
@@ -186,6 +188,12 @@ def save_summary(saves, background: bool) -> str:
 
 
 # ---- byte accounting ---------------------------------------------------------------------------
+
+def _since(before: dict, now: dict) -> dict[str, int]:
+    """What a counter ("kind/group" keys) added since ``before``, without zeros."""
+    moved = {f"{k}/{g}": n - before.get((k, g), 0) for (k, g), n in now.items()}
+    return {k: n for k, n in moved.items() if n}
+
 
 def bytes_by_group(moved: dict[str, int]) -> dict[str, int]:
     """Payload bytes per group (tp, dp, ...) from "kind/group" keys, summed over kinds."""

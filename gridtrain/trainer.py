@@ -39,7 +39,7 @@ from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
 from gridtrain.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.distributed import DistributedContext, setup_distributed
 from gridtrain.distributed_optimizer import DistributedOptimizer, LossScaler
-from gridtrain.grads import clip_gradients, reduce_gradients
+from gridtrain.grads import clip_gradients, reduce_gradients, step_scalars
 from gridtrain.hf import open_source
 from gridtrain.model import IGNORE_INDEX, compile_blocks
 from gridtrain.optim import build_optimizer, lr_at, set_lr
@@ -109,16 +109,19 @@ class Trainer:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         loss_sum, stats = self.pipeline.run(batches, ctx.grid.dp / global_tokens * scale,
                                             lambda: reduce_gradients(self.model, self.reducer, ctx))
-        loss = _mean_loss(loss_sum, global_tokens, holds_loss, ctx)
         if self.scaler is not None:
-            finite = self.optimizer.unscale_and_check(scale)
-            self.scaler.update(finite)
-            if not finite:
-                return StepOutput(loss, float("inf"), stats)
-        grad_norm = clip_gradients(self.model, self.optimizer, ctx, self.cfg.training.grad_clip)
-        if math.isfinite(loss) and math.isfinite(grad_norm):  # never apply a NaN (stops.py stops the run)
+            self.optimizer.unscale(scale)
+        max_norm = self.cfg.training.grad_clip
+        s = step_scalars(self.model, self.optimizer, ctx, loss_sum / global_tokens if holds_loss else None,
+                         check_finite=self.scaler is not None, max_norm=max_norm)
+        if self.scaler is not None:
+            self.scaler.update(s.finite)
+            if not s.finite:
+                return StepOutput(s.loss, float("inf"), stats)
+        clip_gradients(self.model, self.optimizer, s.grad_norm, max_norm)
+        if math.isfinite(s.loss) and math.isfinite(s.grad_norm):  # never apply a NaN (stops.py stops the run)
             self.optimizer.step()
-        return StepOutput(loss, grad_norm, stats)
+        return StepOutput(s.loss, s.grad_norm, stats)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -289,12 +292,3 @@ def _global_token_count(batches: list[Batch], ctx: DistributedContext) -> int:
     if tokens == 0:
         raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
     return tokens
-
-
-def _mean_loss(loss_sum: torch.Tensor | None, global_tokens: int, holds_loss: bool,
-               ctx: DistributedContext) -> float:
-    """The last stage sums its DP group's losses; every stage then receives the mean."""
-    value = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    if holds_loss:
-        value = ctx.dp.all_reduce(loss_sum) / global_tokens
-    return host_sync.read("loss", ctx.pp.broadcast(value, src_index=ctx.grid.pp - 1), float, stand_in=0.0)

@@ -59,8 +59,11 @@ CASES = [(pp, schedule, m) for pp in (2, 4) for schedule in ("gpipe", "1f1b", "i
 
 @pytest.mark.parametrize("pp,schedule,micro_batches", CASES)
 def test_pipeline_trains_the_single_process_model(pp, schedule, micro_batches):
-    """DESIGN.md invariant (fp64, 1e-9, 10 steps) for every schedule, and the counted peak
-    of micro-batches whose activations a stage holds equals the schedule's bound."""
+    """DESIGN.md invariant (fp64, 1e-9, 10 steps) for every schedule, the counted peak of
+    micro-batches whose activations a stage holds equals the schedule's bound, and the
+    collectives per step are counted: the tied embedding's sum on the first and last
+    stage and one all-reduce of the step's scalars (norm, loss, flag), besides the
+    point-to-point sends (one per micro-batch, chunk and direction)."""
     vpp = 2 if schedule == "interleaved-1f1b" else 1
     cfg = _config(micro_batches, pp=pp, vpp=vpp, schedule=schedule)
     runs = train_layout(cfg, pp)
@@ -70,6 +73,10 @@ def test_pipeline_trains_the_single_process_model(pp, schedule, micro_batches):
         assert_stage_matches(run, reference)
         assert run["peak_in_flight"] == in_flight_bound(schedule, pp, micro_batches, vpp, stage)
         held |= run["state"].keys()
+        sends = micro_batches * (vpp * 2 - (stage == 0) - (stage == pp - 1))
+        tied = {"all_reduce/embedding": 1} if stage in (0, pp - 1) else {}
+        for calls in run["step_calls"]:
+            assert calls == {"all_reduce/mp": 1, "send/pp": sends, **tied}, stage
     assert held - {"head"} == reference["state"].keys()  # no layer dropped or duplicated
 
 

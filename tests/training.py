@@ -31,6 +31,7 @@ def summarize(result: TrainResult) -> dict:
     state = {k: v.detach().double().cpu().numpy() for k, v in result.model.state_dict().items()}
     return {"losses": result.losses, "grad_norms": result.grad_norms,
             "valid_loss": result.valid_loss, "state": state, "step_bytes": result.step_bytes,
+            "step_calls": result.step_calls,
             "peak_in_flight": result.peak_in_flight, "memory": result.memory,
             "recomputed": result.ctx.recompute.recomputed, "rebuilt_early": result.ctx.recompute.rebuilt_early}
 
