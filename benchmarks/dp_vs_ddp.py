@@ -342,9 +342,9 @@ def report(run: common.Run, opts: dict) -> str:
         last = r["extras"][-1]
         moved = ", ".join(f"{k} {v:,} in {last['calls'].get(k, 0)} call(s)" for k, v in sorted(last["bytes"].items()))
         dp_bytes = sum(v for k, v in last["bytes"].items() if k.endswith("/dp"))
-        exp = r0["buffer_bytes"] + 8 + 8
+        exp = r0["buffer_bytes"] + 8 + 24
         lines.append(f"  DP payload bytes per step (ByteCounter, rank 0): {moved}; dp total {dp_bytes:,} "
-                     f"(expected gradient buffer {r0['buffer_bytes']:,} + token count 8 + loss 8 = {exp:,}: "
+                     f"(expected gradient buffer {r0['buffer_bytes']:,} + token count 8 + step scalars 24 = {exp:,}: "
                      f"{'match' if dp_bytes == exp else 'MISMATCH'})")
     iso = ", ".join(f"{format_bytes(n)} {ms:.2f} ms" for n, ms in sorted(r0["isolated_ms"].items(), reverse=True))
     lines.append(f"one isolated gloo all-reduce (median of 20, after a barrier): {iso}")

@@ -68,7 +68,7 @@ def test_recompute_cost_runs_and_the_modes_agree():
 def test_dp_vs_ddp_runs_and_agrees_with_ddp_bit_for_bit():
     out = _run("dp_vs_ddp", "--microbatches", "2", "--micro-batch-size", "2", "--bucket-mb", "0.25", "--no-floor")
     assert "loss check, step 1 from the same weights and batch: AGREE, bit for bit" in out
-    assert "+ token count 8 + loss 8 = " in out and "MISMATCH" not in out
+    assert "+ token count 8 + step scalars 24 = " in out and "MISMATCH" not in out
     assert "max |gridtrain - DDP| per bucket size: 0.25 MiB 0.0e+00" in out
 
 
