@@ -66,6 +66,23 @@ def test_a_compiled_backward_defers_weight_gradients_when_it_runs():
         torch.testing.assert_close(grads[1][name], g, rtol=1e-12, atol=1e-12, msg=name)
 
 
+def test_compile_says_so_when_a_users_model_has_no_gridtrain_blocks():
+    """``--compile`` compiles gridtrain's blocks; a provider's own model has none, and the
+    run stops with one line saying what to do instead of silently running eager."""
+    from torch import nn
+
+    from gridtrain.distributed import shutdown
+    from gridtrain.providers import gpt_forward_step, text_datasets_provider
+    from gridtrain.train import pretrain
+
+    try:
+        with pytest.raises(ValueError, match="torch.compile your model in its provider"):
+            pretrain(lambda cfg, ctx: nn.Linear(4, 4), text_datasets_provider, gpt_forward_step,
+                     tiny_config(compile=True))
+    finally:
+        shutdown()
+
+
 def test_compile_refuses_selective_recomputation_and_the_dry_run(capsys):
     with pytest.raises(ConfigError, match="--compile does not take --recompute selective"):
         validate(tiny_config(compile=True, recompute="selective"), 1, data=False)
