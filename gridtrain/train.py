@@ -20,7 +20,8 @@ from gridtrain.config import Config
 from gridtrain.data import Datasets
 from gridtrain.reporting import RunReport, TrainResult
 from gridtrain.stops import Health, Preempted, Preemption
-from gridtrain.trainer import ForwardStep, ModelProvider, build
+from gridtrain.distributed import shutdown
+from gridtrain.trainer import ForwardStep, ModelProvider, Trainer, build
 from gridtrain.validate_config import validate
 
 __all__ = ["Datasets", "TrainResult", "pretrain"]
@@ -28,9 +29,23 @@ __all__ = ["Datasets", "TrainResult", "pretrain"]
 
 def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config], Datasets],
              forward_step: ForwardStep, cfg: Config) -> TrainResult:
-    """Train ``cfg.training.steps`` steps on the grid this process belongs to."""
+    """Train ``cfg.training.steps`` steps on the grid this process belongs to.
+
+    Called in one process with no process group (the Python API, no launcher), the loop
+    makes the one-rank group and ends it before returning: a gloo group left to the
+    interpreter's exit can abort the process ("terminate called without an active
+    exception") after a run that succeeded. A group the launcher made is the launcher's.
+    """
     validate(cfg, data=False)  # the CLI checked the built-in provider's data; others bring their own
-    trainer = build(cfg, model_provider, forward_step, datasets_provider)
+    owns_group = not dist.is_initialized()
+    try:
+        return _train(cfg, build(cfg, model_provider, forward_step, datasets_provider))
+    finally:
+        if owns_group:
+            shutdown()
+
+
+def _train(cfg: Config, trainer: Trainer) -> TrainResult:
     report = RunReport(trainer)
     t, validates = cfg.training, trainer.data.valid is not None
     health = Health(t.dtype, t.min_loss_scale)

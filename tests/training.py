@@ -11,7 +11,6 @@ import dataclasses
 import numpy as np
 
 from gridtrain.config import Config, preset_config
-from gridtrain.distributed import shutdown
 from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
 from gridtrain.train import TrainResult, pretrain
 from tests.harness import run_on_ranks
@@ -57,11 +56,9 @@ def train_layouts(cfgs: list[Config], world_size: int, timeout_s: float = 360) -
 
 
 def train_in_process(cfg: Config) -> dict:
-    """One rank in this process (no spawn): the fast reference for single-process tests."""
-    try:
-        return summarize(pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg))
-    finally:
-        shutdown()
+    """One rank in this process (no spawn): the fast reference for single-process tests
+    (pretrain makes and ends the one-rank group)."""
+    return summarize(pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg))
 
 
 def relative_difference(a, b) -> float:
