@@ -139,15 +139,18 @@ class CommGroup:
     # ---- plain (non-autograd) collectives, counted and recorded ---------------------
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.size > 1:
-            self.check_device("all_reduce", tensor)
-            self.counter.add("all_reduce", self.name, tensor)
-            rec = self.record("all_reduce", tensor, _nbytes(tensor))
-            try:
-                dist.all_reduce(tensor, op=op, group=self.group)
-            finally:
-                self.done(rec, tensor)
-        return tensor
+        return self.start_all_reduce(tensor, op).wait()
+
+    def start_all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> "Pending":
+        """Issue an in-place all-reduce of ``tensor`` and return at once; ``wait()`` on the
+        result returns ``tensor`` reduced. Work done between the two overlaps the transfer."""
+        if self.size == 1:
+            return Pending.ready(tensor)
+        self.check_device("all_reduce", tensor)
+        self.counter.add("all_reduce", self.name, tensor)
+        rec = self.recorder.issue("all_reduce", self.name, self.ranks, _nbytes(tensor))
+        return Pending(self, rec, tensor, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
+                       tensor)
 
     def broadcast(self, tensor: torch.Tensor, src_index: int = 0) -> torch.Tensor:
         if self.size > 1:
@@ -168,8 +171,12 @@ class CommGroup:
         For callers that own the output buffer (ZeRO's parameter publish gathers straight
         into a buffer of the parameters' dtype); counted and recorded as :meth:`all_gather`.
         """
+        return self.start_all_gather_into(out, tensor).wait()
+
+    def start_all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor) -> "Pending":
+        """:meth:`all_gather_into`, issued without waiting (see :meth:`start_all_reduce`)."""
         if self.size == 1:
-            return out.view(-1).copy_(tensor.reshape(-1)).view_as(out)
+            return Pending.ready(out.view(-1).copy_(tensor.reshape(-1)).view_as(out))
         self.check_device("all_gather", tensor)
         self.check_device("all_gather", out)
         tensor = tensor.contiguous()
@@ -177,14 +184,11 @@ class CommGroup:
             raise ValueError(f"all_gather on group {self.name!r}: the output must be contiguous, "
                              f"{tensor.dtype}, with {self.size} x {tensor.numel()} elements; got "
                              f"{tuple(out.shape)} {out.dtype}")
-        rec = self.record("all_gather", tensor, _nbytes(tensor) * self.size)
-        try:
-            # flat views: the "concatenate along dim 0" form every backend accepts
-            _ALL_GATHER_SINGLE(out.view(-1), tensor.view(-1), group=self.group)
-        finally:
-            self.done(rec, tensor)
         self.counter.add("all_gather", self.name, tensor, copies=self.size)
-        return out
+        rec = self.recorder.issue("all_gather", self.name, self.ranks, _nbytes(tensor) * self.size)
+        # flat views: the "concatenate along dim 0" form every backend accepts
+        return Pending(self, rec, tensor,
+                       lambda: _ALL_GATHER_SINGLE(out.view(-1), tensor.view(-1), group=self.group, async_op=True), out)
 
     def _gather_stacked(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` stacked along a new first dimension, ``[size, *shape]``,
@@ -204,11 +208,15 @@ class CommGroup:
         Along dim 0 the buffer is the result (no copy); along another dimension the
         ranks' blocks are interleaved into it with one copy, as ``cat`` would make.
         """
+        return self.start_all_gather(tensor, dim).wait()
+
+    def start_all_gather(self, tensor: torch.Tensor, dim: int) -> "Pending":
+        """:meth:`all_gather`, issued without waiting (see :meth:`start_all_reduce`)."""
         if self.size == 1:
-            return tensor
-        stacked = self._gather_stacked(tensor)  # [size, *shape]
+            return Pending.ready(tensor)
+        stacked = self.start_all_gather_into(tensor.new_empty((self.size, *tensor.shape)), tensor)  # [size, *shape]
         dim = dim % tensor.dim()
-        return stacked.movedim(0, dim).flatten(dim, dim + 1)  # [..., size * shape[dim], ...]
+        return stacked.then(lambda out: out.movedim(0, dim).flatten(dim, dim + 1))  # [..., size * shape[dim], ...]
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Sum over ranks, keep this rank's slice of ``dim``: the same tensor as
@@ -228,8 +236,12 @@ class CommGroup:
         pyproject.toml still allows) falls back, once and for all, to the list form
         ``reduce_scatter`` over the same blocks (:func:`_reduce_scatter_blocks`).
         """
+        return self.start_reduce_scatter(tensor, dim).wait()
+
+    def start_reduce_scatter(self, tensor: torch.Tensor, dim: int) -> "Pending":
+        """:meth:`reduce_scatter`, issued without waiting (see :meth:`start_all_reduce`)."""
         if self.size == 1:
-            return tensor
+            return Pending.ready(tensor)
         self.check_device("reduce_scatter", tensor)
         dim = dim % tensor.dim()
         if tensor.shape[dim] % self.size:
@@ -238,12 +250,8 @@ class CommGroup:
         self.counter.add("reduce_scatter", self.name, tensor)
         blocks = tensor.unflatten(dim, (self.size, tensor.shape[dim] // self.size)).movedim(dim, 0).contiguous()
         out = blocks.new_empty(blocks.shape[1:])
-        rec = self.record("reduce_scatter", tensor, _nbytes(tensor))
-        try:
-            _reduce_scatter_blocks(self, out, blocks)
-        finally:
-            self.done(rec, tensor)
-        return out
+        rec = self.recorder.issue("reduce_scatter", self.name, self.ranks, _nbytes(tensor))
+        return Pending(self, rec, tensor, lambda: _reduce_scatter_blocks(self, out, blocks), out)
 
     def own_slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         if self.size == 1:
@@ -268,8 +276,9 @@ _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.re
 _LIST_REDUCE_SCATTER: set[str] = set()  # backends found not to support the tensor form
 
 
-def _reduce_scatter_blocks(group: CommGroup, out: torch.Tensor, blocks: torch.Tensor) -> None:
-    """Reduce-scatter ``blocks`` (``[size, *out.shape]``, contiguous) into ``out``.
+def _reduce_scatter_blocks(group: CommGroup, out: torch.Tensor, blocks: torch.Tensor):
+    """Issue the reduce-scatter of ``blocks`` (``[size, *out.shape]``, contiguous) into
+    ``out``; returns its work handle.
 
     The tensor form where the backend supports it; where it says it does not (an error
     raised on every rank alike before anything is sent), the list form, remembered for
@@ -277,13 +286,56 @@ def _reduce_scatter_blocks(group: CommGroup, out: torch.Tensor, blocks: torch.Te
     """
     if group.backend not in _LIST_REDUCE_SCATTER:
         try:
-            _REDUCE_SCATTER_SINGLE(out.view(-1), blocks.view(-1), group=group.group)
-            return
+            return _REDUCE_SCATTER_SINGLE(out.view(-1), blocks.view(-1), group=group.group, async_op=True)
         except (RuntimeError, NotImplementedError) as exc:
             if "support" not in str(exc).lower():
                 raise
             _LIST_REDUCE_SCATTER.add(group.backend)
-    dist.reduce_scatter(out, list(blocks.unbind(0)), group=group.group)
+    return dist.reduce_scatter(out, list(blocks.unbind(0)), group=group.group, async_op=True)
+
+
+class Pending:
+    """A collective issued asynchronously (``async_op``): :meth:`wait` waits for it, once,
+    and returns its result.
+
+    The flight recorder sees it issued when it is issued and waited for from the moment
+    :meth:`wait` is called, so a hang report tells an op still travelling behind
+    computation from one this rank is blocked on. ``issue`` is called at once; an op that
+    raises while being issued is recorded as done (it failed, it does not hang)."""
+
+    def __init__(self, group: CommGroup | None, rec, tensor: torch.Tensor | None, issue, result) -> None:
+        self.group, self.rec, self.tensor, self._then = group, rec, tensor, None
+        self.result = result
+        self.work = None
+        if issue is not None:
+            try:
+                self.work = issue()
+            except BaseException:
+                group.done(rec, tensor)
+                raise
+
+    @classmethod
+    def ready(cls, result) -> "Pending":
+        """Nothing to wait for (a one-rank group)."""
+        return cls(None, None, None, None, result)
+
+    def then(self, fn) -> "Pending":
+        """Apply ``fn`` to the result once it has arrived (a layout change after a gather)."""
+        previous = self._then
+        self._then = fn if previous is None else (lambda x: fn(previous(x)))
+        return self
+
+    def wait(self):
+        if self.work is not None:
+            self.group.recorder.wait(self.rec, self.tensor)
+            try:
+                self.work.wait()
+            finally:
+                self.group.done(self.rec, self.tensor)
+            self.work = None
+        if self._then is not None:
+            self.result, self._then = self._then(self.result), None
+        return self.result
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -118,10 +118,6 @@ class TensorParallel:
     def rank(self) -> int:
         return self.comm.rank
 
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """Into a column-parallel layer: full sequence, gradient summed over TP."""
-        return comm.gather_from_seq(x, self.comm) if self.sequence_parallel else comm.copy_to_tp(x, self.comm)
-
     def leave(self, partial: torch.Tensor) -> torch.Tensor:
         """Out of a row-parallel layer: sum partial results (keeping a sequence shard under SP)."""
         if self.sequence_parallel:
@@ -172,55 +168,65 @@ class ColumnParallelLinear(nn.Module):
         return column_linear(x, self.weight, self.bias, self.tp)
 
 
-class _SequenceParallelColumnLinear(torch.autograd.Function):
-    """All-gather a sequence shard once and multiply by one or more weights, keeping only
-    the shard for backward (several column-parallel layers reading the same input, as
-    Llama's q, k, v or gate and up, share one all-gather each way)."""
+class _ColumnLinears(torch.autograd.Function):
+    """One or more column-parallel linears reading the same input ``x`` (Llama's q, k, v or
+    gate and up share one entry into the TP region): ``x`` whole under TP, a sequence
+    shard all-gathered once under SP (only the shard is kept for backward).
+
+    The backward overlaps its communication with computation, as Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` does: the input gradient
+    ``sum_i g_i A_i`` is computed first and its all-reduce (TP) or reduce-scatter (SP)
+    issued at once, and the weight gradients ``g_i^T x`` are computed while it travels;
+    under SP the input is re-gathered while its gradient is being computed. Under a split
+    backward (ZB-H1's B) the weight gradients are queued instead (split_backward.py)."""
 
     @staticmethod
-    def forward(ctx, x, comm, store, *weights):
+    def forward(ctx, x, comm, sequence_parallel, store, *weights):
         ctx.save_for_backward(x)
         ctx.weights, ctx.comm, ctx.store = weights, comm, store  # the parameters themselves (see split_backward.py)
-        total = comm.all_gather(x, 1)
+        ctx.sequence_parallel = sequence_parallel
+        total = comm.all_gather(x, 1) if sequence_parallel else x
         return tuple(F.linear(total, w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        (x,), comm = ctx.saved_tensors, ctx.comm
-        total = comm.all_gather(x, 1)  # again: the price of keeping 1/t of the input
-        grad_weights = [weight_grad_of(w, g, total, ctx.store) for w, g in zip(ctx.weights, grad_outs)]
+        (x,), comm, sp = ctx.saved_tensors, ctx.comm, ctx.sequence_parallel
+        gathering = comm.start_all_gather(x, 1) if sp else None  # again: the price of keeping 1/t of the input
         grad_in = grad_outs[0] @ ctx.weights[0].to(grad_outs[0].dtype)
         for w, g in zip(ctx.weights[1:], grad_outs[1:]):
             grad_in = grad_in + g @ w.to(g.dtype)
-        return comm.reduce_scatter(grad_in, 1), None, None, *grad_weights
+        reducing = comm.start_reduce_scatter(grad_in, 1) if sp else comm.start_all_reduce(grad_in)
+        total = gathering.wait() if sp else x
+        grad_weights = [weight_grad_of(w, g, total, ctx.store) for w, g in zip(ctx.weights, grad_outs)]
+        return reducing.wait(), None, None, None, *grad_weights
 
 
 def column_linears(x: torch.Tensor, weights: list[torch.Tensor], tp: TensorParallel,
                    defer: bool = True) -> list[torch.Tensor]:
     """``x A_i^T`` for column-parallel weights ``A_i`` that read the same input, ``x`` whole
     (TP) or a sequence shard (SP): one entry into the TP region (one all-gather under SP,
-    one all-reduce of the input gradient without) for all of them.
+    one all-reduce of the input gradient without) for all of them, overlapped in
+    backward with the weight gradients (:class:`_ColumnLinears`).
 
     The same operations with and without autograd recording, so that a recomputed region
     rebuilds exactly the values its forward produced. ``defer=False`` keeps the weight
     gradients in B under a split backward (see :func:`parallel_lm_logits`)."""
     store = tp.weight_grads if defer else None
-    if tp.sequence_parallel and tp.size > 1:
-        apply = _SequenceParallelColumnLinear.apply
-        outputs = apply(x, tp.comm, None, *weights) if store is None else \
-            outside_compiled_graphs(apply, x, tp.comm, store, *weights)
-        return list(outputs)
-    entered = tp.enter(x)
-    return [linear(entered, w, None, store) for w in weights]
+    if tp.size == 1:
+        return [linear(x, w, None, store) for w in weights]
+    apply, sp = _ColumnLinears.apply, tp.sequence_parallel
+    outputs = apply(x, tp.comm, sp, None, *weights) if store is None else \
+        outside_compiled_graphs(apply, x, tp.comm, sp, store, *weights)
+    return list(outputs)
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   tp: TensorParallel, defer: bool = True) -> torch.Tensor:
     """``x A^T + b`` for one column-parallel weight (see :func:`column_linears`)."""
-    if tp.sequence_parallel and tp.size > 1:
-        (y,) = column_linears(x, [weight], tp, defer)
-        return y if bias is None else y + bias
-    return linear(tp.enter(x), weight, bias, tp.weight_grads if defer else None)
+    if tp.size == 1:
+        return linear(x, weight, bias, tp.weight_grads if defer else None)
+    (y,) = column_linears(x, [weight], tp, defer)
+    return y if bias is None else y + bias
 
 
 class RowParallelLinear(nn.Module):

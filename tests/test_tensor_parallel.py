@@ -182,3 +182,72 @@ def test_checkpoint_written_under_tp_resumes_on_one_process(tmp_path):
     resumed = train_in_process(resumed_cfg)
     assert_same_training(resumed, dict(straight, losses=straight["losses"][5:],
                                        grad_norms=straight["grad_norms"][5:]), rtol=1e-9)
+
+
+class _EventComm:
+    """A two-rank TP group played by one process (the other rank holds the same data),
+    logging when each collective is issued and when it is waited for."""
+
+    size, rank, name = 2, 0, "tp"
+
+    def __init__(self, events: list[str]):
+        self.events = events
+
+    def _pending(self, kind: str, result: torch.Tensor):
+        self.events.append(f"issue {kind}")
+        events = self.events
+
+        class Pending:
+            def wait(self):
+                events.append(f"wait {kind}")
+                return result
+
+        return Pending()
+
+    def start_all_reduce(self, t):
+        return self._pending("all_reduce", t.mul_(2))
+
+    def start_all_gather(self, t, dim):
+        return self._pending("all_gather", torch.cat([t, t], dim))
+
+    def start_reduce_scatter(self, t, dim):
+        return self._pending("reduce_scatter", 2 * t.chunk(2, dim)[0].contiguous())
+
+    def all_gather(self, t, dim):
+        return self.start_all_gather(t, dim).wait()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_column_backward_overlaps_its_collective_with_the_weight_gradients(monkeypatch, sequence_parallel):
+    """Megatron's asynchronous TP backward, as data: the input gradient's all-reduce (SP:
+    reduce-scatter) is issued before the weight-gradient GEMMs and waited for after them;
+    under SP the input's re-gather is issued before the input gradient is computed."""
+    import gridtrain.tensor_parallel as tp_module
+
+    events: list[str] = []
+    original = tp_module.weight_grad_of
+    monkeypatch.setattr(tp_module, "weight_grad_of",
+                        lambda *a: events.append("weight_grad") or original(*a))
+    tp = TensorParallel(comm=_EventComm(events), sequence_parallel=sequence_parallel)
+    x = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    weights = [torch.randn(6, 8, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    outs = tp_module.column_linears(x, weights, tp)
+    events.clear()  # the forward's gather (SP) is not the point here
+    sum(o.square().sum() for o in outs).backward()
+    if sequence_parallel:
+        assert events == ["issue all_gather", "issue reduce_scatter", "wait all_gather",
+                          "weight_grad", "weight_grad", "wait reduce_scatter"]
+    else:
+        assert events == ["issue all_reduce", "weight_grad", "weight_grad", "wait all_reduce"]
+    assert x.grad is not None and all(w.grad is not None for w in weights)
+    # the same gradients as autograd's own linears over the emulated collectives
+    total = torch.cat([x, x], 1) if sequence_parallel else x
+    ref_x = x.detach().clone().requires_grad_()
+    ref_w = [w.detach().clone().requires_grad_() for w in weights]
+    ref_total = torch.cat([ref_x, ref_x], 1) if sequence_parallel else ref_x
+    sum(torch.nn.functional.linear(ref_total, w).square().sum() for w in ref_w).backward()
+    assert total.shape == ref_total.shape
+    expected_x = ref_x.grad if sequence_parallel else 2 * ref_x.grad  # TP: the other rank's equal share summed
+    torch.testing.assert_close(x.grad, expected_x, rtol=1e-12, atol=1e-12)
+    for w, r in zip(weights, ref_w):
+        torch.testing.assert_close(w.grad, r.grad, rtol=1e-12, atol=1e-12)

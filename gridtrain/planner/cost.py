@@ -252,7 +252,7 @@ def block_cost(job: Job, lay: Layout) -> BlockCost:
 # (attention's and the MLP's output projections). Without SP: the entries all-reduce in
 # backward, the exits in forward. With SP: the entries all-gather the sequence in forward
 # and reduce-scatter in backward, where they also all-gather their input again (each keeps
-# only its shard: tensor_parallel._SequenceParallelColumnLinear); the exits reduce-scatter
+# only its shard: tensor_parallel._ColumnLinears); the exits reduce-scatter
 # in forward and all-gather in backward.
 BLOCK_COLLECTIVES = {False: ({"all_reduce": 2}, {"all_reduce": 2}),
                      True: ({"all_gather": 2, "reduce_scatter": 2}, {"all_gather": 4, "reduce_scatter": 2})}
