@@ -349,14 +349,22 @@ def single(name: str = "single") -> CommGroup:
 
 # ---- autograd mappings --------------------------------------------------------------
 
-def _mapping(name: str, forward, backward):
+def _mapping(name: str, forward, backward, forward_in_place: bool = False):
     """An autograd function doing ``forward(comm, x)`` and, for the gradient,
-    ``backward(comm, grad)``; the identity (no function at all) on a one-rank group."""
+    ``backward(comm, grad)``; the identity (no function at all) on a one-rank group.
+
+    ``forward_in_place``: ``forward`` overwrites a contiguous ``x`` (no copy before the
+    collective); autograd is told (``mark_dirty``), so that a backward that needed the
+    old ``x`` fails loudly instead of reading the sum."""
 
     class Mapping(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, comm):
             ctx.comm = comm
+            if forward_in_place:
+                if not _may_overwrite(x):
+                    return forward(comm, x.clone(memory_format=torch.contiguous_format))
+                ctx.mark_dirty(x)
             return forward(comm, x)
 
         @staticmethod
@@ -372,6 +380,12 @@ def _mapping(name: str, forward, backward):
     return apply
 
 
+def _may_overwrite(x: torch.Tensor) -> bool:
+    """A computed, contiguous tensor that is not a view: what a layer's fresh partial
+    product is. Leaves (parameters, inputs that require grad) and views keep their data."""
+    return x.is_contiguous() and x._base is None and not (x.is_leaf and x.requires_grad)
+
+
 def _identity(comm: CommGroup, x: torch.Tensor) -> torch.Tensor:
     return x.view_as(x)
 
@@ -382,7 +396,7 @@ def _sum(comm: CommGroup, x: torch.Tensor) -> torch.Tensor:
 
 # name                  forward                                   backward
 copy_to_tp = _mapping("copy_to_tp", _identity, _sum)
-reduce_from_tp = _mapping("reduce_from_tp", _sum, lambda c, g: g)
+reduce_from_tp = _mapping("reduce_from_tp", lambda c, x: c.all_reduce(x), lambda c, g: g, forward_in_place=True)
 split_last_dim = _mapping("split_last_dim", lambda c, x: c.own_slice(x, -1), lambda c, g: c.all_gather(g, -1))
 gather_last_dim = _mapping("gather_last_dim", lambda c, x: c.all_gather(x, -1), lambda c, g: c.own_slice(g, -1))
 scatter_to_seq = _mapping("scatter_to_seq", lambda c, x: c.own_slice(x, 1), lambda c, g: c.all_gather(g, 1))

@@ -216,6 +216,9 @@ class _EventComm:
     def all_gather(self, t, dim):
         return self.start_all_gather(t, dim).wait()
 
+    def all_reduce(self, t):
+        return self.start_all_reduce(t).wait()
+
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_column_backward_overlaps_its_collective_with_the_weight_gradients(monkeypatch, sequence_parallel):
@@ -251,3 +254,26 @@ def test_column_backward_overlaps_its_collective_with_the_weight_gradients(monke
     torch.testing.assert_close(x.grad, expected_x, rtol=1e-12, atol=1e-12)
     for w, r in zip(weights, ref_w):
         torch.testing.assert_close(w.grad, r.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_row_parallel_sum_reduces_a_computed_partial_in_place():
+    """No copy before the forward all-reduce of a row-parallel layer: its fresh partial
+    product is summed in place; a leaf (or a view) is copied first, never overwritten."""
+    from gridtrain import comm
+
+    group = _EventComm([])
+    w = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    partial = torch.nn.functional.linear(torch.randn(2, 5, dtype=torch.float64), w)
+    before = partial.detach().clone()
+    summed = comm.reduce_from_tp(partial, group)
+    assert summed.data_ptr() == partial.data_ptr()
+    torch.testing.assert_close(summed, 2 * before)
+    summed.sum().backward()  # autograd was told: the graph stays valid
+    assert w.grad is not None
+    leaf = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    kept = leaf.detach().clone()
+    out = comm.reduce_from_tp(leaf, group)
+    assert out.data_ptr() != leaf.data_ptr()
+    torch.testing.assert_close(leaf.detach(), kept)
+    view = partial.detach()[:, :2]
+    assert comm.reduce_from_tp(view, group).data_ptr() != view.data_ptr()
