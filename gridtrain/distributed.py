@@ -66,12 +66,18 @@ class DistributedContext:
         return self.grid.is_last_stage(self.rank) and c.dp == 0 and c.tp == 0
 
 
+def launched_by_env() -> bool:
+    """A launcher (torchrun) set this process's rank and world: the default group is made
+    from them and belongs to the launcher's run; else it is a one-rank group of its own."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
 def init_default_group(cfg: Config) -> None:
     """Initialise torch.distributed unless a launcher already did."""
     if dist.is_initialized():
         return
     backend = backend_for(resolve_device_type(cfg.training.device))
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
+    if launched_by_env():  # torchrun
         init_from_env(backend, watchdog.backstop_timeout_s(cfg.training.dist_timeout_s))
     else:
         device_id = process_group_device(backend)

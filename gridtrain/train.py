@@ -20,7 +20,7 @@ from gridtrain.config import Config
 from gridtrain.data import Datasets
 from gridtrain.reporting import RunReport, TrainResult
 from gridtrain.stops import Health, Preempted, Preemption
-from gridtrain.distributed import shutdown
+from gridtrain.distributed import launched_by_env, shutdown
 from gridtrain.trainer import ForwardStep, ModelProvider, Trainer, build
 from gridtrain.validate_config import validate
 
@@ -31,13 +31,15 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
              forward_step: ForwardStep, cfg: Config) -> TrainResult:
     """Train ``cfg.training.steps`` steps on the grid this process belongs to.
 
-    Called in one process with no process group (the Python API, no launcher), the loop
-    makes the one-rank group and ends it before returning: a gloo group left to the
+    Called in one process with no process group and no launcher (the Python API), the
+    loop makes a one-rank group and ends it before returning: a gloo group left to the
     interpreter's exit can abort the process ("terminate called without an active
-    exception") after a run that succeeded. A group the launcher made is the launcher's.
+    exception") after a run that succeeded. A group made by the caller, or from a
+    launcher's environment (torchrun), outlives the loop: the caller may still gather or
+    sample with it, and ends it (``distributed.shutdown``).
     """
     validate(cfg, data=False)  # the CLI checked the built-in provider's data; others bring their own
-    owns_group = not dist.is_initialized()
+    owns_group = not dist.is_initialized() and not launched_by_env()
     try:
         return _train(cfg, build(cfg, model_provider, forward_step, datasets_provider))
     finally:
