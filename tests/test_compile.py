@@ -15,11 +15,14 @@ from tests.training import assert_same_training, tiny_config, train_in_process, 
 
 
 def test_compiled_blocks_train_the_eager_model_on_every_kind_of_layout():
-    """One spawn of two ranks: DP with full recomputation and ZeRO-1, TP with sequence
-    parallelism, and a ZB-H1 pipeline (whose weight gradients a compiled backward must
-    still defer), each compiled, against the eager model in one process."""
+    """One spawn of two ranks: DP with full recomputation and ZeRO-1, TP with and without
+    sequence parallelism, and a ZB-H1 pipeline (whose weight gradients a compiled backward
+    must still defer), each compiled, against the eager model in one process. Every step
+    moves the same bytes: a collective traced into a compiled graph would be counted
+    (and recorded) only when it was traced."""
     reference = train_in_process(tiny_config())
-    layouts = [dict(recompute="full", zero=1), dict(tp=2, sequence_parallel=True), dict(pp=2, schedule="zb-h1")]
+    layouts = [dict(recompute="full", zero=1), dict(tp=2, sequence_parallel=True), dict(tp=2),
+               dict(pp=2, schedule="zb-h1")]
     cfgs = []
     for layout in layouts:
         cfg = tiny_config(compile=True, **{k: v for k, v in layout.items() if k in ("recompute", "zero")})
@@ -29,6 +32,7 @@ def test_compiled_blocks_train_the_eager_model_on_every_kind_of_layout():
         cfgs.append(cfg)
     for layout, runs in zip(layouts, train_layouts(cfgs, 2, timeout_s=600)):
         for run in runs:
+            assert all(step == run["step_bytes"][0] for step in run["step_bytes"]), layout
             # every weight this rank holds whole (TP shards, the last stage's tied head: the losses say it)
             held = {k: v for k, v in run["state"].items()
                     if k in reference["state"] and v.shape == reference["state"][k].shape}
