@@ -24,6 +24,11 @@ was issued, when the rank began to wait for it and when it returned, with its gr
 global ranks and a per-group sequence number, so that a hung job can say which rank
 never arrived. A recorded op costs a few ``perf_counter`` calls and a deque append.
 
+Asynchronous collectives. ``start_all_reduce`` / ``start_all_gather`` /
+``start_reduce_scatter`` issue the operation and return a :class:`Pending` at once, so
+that the caller computes while it travels (the TP backward, tensor_parallel.py); the
+blocking methods are ``start_*(...).wait()``, one code path for both.
+
 Device discipline. gloo accepts a CPU tensor wherever it is handed one; NCCL does not,
 and the first GPU run would find out. A group that knows its rank's device (``device``,
 set by :func:`gridtrain.distributed.setup_distributed`) therefore refuses, before

@@ -3,6 +3,7 @@ under TP, on a live 2-rank gloo group (one spawn runs every check)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -114,3 +115,20 @@ def _all_checks(rank: int, world_size: int) -> bool:
 
 def test_tp_collectives_loss_data_and_dropout_on_two_ranks():
     assert run_on_ranks(_all_checks, 2) == [True, True]
+
+
+def test_a_collective_that_fails_while_being_issued_is_not_left_waiting():
+    """Pending records an op that raised at issue as done: a failure, not a hang."""
+    from gridtrain.comm import Pending
+    from gridtrain.watchdog import FlightRecorder
+
+    group = CommGroup("tp", size=2, recorder=FlightRecorder())
+    rec = group.recorder.issue("all_reduce", group.name, (0, 1), 8)
+
+    def refuse():
+        raise RuntimeError("backend says no")
+
+    with pytest.raises(RuntimeError, match="backend says no"):
+        Pending(group, rec, torch.zeros(1), refuse, None)
+    assert rec.done is not None and not group.recorder.pending  # resolved, not in flight
+    assert Pending.ready(3).then(lambda x: x + 1).then(lambda x: 2 * x).wait() == 8
