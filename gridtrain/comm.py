@@ -243,10 +243,12 @@ class CommGroup:
         """
         return self.start_reduce_scatter(tensor, dim).wait()
 
-    def start_reduce_scatter(self, tensor: torch.Tensor, dim: int) -> "Pending":
-        """:meth:`reduce_scatter`, issued without waiting (see :meth:`start_all_reduce`)."""
+    def start_reduce_scatter(self, tensor: torch.Tensor, dim: int, *, out: torch.Tensor | None = None) -> "Pending":
+        """:meth:`reduce_scatter`, issued without waiting (see :meth:`start_all_reduce`).
+        ``out``: where this rank's slice goes (contiguous, its shape; a caller-owned
+        buffer such as ZeRO's ``shard_grad``), instead of a new tensor."""
         if self.size == 1:
-            return Pending.ready(tensor)
+            return Pending.ready(tensor if out is None else out.copy_(tensor))
         self.check_device("reduce_scatter", tensor)
         dim = dim % tensor.dim()
         if tensor.shape[dim] % self.size:
@@ -254,7 +256,11 @@ class CommGroup:
                              f"does not divide by the group's size {self.size}")
         self.counter.add("reduce_scatter", self.name, tensor)
         blocks = tensor.unflatten(dim, (self.size, tensor.shape[dim] // self.size)).movedim(dim, 0).contiguous()
-        out = blocks.new_empty(blocks.shape[1:])
+        if out is None:
+            out = blocks.new_empty(blocks.shape[1:])
+        elif out.shape != blocks.shape[1:] or not out.is_contiguous() or out.dtype != tensor.dtype:
+            raise ValueError(f"reduce_scatter on group {self.name!r}: the output must be contiguous, "
+                             f"{tensor.dtype}, of shape {tuple(blocks.shape[1:])}; got {tuple(out.shape)} {out.dtype}")
         rec = self.recorder.issue("reduce_scatter", self.name, self.ranks, _nbytes(tensor))
         return Pending(self, rec, tensor, lambda: _reduce_scatter_blocks(self, out, blocks), out)
 
@@ -329,6 +335,10 @@ class Pending:
         previous = self._then
         self._then = fn if previous is None else (lambda x: fn(previous(x)))
         return self
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (without waiting; True once waited for)."""
+        return self.work is None or self.work.is_completed()
 
     def wait(self):
         if self.work is not None:

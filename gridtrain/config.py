@@ -103,7 +103,7 @@ class ParallelConfig:
     sequence_parallel: bool = False  # LayerNorm/dropout on sequence shards (needs tp > 1)
     pp_layers: list[int] | None = None  # blocks per virtual stage, e.g. [3, 4, 4, 3]
     pp_partition: str = "uniform"  # uniform | parameters | time, when pp_layers is not given
-    bucket_mb: float = 25.0  # gradient all-reduce bucket size (DDP's default)
+    bucket_mb: float = 25.0  # gradient bucket size (DDP's default): all-reduce, or ZeRO-1 reduce-scatter + gather
 
 
 @dataclass

@@ -8,10 +8,13 @@ moments:
 
 * without sharding a rank owns the whole vector: this is the mixed-precision optimizer
   (bf16/fp16 parameters for compute, fp32 master weights for the update);
-* with ZeRO-1 (``--zero 1``) DP rank r owns the r-th 1/dp of it: the reducer
-  reduce-scatters the gradients so that each rank receives just its averaged slice, each
-  rank updates only its slice of master weights and moments (1/dp of the optimizer
-  memory), and the updated slices are all-gathered back into every rank's parameters.
+* with ZeRO-1 (``--zero 1``) DP rank r owns the r-th 1/dp of every gradient bucket
+  (data_parallel.py): the reducer reduce-scatters each bucket as soon as backward has
+  finished it, so that each rank receives just its averaged slices, each rank updates
+  only those slices of master weights and moments (1/dp of the optimizer memory), and
+  the updated slices are all-gathered back, bucket by bucket, into every rank's
+  parameters. The rank's slices, concatenated, are its shard; ``pieces`` (the
+  reducer's) says which parameter elements each part of it holds.
 
 For fp16 a :class:`LossScaler` scales the loss and this optimizer unscales the gradients
 and skips steps whose gradients overflowed anywhere on the grid.
@@ -35,8 +38,8 @@ masters for bf16/fp16, and no list of per-rank copies to concatenate).
 
 **Checkpoints** store each parameter's optimizer state by name through
 torch.distributed.checkpoint (gridtrain/checkpoint/), whatever the layout: each DP rank
-writes the boxes of its own flat range of the master weights and both moments
-(gridtrain/checkpoint/shards.py), and reads back into that range the parts it owns, so
+writes the boxes of its own pieces of the master weights and both moments
+(gridtrain/checkpoint/shards.py), and reads back into them the parts it owns, so
 nothing is gathered, with ZeRO-1 or without. The master weights are stored beside the
 moments, so that a bf16 or fp16 run resumes from its fp32 masters instead of from the
 rounded 16-bit parameters. :meth:`DistributedOptimizer.load_state_by_param` takes whole
@@ -48,34 +51,17 @@ an fp16 run resumed with a fresh scale would skip steps the uninterrupted run di
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from gridtrain.comm import CommGroup
 from gridtrain.config import TrainingConfig
-from gridtrain.data_parallel import GradientReducer
+from gridtrain.data_parallel import GradientReducer, Piece
 from gridtrain.optim import clip_coefficient
 from gridtrain.tensor_parallel import is_tp_duplicate
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """The part of one parameter that lies in this rank's shard: elements ``lo:hi`` of the
-    flattened parameter are elements ``at:at + hi - lo`` of the shard."""
-
-    param: nn.Parameter
-    lo: int
-    hi: int
-    at: int
-
-    @property
-    def end(self) -> int:
-        return self.at + self.hi - self.lo
-
-
-def _runs(pieces: list[_Piece]) -> list[tuple[int, int]]:
+def _runs(pieces: list[Piece]) -> list[tuple[int, int]]:
     """The pieces' shard ranges, adjacent ones merged (fewer, longer operations)."""
     runs: list[tuple[int, int]] = []
     for piece in pieces:
@@ -91,15 +77,10 @@ class DistributedOptimizer:
                  tp_rank: int, master_dtype: torch.dtype):
         self.reducer, self.t, self.dp, self.mp = reducer, t, dp, mp
         self.params = reducer.params
-        self.offsets, offset = [], 0
-        for p in self.params:
-            self.offsets.append(offset)
-            offset += p.numel()
+        self.offsets = [reducer.offsets[p] for p in self.params]  # where each starts in the buffer
         size = reducer.padded // (dp.size if reducer.shard else 1)
-        self.start = dp.rank * size if reducer.shard else 0
-        self.end = self.start + size
         self.device = reducer.buffer.device
-        self.pieces = self._pieces()
+        self.pieces = reducer.pieces  # the parameter elements this rank updates, in shard order
         self.master = torch.zeros(size, dtype=master_dtype, device=self.device)
         self._master_from_params()
         self.exp_avg = torch.zeros_like(self.master)
@@ -111,16 +92,10 @@ class DistributedOptimizer:
         self._counted = _runs([q for q in self.pieces if not is_tp_duplicate(q.param, tp_rank)
                                and not getattr(q.param, "tied_copy", False)])
         self.steps = 0
+        self._gathering: dict[int, tuple] = {}  # bucket id -> (bucket, gathered buffer, Pending)
+        self._waits_in_forward = False  # gather_before was called: step leaves gathers in flight
         self.lr = t.lr
         self.param_groups = [{"lr": t.lr}]  # read by set_lr
-
-    def _pieces(self) -> list[_Piece]:
-        pieces = []
-        for p, o in zip(self.params, self.offsets):
-            lo, hi = max(o, self.start), min(o + p.numel(), self.end)
-            if lo < hi:
-                pieces.append(_Piece(p, lo - o, hi - o, lo - self.start))
-        return pieces
 
     @torch.no_grad()
     def _master_from_params(self) -> None:
@@ -136,9 +111,7 @@ class DistributedOptimizer:
         return sum(storages.values())
 
     def _grad(self) -> torch.Tensor:
-        if self.reducer.shard:
-            return self.reducer.shard_grad
-        return self.reducer.buffer[self.start:self.end]
+        return self.reducer.shard_grad if self.reducer.shard else self.reducer.buffer
 
     def unscale(self, scale: float) -> None:
         """Divide this rank's gradient slice by the fp16 loss scale."""
@@ -182,16 +155,56 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def _publish(self) -> None:
-        """Copy the master weights into the model's parameters: with ZeRO-1, every rank's
-        slice rounded to the parameters' dtype first and gathered into one flat buffer."""
+        """Copy the master weights into the model's parameters. With ZeRO-1, each bucket's
+        slices, rounded to the parameters' dtype, are gathered from every DP rank into one
+        flat buffer laid out as the gradient buffer is, bucket by bucket in the order the
+        forward uses them (the first layers' are the buffer's last buckets). Where
+        :meth:`gather_before` has put waits before the model's forwards, the gathers are
+        left in flight: each part of the next forward waits only for its own buckets, so
+        the rest travels behind its computation (Megatron's overlapped parameter gather)."""
         if not self.params:
             return
-        full = self.master
-        if self.reducer.shard and self.dp.size > 1:
-            full = torch.empty(self.reducer.padded, dtype=self.params[0].dtype, device=self.device)
-            self.dp.all_gather_into(full, self.master.to(full.dtype))
-        for p, o in zip(self.params, self.offsets):
-            p.copy_(full[o: o + p.numel()].view_as(p))
+        if not (self.reducer.shard and self.dp.size > 1):
+            for p, o in zip(self.params, self.offsets):
+                p.copy_(self.master[o: o + p.numel()].view_as(p))
+            return
+        self.parameters_ready()  # a bucket the last forward never needed (unused parameters)
+        full = torch.empty(self.reducer.padded, dtype=self.params[0].dtype, device=self.device)
+        for b in reversed(self.reducer.buckets):
+            size = (b.end - b.start) // self.dp.size
+            self._gathering[id(b)] = (b, full, self.dp.start_all_gather_into(
+                full[b.start:b.end], self.master[b.at:b.at + size].to(full.dtype)))
+        if not self._waits_in_forward:
+            self.parameters_ready()
+
+    @torch.no_grad()
+    def parameters_ready(self, params: list[nn.Parameter] | None = None) -> None:
+        """Wait for the gathers still in flight (those holding ``params``, or all) and copy
+        what they brought into the parameters. Anything that reads the parameters other
+        than through a forward (a checkpoint, the end of the run) calls this first."""
+        if not self._gathering:
+            return
+        buckets = list(self._gathering.values()) if params is None else \
+            [self._gathering[id(b)] for p in params for b in self.reducer.buckets_of.get(p, ())
+             if id(b) in self._gathering]
+        for b, full, pending in buckets:
+            if self._gathering.pop(id(b), None) is None:
+                continue  # a bucket shared by two of the parameters, done already
+            pending.wait()
+            for p in b.params:
+                o = self.reducer.offsets[p]
+                lo, hi = max(b.start, o), min(b.end, o + p.numel())
+                p.detach().view(-1)[lo - o:hi - o].copy_(full[lo:hi])
+
+    def gather_before(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        """Before each forward of ``module``, wait for the gathers of ``params`` (the
+        parameters that forward uses first-hand). Only under ZeRO-1 with dp > 1 (the
+        only case with gathers); from then on :meth:`step` leaves its gathers in flight."""
+        if not (self.reducer.shard and self.dp.size > 1):
+            return
+        params = [p for p in params if p in self.reducer.buckets_of]
+        module.register_forward_pre_hook(lambda _module, _args: self.parameters_ready(params))
+        self._waits_in_forward = True
 
     # ---- whole per-parameter state (format-1 checkpoints, --init-from) --------------------
 

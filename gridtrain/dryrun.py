@@ -416,8 +416,8 @@ def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
 
     * parameters in the run's dtype;
     * gradients: the reducer's flat buffer (fp32 for 16-bit parameters, else the
-      parameters' dtype); with ZeRO-1 padded to a multiple of dp, plus this rank's
-      reduce-scattered 1/dp slice;
+      parameters' dtype); with ZeRO-1 padded to a multiple of dp (:func:`_padded_buffer`),
+      plus this rank's reduce-scattered 1/dp slice of it;
     * optimizer: torch's AdamW (fp32/fp64 without ZeRO) keeps two moments per parameter
       and a 4-byte step count per parameter tensor; the flat optimizer (16-bit or ZeRO-1)
       keeps master weights and two moments for its slice (all of it without ZeRO) and
@@ -429,7 +429,7 @@ def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
     dtype = TORCH_DTYPES[t.dtype]
     e = dtype.itemsize
     wide = 8 if dtype == torch.float64 else 4  # gradient buffer and master weights
-    padded = -(-n // grid.dp) * grid.dp if t.zero == 1 else n
+    padded = _padded_buffer(cfg, grid, rank, n) if t.zero == 1 else n
     grads = padded * wide + (padded // grid.dp * wide if t.zero == 1 else 0)
     if t.zero == 0 and dtype in (torch.float32, torch.float64):
         tensors = _parameter_tensors(cfg, grid, rank)
@@ -438,6 +438,21 @@ def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
         owned = padded // grid.dp if t.zero == 1 else n
         optim = 3 * owned * wide
     return {"parameters": n, "parameter_bytes": n * e, "gradient_bytes": grads, "optimizer_bytes": optim}
+
+
+def _padded_buffer(cfg: Config, grid: ProcessGrid, rank: int, n: int) -> int:
+    """ZeRO-1's gradient buffer (data_parallel.bucket_bounds): padded to a multiple of dp
+    at its end, and a token table tied across pipeline stages in a bucket padded on its
+    own (on the first and last stage)."""
+    def up(x: int) -> int:
+        return -(-x // grid.dp) * grid.dp
+
+    chunks = stage_layers(cfg, grid, grid.coords(rank).pp)
+    m = cfg.model
+    if m.tie_embeddings and grid.pp > 1 and any(c[1] or c[2] for c in chunks):
+        table = m.padded_vocab_size(grid.tp) // grid.tp * m.d_model
+        return up(n - table) + up(table)
+    return up(n)
 
 
 def _parameter_tensors(cfg: Config, grid: ProcessGrid, rank: int) -> int:

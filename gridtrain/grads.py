@@ -16,23 +16,26 @@ it still has to be combined with its copies and partial sums elsewhere on the gr
 3. **data-parallel average** (DP group): the reducer (data_parallel.py) started most of
    it during backward, bucket by bucket; ``finish`` waits for the rest and divides by dp.
    Under ZeRO-1 it reduce-scatters instead, leaving each DP rank only the average of its
-   own 1/dp slice of the flat buffer;
+   own 1/dp slice of each bucket;
 4. **the step's scalars and clipping**: one norm over every parameter of the whole model
    (TP-replicated parameters and the tied head copy counted once), the mean loss and the
    fp16 overflow flag, each rank's shares summed as one vector over the model-parallel
    group and DP and read once (:func:`step_scalars`); then each rank clips its own.
 
-Why this order: the sums of 1 and 2 and the average of 3 are linear, so they commute.
-Without ZeRO the DP average comes first, because most of its buckets are already in
-flight when backward ends (waiting for them first lets the TP and tied sums work on the
-finished buffer). Under ZeRO-1 it must come last: the TP and tied sums need the whole
-gradient of the parameters they touch, and after the reduce-scatter a rank holds only
-its 1/dp slice of the buffer. Clipping needs the final gradients, so it is last of all.
+Why this order: the sums of 1 and 2 and the average of 3 are linear, so they commute, and
+the DP average comes first because most of its buckets are already in flight when
+backward ends. Under ZeRO-1 a rank then holds only its 1/dp slice of each bucket
+(data_parallel.py); the sums of 1 and 2 act on those slices, which is right because the
+ranks they sum over hold the same slices: TP peers of one DP rank have identical buffer
+layouts, and the tied embedding has a bucket of its own on both stages
+(:func:`tied_parameter`), so its slice is the same elements there. Clipping needs the
+final gradients, so it is last of all.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,17 +52,14 @@ from gridtrain.tensor_parallel import TensorParallel, is_tp_duplicate, shard_spe
 
 def reduce_gradients(model: nn.Module, reducer: GradientReducer, ctx: DistributedContext) -> None:
     """Steps 1 to 3 (the schedule's ALLREDUCE_GRADS): this stage's gradients become the
-    gradients of the mean loss of the global batch."""
-    if reducer.shard:  # ZeRO-1: sum over TP and PP while the buffer is whole
-        allreduce_sequence_parallel_grads(model, ctx.tp)
-        allreduce_replicated_grads(model, ctx.tp)
-        sum_tied_embedding_grads(model, ctx.embedding)
-        reducer.finish()
-        return
-    reducer.finish()  # waits for the buckets in flight before touching the buffer
-    allreduce_sequence_parallel_grads(model, ctx.tp)
-    allreduce_replicated_grads(model, ctx.tp)
-    sum_tied_embedding_grads(model, ctx.embedding)
+    gradients of the mean loss of the global batch. The DP reduction comes first (its
+    buckets are mostly in flight already); the TP and tied sums then act on what this
+    rank holds of each gradient (``reducer.grad_parts``: under ZeRO-1 only its slices)."""
+    reducer.finish()  # waits for the buckets in flight before touching the gradients
+    parts = reducer.grad_parts
+    allreduce_sequence_parallel_grads(model, ctx.tp, parts)
+    allreduce_replicated_grads(model, ctx.tp, parts)
+    sum_tied_embedding_grads(model, ctx.embedding, parts)
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,17 @@ def clip_gradients(model: nn.Module, optimizer, norm: float, max_norm: float) ->
         clip_to([p for p in model.parameters() if p.requires_grad], norm, max_norm)
 
 
-def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel) -> None:
+Parts = Callable[[nn.Parameter], list[torch.Tensor]]
+
+
+def _whole(p: nn.Parameter) -> list[torch.Tensor]:
+    """The gradient being accumulated, whole: the reducer's buffer view when there is one."""
+    grad = getattr(p, "main_grad", None)
+    grad = grad if grad is not None else p.grad
+    return [grad] if grad is not None else []
+
+
+def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel, parts: Parts = _whole) -> None:
     """Sum over TP the gradients of replicated weights that saw only a sequence shard.
 
     Under sequence parallelism LayerNorm, the row-parallel biases and the position
@@ -124,8 +134,7 @@ def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel) -> N
     """
     if not tp.sequence_parallel or tp.size == 1:
         return
-    grads = [_grad_of(p) for p in model.parameters() if getattr(p, "sequence_parallel", False)]
-    grads = [g for g in grads if g is not None]
+    grads = [g for p in model.parameters() if getattr(p, "sequence_parallel", False) for g in parts(p)]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -136,7 +145,7 @@ def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel) -> N
         offset += g.numel()
 
 
-def allreduce_replicated_grads(model: nn.Module, tp: TensorParallel) -> None:
+def allreduce_replicated_grads(model: nn.Module, tp: TensorParallel, parts: Parts = _whole) -> None:
     """Sum the gradients of replicated slices over the TP ranks that hold each slice.
 
     A slice held by ``replicas`` ranks (ShardSpec.replicas: Llama's key/value heads when
@@ -151,8 +160,7 @@ def allreduce_replicated_grads(model: nn.Module, tp: TensorParallel) -> None:
         return
     replicated = [(p, shard_spec(p)) for p in model.parameters()
                   if shard_spec(p) is not None and shard_spec(p).replicas > 1]
-    grads = [(_grad_of(p), spec) for p, spec in replicated]
-    grads = [(g, spec) for g, spec in grads if g is not None]
+    grads = [(g, spec) for p, spec in replicated for g in parts(p)]
     if not grads:
         return
     rows = [g.new_zeros(spec.slices(tp.size), g.numel()) for g, spec in grads]
@@ -167,24 +175,29 @@ def allreduce_replicated_grads(model: nn.Module, tp: TensorParallel) -> None:
         offset += row.numel()
 
 
-def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    """The gradient being accumulated: the reducer's fp32 buffer view when there is one."""
-    return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+def tied_parameter(model: nn.Module, embedding: CommGroup | None) -> nn.Parameter | None:
+    """This stage's copy of a token table tied to the output head across pipeline stages
+    (the first stage's table, the last stage's head copy), or None: no pipeline, no
+    embedding group, an untied model (Llama's default) or a middle stage."""
+    if embedding is None or embedding.size == 1 or not getattr(getattr(model, "cfg", None), "tie_embeddings", True):
+        return None
+    tied = getattr(model, "head", None)
+    if tied is None or not getattr(tied, "tied_copy", False):
+        tied = model.embedding.word.weight
+    return tied
 
 
-def sum_tied_embedding_grads(model: nn.Module, embedding: CommGroup | None) -> None:
+def sum_tied_embedding_grads(model: nn.Module, embedding: CommGroup | None, parts: Parts = _whole) -> None:
     """The first stage's token embedding and the last stage's copy of it as the output
     head are one parameter in the model: sum their gradients over the embedding group
     (first and last stage) so that both copies take the same step and stay equal. An
     untied model (Llama's default) has no copies: both stages skip the sum."""
-    if embedding is None or embedding.size == 1 or not getattr(getattr(model, "cfg", None), "tie_embeddings", True):
+    tied = tied_parameter(model, embedding)
+    if tied is None:
         return
-    tied = getattr(model, "head", None)
-    if tied is None or not getattr(tied, "tied_copy", False):
-        tied = model.embedding.word.weight
-    grad = getattr(tied, "main_grad", None)
-    if grad is None:
-        if tied.grad is None:
-            tied.grad = torch.zeros_like(tied)
-        grad = tied.grad
-    embedding.all_reduce(grad)
+    grads = parts(tied)
+    if not grads and tied.grad is None and getattr(tied, "main_grad", None) is None:
+        tied.grad = torch.zeros_like(tied)
+        grads = [tied.grad]
+    for grad in grads:
+        embedding.all_reduce(grad)

@@ -70,6 +70,7 @@ def _train(cfg: Config, trainer: Trainer) -> TrainResult:
                 raise Preempted(f"stopped by SIGTERM after step {done} of {t.steps}; checkpoint saved in "
                                 f"{t.save}; rerun the same command with --auto-resume to continue", done)
     finally:
+        trainer.parameters_ready()  # ZeRO-1's last gathers: the weights are read from here on
         report.end_of_steps()
         if preemption is not None:
             preemption.close()

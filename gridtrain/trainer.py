@@ -39,9 +39,9 @@ from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
 from gridtrain.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.distributed import DistributedContext, setup_distributed
 from gridtrain.distributed_optimizer import DistributedOptimizer, LossScaler
-from gridtrain.grads import clip_gradients, reduce_gradients, step_scalars
+from gridtrain.grads import clip_gradients, reduce_gradients, step_scalars, tied_parameter
 from gridtrain.hf import open_source
-from gridtrain.model import IGNORE_INDEX, compile_blocks
+from gridtrain.model import IGNORE_INDEX, Block, compile_blocks
 from gridtrain.optim import build_optimizer, lr_at, set_lr
 from gridtrain.pipeline.runtime import PipelineStage, StageStats
 from gridtrain.pipeline.schedules import build_schedule, uses_split_backward
@@ -156,6 +156,7 @@ class Trainer:
         staging or writing) is recorded per save for the run summary."""
         began = time.perf_counter()
         self.ctx.recorder.set_action("checkpoint save")
+        self.parameters_ready()
         if not self._weights_finite():
             raise Diverged(f"step {step}: some weights are not finite (inf or NaN); not saved, the latest "
                            f"checkpoint in {self.cfg.training.save} is from before; lower --lr", step)
@@ -171,6 +172,13 @@ class Trainer:
             report.write_s = time.perf_counter() - written
         report.blocked_s = time.perf_counter() - began
         self.saves.append(report)
+
+    def parameters_ready(self) -> None:
+        """Wait for ZeRO-1's parameter gathers still in flight after the last step (the
+        next forward would wait for them itself; anything else reading the weights calls
+        this first)."""
+        if isinstance(self.optimizer, DistributedOptimizer):
+            self.optimizer.parameters_ready()
 
     def finish_saves(self) -> None:
         """Wait for a background save in flight; raise its failure (never silent)."""
@@ -209,8 +217,11 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     pipeline = build_pipeline(model, cfg, ctx, forward_step, micro_batches)
     reducer = GradientReducer(model, ctx.dp, accumulations=micro_batches,
                               bucket_mb=cfg.parallel.bucket_mb, shard=t.zero == 1, device=ctx.device,
-                              in_place=not uses_split_backward(cfg.parallel.schedule))
+                              in_place=not uses_split_backward(cfg.parallel.schedule),
+                              alone=[p for p in [tied_parameter(model, ctx.embedding)] if p is not None])
     optimizer = make_optimizer(model, reducer, cfg, ctx)
+    if isinstance(optimizer, DistributedOptimizer):
+        gather_before_forwards(model, optimizer)
     scaler = LossScaler(t.loss_scale, t.loss_scale_window, t.min_loss_scale) if t.dtype == "fp16" else None
     source = resume_source(cfg)
     # the scaler resumes too: a fresh loss scale would skip steps the saved run did not
@@ -258,6 +269,18 @@ def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx:
         return build_optimizer(model, t)
     master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
     return DistributedOptimizer(reducer, t, dp=ctx.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master)
+
+
+def gather_before_forwards(model: nn.Module, optimizer: DistributedOptimizer) -> None:
+    """ZeRO-1: each transformer block waits for its own parameters' gathers when its
+    forward starts, the stage's model for the rest (embedding, final norm, head), so the
+    gathers of later blocks overlap the forward of earlier ones. Waits sit on whole
+    blocks, outside what ``--compile`` compiles (``Block.layer``)."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    for block in blocks:
+        optimizer.gather_before(block, list(block.parameters()))
+    optimizer.gather_before(model, [p for p in model.parameters() if id(p) not in inside])
 
 
 def batch_shapes(cfg: Config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -4,6 +4,8 @@ parameters."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +13,7 @@ from torch import nn
 
 from gridtrain.comm import ByteCounter, CommGroup
 from gridtrain.config import Config, preset_config
-from gridtrain.data_parallel import GradientReducer
+from gridtrain.data_parallel import GradientReducer, bucket_bounds
 from gridtrain.model import GPT, init_parameters
 from tests.harness import run_on_ranks
 from tests.training import relative_difference, tiny_config, train_in_process, train_layout
@@ -111,7 +113,7 @@ def _ddp_check(rank: int, world_size: int) -> dict:
     reducer.zero()
     for tokens in batches:  # gridtrain: sum of token losses scaled by dp / global tokens
         (ours(tokens, tokens).sum() * world_size / (2 * 2 * 16 * world_size)).backward()
-    launched_during_backward = sum(b.work is not None for b in reducer.buckets)
+    launched_during_backward = sum(b.pending is not None for b in reducer.buckets)
     reducer.finish()
     with ddp.no_sync():  # DDP: mean loss per rank, averaged by DDP
         (ddp(batches[0], batches[0]).mean() / 2).backward()
@@ -120,15 +122,72 @@ def _ddp_check(rank: int, world_size: int) -> dict:
                 for a, b in zip(ours.parameters(), theirs.parameters()))
     return {"worst": worst, "bytes": counter.bytes[("all_reduce", "dp")],
             "buffer_bytes": reducer.buffer.numel() * 8, "buckets": len(reducer.buckets),
-            "launched_during_backward": launched_during_backward, "unused": reducer.stats.unused}
+            "launched_during_backward": launched_during_backward, "unused": reducer.stats.unused,
+            "zero": _zero_check(rank, world_size, batches, dict(theirs.named_parameters()))}
+
+
+def _zero_check(rank: int, world_size: int, batches: list[torch.Tensor], reference: dict) -> dict:
+    """ZeRO-1's reducer on the same batches: each bucket reduce-scattered as soon as
+    backward has finished it, this rank's slices equal to DDP's averaged gradients."""
+    cfg = preset_config("tiny").model
+    model = GPT(cfg).double()
+    init_parameters(model, 0)
+    counter = ByteCounter()
+    tied = model.embedding.word.weight  # a parameter with a bucket of its own, as a tied table has
+    reducer = GradientReducer(model, CommGroup.of("dp", dist.group.WORLD, counter), accumulations=2,
+                              bucket_mb=0.02, shard=True, alone=[tied])
+    reducer.zero()
+    for tokens in batches:
+        (model(tokens, tokens).sum() * world_size / (2 * 2 * 16 * world_size)).backward()
+    launched_during_backward = sum(b.pending is not None for b in reducer.buckets)
+    reducer.finish()
+    worst = 0.0
+    for q in reducer.pieces:
+        name = reducer.names[q.param]
+        expected = reference[name].grad.reshape(-1)[q.lo:q.hi]
+        worst = max(worst, relative_difference(reducer.shard_grad[q.at:q.end].numpy(), expected.numpy()))
+        assert [g.data_ptr() for g in reducer.grad_parts(q.param)].count(reducer.shard_grad[q.at:].data_ptr()) == 1
+    tied_bucket = [b for b in reducer.buckets if any(p is tied for p in b.params)]
+    return {"worst": worst, "bytes": counter.bytes[("reduce_scatter", "dp")],
+            "buffer_bytes": reducer.buffer.numel() * 8, "buckets": len(reducer.buckets),
+            "launched_during_backward": launched_during_backward,
+            "tied_alone": len(tied_bucket) == 1 and len(tied_bucket[0].params) == 1
+            and tied_bucket[0].start % world_size == 0,
+            "pieces": [(reducer.names[q.param], q.lo, q.hi) for q in reducer.pieces],
+            "numel": {reducer.names[p]: p.numel() for p in reducer.params}}
+
+
+@functools.cache
+def _ddp_ranks() -> list[dict]:
+    return run_on_ranks(_ddp_check, 2)  # one spawn for the two tests below
 
 
 def test_reducer_gradients_equal_torch_ddp():
-    for result in run_on_ranks(_ddp_check, 2):
+    for result in _ddp_ranks():
         assert result["worst"] <= 1e-12
         assert result["bytes"] == result["buffer_bytes"]  # the whole buffer, once
         assert result["buckets"] > 2 and result["launched_during_backward"] == result["buckets"]
         assert result["unused"] == []
+
+
+def test_zero1_reducer_reduce_scatters_buckets_during_backward_into_the_ranks_slices():
+    """ZeRO-1 (Megatron's layout, counted): every bucket's reduce-scatter is issued
+    during backward (none waits for the end), the whole buffer is sent once, bucket
+    the tied table has a bucket of its own, and the ranks' pieces tile every parameter
+    exactly once, each equal to torch DDP's averaged gradient."""
+    ranks = [r["zero"] for r in _ddp_ranks()]
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for z in ranks:
+        assert z["worst"] <= 1e-12
+        assert z["bytes"] == z["buffer_bytes"]
+        assert z["buckets"] > 2 and z["launched_during_backward"] == z["buckets"]
+        assert z["tied_alone"]
+        for name, lo, hi in z["pieces"]:
+            covered.setdefault(name, []).append((lo, hi))
+    for name, numel in ranks[0]["numel"].items():
+        spans = sorted(covered[name])
+        assert spans[0][0] == 0 and spans[-1][1] == numel, name
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), name
 
 
 class _WithUnused(nn.Module):
@@ -189,9 +248,12 @@ def test_bf16_training_follows_fp32():
 
 @pytest.mark.parametrize("dp,pp,tp", [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2)])
 def test_zero1_trains_the_single_process_model(dp, pp, tp):
-    """ZeRO-1 (sharded master weights and Adam state) is the same optimizer, split."""
+    """ZeRO-1 (sharded master weights and Adam state) is the same optimizer, split; with
+    small buckets, so that many reduce-scatters run during backward (and under pp the
+    tied table's bucket of its own is summed slice by slice)."""
     cfg = _config(dp=dp, pp=pp, tp=tp, sequence_parallel=tp > 1)
     cfg.training.zero = 1
+    cfg.parallel.bucket_mb = 0.01
     for run in train_layout(cfg, dp * pp * tp):
         assert_matches_reference(run)
         for name, value in run["state"].items():
@@ -307,3 +369,103 @@ def test_gradients_accumulate_straight_into_the_buffer(dtype, in_place, monkeypa
         ref(x).backward()
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(p.main_grad, q.grad.to(p.main_grad.dtype), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+# ---- ZeRO-1's bucket layout, as data -------------------------------------------------------
+
+
+def test_bucket_bounds_end_buckets_on_multiples_of_dp_and_pad_only_the_end():
+    numels = [5, 3, 7, 2]
+    assert bucket_bounds(numels, 6) == ([0, 5, 8, 15], [(0, 8), (8, 15), (15, 17)], 17)  # DDP: at parameters
+    # ZeRO-1 over 4 ranks: boundaries on multiples of 4, the last parameter starts inside
+    # the second bucket, padding only at the end: ceil(17 / 4) * 4
+    assert bucket_bounds(numels, 6, multiple=4) == ([0, 5, 8, 15], [(0, 8), (8, 16), (16, 20)], 20)
+    # a parameter alone (a tied table): last, in its own bucket starting on a multiple
+    assert bucket_bounds(numels, 100, multiple=4, alone=[3]) == ([0, 5, 8, 16], [(0, 16), (16, 20)], 20)
+    assert bucket_bounds(numels, 6, multiple=4, alone=[0, 3]) == ([12, 0, 3, 20], [(0, 12), (12, 20), (20, 24)], 24)
+    assert bucket_bounds([], 6, multiple=4) == ([], [], 0)
+
+
+@pytest.mark.parametrize("dp", [3, 4])
+def test_zero1_pieces_tile_every_parameter_once_across_ranks(dp):
+    """Each DP rank owns the r-th 1/dp of every bucket; on the tiny model with small
+    buckets and dp 3 some boundaries fall inside parameters, and still every element of every
+    parameter belongs to exactly one rank, at a distinct place of its shard, and the
+    shard is ``padded / dp`` elements (a stand-in DP group: building issues no collective)."""
+    model = GPT(preset_config("tiny").model)
+    tied = model.embedding.word.weight
+    numel = sum(p.numel() for p in model.parameters())
+    owners = {n: torch.zeros(p.numel(), dtype=torch.int64) for n, p in model.named_parameters()}
+    for rank in range(dp):
+        reducer = GradientReducer(model, CommGroup("dp", size=dp, rank=rank), accumulations=1, bucket_mb=0.01,
+                                  shard=True, alone=[tied])
+        assert all((b.end - b.start) % dp == 0 for b in reducer.buckets)
+        assert reducer.padded == -(-(numel - tied.numel()) // dp) * dp + -(-tied.numel() // dp) * dp
+        # the tiny model's sizes are multiples of 4: only dp 3 puts a boundary inside a parameter
+        assert any(len(reducer.buckets_of[p]) > 1 for p in reducer.params) == (dp == 3)
+        assert reducer.shard_grad.numel() == reducer.padded // dp
+        places = torch.zeros(reducer.shard_grad.numel(), dtype=torch.int64)
+        for q in reducer.pieces:
+            owners[reducer.names[q.param]][q.lo:q.hi] += 1
+            places[q.at:q.end] += 1
+        assert places.max() <= 1
+        for p in model.parameters():
+            p.main_grad = None  # the next stand-in rank's reducer makes its own buffer
+    assert all(bool((o == 1).all()) for o in owners.values())
+
+
+class _Gathers(CommGroup):
+    """A stand-in DP group of 2 that logs when each parameter gather is issued and waited
+    for; a gather brings this rank's slice into both halves of the bucket."""
+
+    def __init__(self, log: list):
+        super().__init__("dp", size=2, rank=0)
+        self.log = log
+
+    def start_all_gather_into(self, out: torch.Tensor, tensor: torch.Tensor):
+        log, index = self.log, sum(1 for e in self.log if e[0] == "issue")
+        log.append(("issue", index))
+
+        class _Later:
+            def wait(self):
+                log.append(("wait", index))
+                out.view(2, -1).copy_(tensor.reshape(1, -1).expand(2, -1))
+                return out
+        return _Later()
+
+
+def test_zero1_parameter_gathers_overlap_the_next_forward_block_by_block():
+    """Counted, one process: ``step`` issues one gather per bucket in forward order and
+    waits for none; the next forward waits for each block's buckets just before that
+    block runs (the first block starts while later blocks' gathers are in flight); the
+    parameters then hold the updated master weights; ``parameters_ready`` waits for the
+    rest, and a gather is never waited for twice."""
+    from gridtrain.distributed_optimizer import DistributedOptimizer
+    from gridtrain.trainer import gather_before_forwards
+
+    cfg = preset_config("tiny")
+    model = GPT(cfg.model)
+    init_parameters(model, 0)
+    log: list = []
+    reducer = GradientReducer(model, _Gathers(log), accumulations=1, bucket_mb=0.02, shard=True)
+    opt = DistributedOptimizer(reducer, cfg.training, dp=reducer.dp, mp=CommGroup("mp"), tp_rank=0,
+                               master_dtype=torch.float32)
+    gather_before_forwards(model, opt)
+    for name, block in model.blocks.items():
+        block.register_forward_pre_hook(lambda *_, name=name: log.append(("block", int(name))))
+    reducer.shard_grad.normal_()
+    opt.step()
+    issued = len(reducer.buckets)
+    assert issued > 3 and log == [("issue", i) for i in range(issued)]
+    with torch.no_grad():
+        model(torch.zeros(1, 8, dtype=torch.long))
+    first_block = log.index(("block", 0))
+    waits_before = [e for e in log[:first_block] if e[0] == "wait"]
+    assert 0 < len(waits_before) < issued  # the embedding's and block 0's buckets only
+    assert [e[0] for e in log[issued:]].count("block") == len(model.blocks)
+    waited = [e[1] for e in log if e[0] == "wait"]
+    opt.parameters_ready()
+    waited_all = [e[1] for e in log if e[0] == "wait"]
+    assert sorted(waited_all) == list(range(issued)) and len(waited) <= issued  # each once
+    for q in reducer.pieces:  # this rank's slices arrived in the parameters
+        assert torch.equal(q.param.detach().reshape(-1)[q.lo:q.hi], opt.master[q.at:q.end])

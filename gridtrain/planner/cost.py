@@ -40,7 +40,8 @@ One optimizer step of a ``dp x tp x pp`` layout is modelled as gridtrain runs it
   a node driving its own NIC (``ring_link``: a group with k ranks per node moves at k
   times one GPU's network bandwidth, one rank per node at one NIC's); the reducer
   fires buckets during the last micro-batch's backward, so that much of it hides
-  behind it, all but the last bucket; the ZeRO all-gather follows the optimizer;
+  behind it, all but the last bucket; the ZeRO all-gathers, issued after the
+  optimizer, hide likewise behind the next step's first forward, all but the first;
 * **the optimizer**: one memory-bound pass over the owned master weights, moments and
   gradients;
 * **memory** per GPU: the dry run's closed forms (dryrun.expected_bytes: parameters,
@@ -385,6 +386,9 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
     exposed = max(reduce - last_mb_backward, reduce * bucket) if lay.dp > 1 else 0.0
     gather = link.collective(params * DTYPE_BYTES[job.dtype], lay.dp, "all_gather") \
         if lay.zero and lay.dp > 1 else 0.0
+    # ZeRO's gathers travel behind the next step's first forward, all but the first bucket
+    first_mb_forward = sum(cost(0, c).f for c in range(lay.vpp))
+    gather = max(gather - first_mb_forward, gather * bucket)
     owned = params / (lay.dp if lay.zero else 1)
     optimizer = owned * (4 + 3 * 8 + DTYPE_BYTES[job.dtype]) / hw.memory_bandwidth
     step = makespan + exposed + gather + optimizer
