@@ -67,6 +67,9 @@ class Datasets:
     tensors with at least ``labels`` (positions equal to IGNORE_INDEX carry no loss).
     ``reference_loss`` (e.g. the corpus's unigram entropy) is printed beside the final
     validation loss; ``tokenizer`` lets the run print a sample at the end.
+    ``every_label_counts``: the provider promises that no label is IGNORE_INDEX (windows
+    of a token stream), so the global batch's loss-bearing tokens are known without
+    counting them: the step skips the token-count all-reduce and its host read.
     """
 
     train: Any
@@ -74,6 +77,7 @@ class Datasets:
     tokenizer: Any = None
     reference_loss: float | None = None
     loss_unit: str = "nats/token"
+    every_label_counts: bool = False
 
 
 # ---------------------------------------------------------------------------- tokenizers

@@ -62,7 +62,8 @@ def text_datasets_provider(cfg: Config) -> Datasets:
                                           valid_every=cfg.data.valid_every)
     unit = "nats/byte" if isinstance(tokenizer, ByteTokenizer) else "nats/token"
     return Datasets(train=train, valid=valid, tokenizer=tokenizer,
-                    reference_loss=unigram_entropy(tokens, tokenizer.vocab_size), loss_unit=unit)
+                    reference_loss=unigram_entropy(tokens, tokenizer.vocab_size), loss_unit=unit,
+                    every_label_counts=True)  # labels are the next tokens of the stream
 
 
 def gpt_forward_step(model: nn.Module, batch: Batch) -> torch.Tensor:

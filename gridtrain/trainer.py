@@ -105,7 +105,8 @@ class Trainer:
         ctx = self.ctx
         self.reducer.zero()
         holds_loss = ctx.grid.is_last_stage(ctx.rank)
-        global_tokens = _global_token_count(batches, ctx) if holds_loss else 1
+        every_label_counts = self.data is not None and self.data.every_label_counts
+        global_tokens = _global_token_count(batches, ctx, every_label_counts) if holds_loss else 1
         scale = self.scaler.scale if self.scaler is not None else 1.0
         loss_sum, stats = self.pipeline.run(batches, ctx.grid.dp / global_tokens * scale,
                                             lambda: reduce_gradients(self.model, self.reducer, ctx))
@@ -304,13 +305,17 @@ def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int, ctx: Dis
     return broadcast_batches(batches, len(ids), ctx.tp, ctx.device, shapes)
 
 
-def _global_token_count(batches: list[Batch], ctx: DistributedContext) -> int:
-    """Loss-bearing tokens in the whole global batch (all DP ranks), known before backward."""
+def _global_token_count(batches: list[Batch], ctx: DistributedContext, every_label_counts: bool = False) -> int:
+    """Loss-bearing tokens in the whole global batch (all DP ranks), known before backward:
+    every label when the datasets say so (``Datasets.every_label_counts``: no collective,
+    no host read), else counted and summed over DP."""
+    every_label = ctx.grid.dp * sum(b["labels"].numel() for b in batches)  # also the dry run's stand-in
+    if every_label_counts:
+        return every_label
     # summed on the device: one host read for the whole step, not one per micro-batch
     local = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
     count = local.reshape(1).to(device=ctx.device, dtype=torch.int64)
     ctx.dp.all_reduce(count)
-    every_label = ctx.grid.dp * sum(b["labels"].numel() for b in batches)  # the dry run's stand-in
     tokens = host_sync.read("token_count", count, int, stand_in=every_label)
     if tokens == 0:
         raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")

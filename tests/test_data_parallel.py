@@ -217,16 +217,17 @@ def test_parameters_without_gradient_take_part_with_zeros_and_are_named():
 
 
 def test_dp_bytes_per_step_equal_the_gradient_buffer():
-    """One all-reduce of every gradient (fp64 here) per step, in one bucket, plus the token
-    count (8 bytes) and the step's scalars (the squared norm, the loss and the non-finite
-    flag: 3 x 8 bytes) in one collective; nothing per micro-batch."""
+    """One all-reduce of every gradient (fp64 here) per step, in one bucket, plus the
+    step's scalars (the squared norm, the loss and the non-finite flag: 3 x 8 bytes) in
+    one collective; nothing per micro-batch, and no token count (the built-in corpus's
+    labels all count: ``Datasets.every_label_counts``)."""
     cfg = _config(dp=2)
     cfg.training.steps = 2
     params = sum(p.numel() for p in GPT(cfg.model).parameters())
     for run in train_layout(cfg, 2):
         for step_bytes, calls in zip(run["step_bytes"], run["step_calls"]):
-            assert step_bytes == {"all_reduce/dp": params * 8 + 8 + 24}
-            assert calls == {"all_reduce/dp": 1 + 1 + 1}
+            assert step_bytes == {"all_reduce/dp": params * 8 + 24}  # gradients; norm, loss, flag
+            assert calls == {"all_reduce/dp": 1 + 1}  # no token count: every label of the corpus counts
 
 
 def test_bf16_training_follows_fp32():
@@ -273,8 +274,8 @@ def test_zero1_moves_gradients_and_weights_once_each():
         for step_bytes, calls in zip(run["step_bytes"], run["step_calls"]):
             assert step_bytes["reduce_scatter/dp"] == padded * 8
             assert step_bytes["all_gather/dp"] == padded * 8
-            assert step_bytes["all_reduce/dp"] == 8 + 24  # token count; norm, loss, flag
-            assert calls == {"reduce_scatter/dp": 1, "all_gather/dp": 1, "all_reduce/dp": 2}
+            assert step_bytes["all_reduce/dp"] == 24  # norm, loss, flag (no token count needed)
+            assert calls == {"reduce_scatter/dp": 1, "all_gather/dp": 1, "all_reduce/dp": 1}
 
 
 def test_zero1_checkpoint_resumes_without_sharding(tmp_path):
