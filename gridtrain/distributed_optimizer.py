@@ -33,8 +33,9 @@ property, so it is kept as a few ``(begin, end)`` ranges of the shard rather tha
 dense masks: dense masks would cost another 8 bytes per owned element, and a mask built
 for the whole model and then sliced (a view keeps its whole storage alive) 8 bytes per
 parameter on every rank whatever dp is. The updated weights are all-gathered in the
-parameters' own dtype straight into one flat buffer (half the bytes of gathering fp32
-masters for bf16/fp16, and no list of per-rank copies to concatenate).
+parameters' own dtype (half the bytes of gathering fp32 masters for bf16/fp16), one
+buffer per bucket, each freed once the forward has copied it into the parameters: the
+gathered copy lives through the start of the next forward, while activations are few.
 
 **Checkpoints** store each parameter's optimizer state by name through
 torch.distributed.checkpoint (gridtrain/checkpoint/), whatever the layout: each DP rank
@@ -92,7 +93,7 @@ class DistributedOptimizer:
         self._counted = _runs([q for q in self.pieces if not is_tp_duplicate(q.param, tp_rank)
                                and not getattr(q.param, "tied_copy", False)])
         self.steps = 0
-        self._gathering: dict[int, tuple] = {}  # bucket id -> (bucket, gathered buffer, Pending)
+        self._gathering: dict[int, tuple] = {}  # bucket id -> (bucket, its gathered buffer, Pending)
         self._waits_in_forward = False  # gather_before was called: step leaves gathers in flight
         self.lr = t.lr
         self.param_groups = [{"lr": t.lr}]  # read by set_lr
@@ -156,9 +157,9 @@ class DistributedOptimizer:
     @torch.no_grad()
     def _publish(self) -> None:
         """Copy the master weights into the model's parameters. With ZeRO-1, each bucket's
-        slices, rounded to the parameters' dtype, are gathered from every DP rank into one
-        flat buffer laid out as the gradient buffer is, bucket by bucket in the order the
-        forward uses them (the first layers' are the buffer's last buckets). Where
+        slices, rounded to the parameters' dtype, are gathered from every DP rank into a
+        buffer per bucket, in the order the forward uses them (the first layers' are the
+        gradient buffer's last buckets). Where
         :meth:`gather_before` has put waits before the model's forwards, the gathers are
         left in flight: each part of the next forward waits only for its own buckets, so
         the rest travels behind its computation (Megatron's overlapped parameter gather)."""
@@ -169,11 +170,11 @@ class DistributedOptimizer:
                 p.copy_(self.master[o: o + p.numel()].view_as(p))
             return
         self.parameters_ready()  # a bucket the last forward never needed (unused parameters)
-        full = torch.empty(self.reducer.padded, dtype=self.params[0].dtype, device=self.device)
         for b in reversed(self.reducer.buckets):
             size = (b.end - b.start) // self.dp.size
-            self._gathering[id(b)] = (b, full, self.dp.start_all_gather_into(
-                full[b.start:b.end], self.master[b.at:b.at + size].to(full.dtype)))
+            whole = torch.empty(b.end - b.start, dtype=self.params[0].dtype, device=self.device)
+            self._gathering[id(b)] = (b, whole, self.dp.start_all_gather_into(
+                whole, self.master[b.at:b.at + size].to(whole.dtype)))
         if not self._waits_in_forward:
             self.parameters_ready()
 
@@ -187,14 +188,15 @@ class DistributedOptimizer:
         buckets = list(self._gathering.values()) if params is None else \
             [self._gathering[id(b)] for p in params for b in self.reducer.buckets_of.get(p, ())
              if id(b) in self._gathering]
-        for b, full, pending in buckets:
+        for b, whole, pending in buckets:
             if self._gathering.pop(id(b), None) is None:
                 continue  # a bucket shared by two of the parameters, done already
             pending.wait()
             for p in b.params:
                 o = self.reducer.offsets[p]
                 lo, hi = max(b.start, o), min(b.end, o + p.numel())
-                p.detach().view(-1)[lo - o:hi - o].copy_(full[lo:hi])
+                p.detach().view(-1)[lo - o:hi - o].copy_(whole[lo - b.start:hi - b.start])
+            # the bucket's gathered copy is freed here: none outlives its first use
 
     def gather_before(self, module: nn.Module, params: list[nn.Parameter]) -> None:
         """Before each forward of ``module``, wait for the gathers of ``params`` (the
