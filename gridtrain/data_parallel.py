@@ -190,6 +190,9 @@ class GradientReducer:
             p.main_grad = self.buffer[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p)
         self.buckets = self._make_buckets(bounds)
         self.pieces = self._pieces()
+        self._pieces_of: dict[nn.Parameter, list[Piece]] = {p: [] for p in params}
+        for q in self.pieces:
+            self._pieces_of[q.param].append(q)
         # this rank's slices of the buckets, reduced (ZeRO-1; allocated once)
         self.shard_grad = (self.buffer if dp.size == 1 else self.buffer.new_empty(self.padded // dp.size)) \
             if shard else None
@@ -237,7 +240,7 @@ class GradientReducer:
         ``p`` this rank owns (flat slices of ``shard_grad`` under ZeRO-1; else the whole
         gradient in the buffer). Further sums over the grid (grads.py) act on these."""
         if self.shard:
-            return [self.shard_grad[q.at:q.end] for q in self.pieces if q.param is p]
+            return [self.shard_grad[q.at:q.end] for q in self._pieces_of.get(p, ())]
         return [p.main_grad]
 
     # ---- during backward ------------------------------------------------------------------
