@@ -132,3 +132,13 @@ def test_a_collective_that_fails_while_being_issued_is_not_left_waiting():
         Pending(group, rec, torch.zeros(1), refuse, None)
     assert rec.done is not None and not group.recorder.pending  # resolved, not in flight
     assert Pending.ready(3).then(lambda x: x + 1).then(lambda x: 2 * x).wait() == 8
+
+
+def test_reduce_scatter_into_a_wrong_output_is_refused_before_any_collective():
+    """``start_reduce_scatter(out=)`` (ZeRO's buckets into ``shard_grad``): an output of the
+    wrong shape or dtype is one clear error, raised before anything is sent."""
+    group = CommGroup("dp", size=2, rank=0)
+    bucket = torch.zeros(8)
+    for out in (torch.zeros(3), torch.zeros(4, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="the output must be contiguous"):
+            group.start_reduce_scatter(bucket, 0, out=out)
