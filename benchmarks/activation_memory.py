@@ -18,10 +18,10 @@ import torch
 
 import common  # benchmarks/common.py: the script's own folder is on sys.path
 from gridtrain.config import preset_config
-from gridtrain.validate_config import validate
-from gridtrain.memory import dropout_mask_bytes, korthikanti_bytes
-from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
-from gridtrain.train import pretrain
+from gridtrain.training.validate import validate
+from gridtrain.memory.activations import dropout_mask_bytes, korthikanti_bytes
+from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
+from gridtrain.training.loop import pretrain
 
 SETUPS = [  # (dtype, tp, sequence parallel, recompute)
     *[(dtype, 1, False, mode) for dtype in ("fp32", "bf16") for mode in ("none", "selective", "full")],
@@ -41,9 +41,9 @@ def _config(dtype: str, tp: int, sp: bool, mode: str, opts: argparse.Namespace):
 
 
 def _worker(rank: int, world_size: int, cfg) -> object:
-    """One step of ``pretrain`` (``gridtrain.trainer.build``, then the loop), which measures
+    """One step of ``pretrain`` (``gridtrain.training.trainer.build``, then the loop), which measures
     the first step's saved activations; this rank's stage memory."""
-    return pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg).memory[0]
+    return pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg).memory[0]
 
 
 def _formula(cfg, mode: str, tp: int, sp: bool) -> float:

@@ -66,7 +66,7 @@ from pathlib import Path
 import common
 
 from gridtrain.config import ConfigError
-from gridtrain.reporting import format_bytes
+from gridtrain.training.report import format_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("sync", "async")
@@ -356,8 +356,8 @@ def parse_args(argv: list[str] | None = None) -> dict:
 
 def check(opts: dict, work: Path) -> None:
     """Validate the command as ``gridtrain train`` would (raises ConfigError)."""
-    from gridtrain.cli import build_parser, config_from_args
-    from gridtrain.validate_config import validate
+    from gridtrain.cli.main import build_parser, config_from_args
+    from gridtrain.training.validate import validate
 
     args = build_parser().parse_args(command(opts, "async", work / "ckpt", work / "metrics.jsonl")[3:])
     validate(config_from_args(args))

@@ -5,7 +5,7 @@ its peer's model and step and its own table.
   comparisons, the checks, and the ``main`` skeleton (parse, validate, run the ranks,
   print the report);
 * the configuration those flags describe, and a fixed batch of random token ids;
-* gridtrain's side, built once by ``gridtrain.trainer.build`` with the GPT providers (also
+* gridtrain's side, built once by ``gridtrain.training.trainer.build`` with the Decoder providers (also
   as a one-process reference inside the benchmark's world) and stepped with
   ``Trainer.train_step``;
 * the timing protocol: blocks of steps between two barriers, interleaved rounds with the
@@ -29,16 +29,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gridtrain.comm import single
+from gridtrain.parallel.comm import single
 from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config
-from gridtrain.distributed import DistributedContext, setup_distributed, shutdown
-from gridtrain.grid import ProcessGrid
-from gridtrain.launch import run_workers
-from gridtrain.providers import gpt_forward_step, gpt_model_provider
-from gridtrain.reporting import format_bytes
-from gridtrain.tensor_parallel import TensorParallel
-from gridtrain.trainer import Trainer, build
-from gridtrain.validate_config import validate
+from gridtrain.parallel.distributed import DistributedContext, setup_distributed, shutdown
+from gridtrain.parallel.grid import ProcessGrid
+from gridtrain.runtime.launch import run_workers
+from gridtrain.training.providers import decoder_forward_step, decoder_model_provider
+from gridtrain.training.report import format_bytes
+from gridtrain.parallel.tensor_parallel import TensorParallel
+from gridtrain.training.trainer import Trainer, build
+from gridtrain.training.validate import validate
 
 __all__ = ["Run", "Side", "benchmark_main", "benchmark_parser", "add_micro_batch_arguments", "parse",
            "make_config", "random_batches", "build_gpt", "build_gpt_one_process", "between_barriers",
@@ -121,9 +121,9 @@ def random_batches(cfg: Config, sequences: int) -> list[dict]:
 # ---- gridtrain's side ----------------------------------------------------------------------------
 
 def build_gpt(cfg: Config, ctx: DistributedContext | None = None) -> Trainer:
-    """gridtrain's GPT and everything its training step needs on this rank, as ``pretrain``
+    """gridtrain's Decoder and everything its training step needs on this rank, as ``pretrain``
     builds them (no datasets: the benchmarks bring their batches)."""
-    return build(cfg, gpt_model_provider, gpt_forward_step, ctx=ctx)
+    return build(cfg, decoder_model_provider, decoder_forward_step, ctx=ctx)
 
 
 def build_gpt_one_process(cfg: Config) -> Trainer:

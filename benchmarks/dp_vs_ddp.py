@@ -1,11 +1,11 @@
 """Data parallelism side by side: gridtrain's GradientReducer against torch DistributedDataParallel.
 
-The same GPT (shape, initial weights, batch, loss, optimizer) is trained for a few steps
+The same Decoder (shape, initial weights, batch, loss, optimizer) is trained for a few steps
 on two gloo processes, one data-parallel replica each, in several ways, alternating
 inside the same two processes:
 
-* ``gridtrain dp=2``: the real training step, built by ``gridtrain.trainer.build`` on a
-  config with ``parallel.dp = 2, bucket_mb = B`` (``gpt_model_provider``,
+* ``gridtrain dp=2``: the real training step, built by ``gridtrain.training.trainer.build`` on a
+  config with ``parallel.dp = 2, bucket_mb = B`` (``decoder_model_provider``,
   ``broadcast_parameters``, the one-stage pipeline: a plain gradient-accumulation loop,
   ``GradientReducer(model, ctx.dp, accumulations=m, bucket_mb=B)``, AdamW) and stepped
   with ``Trainer.train_step``: per step the global token count
@@ -15,13 +15,13 @@ inside the same two processes:
   micro-batch's gradient; then ``finish`` (wait, divide by dp), the global gradient norm
   (``grad_clip = 0``: computed, not applied, to match the other side), AdamW, and the
   mean loss (one scalar all-reduce).
-* ``DDP dp=2``: ``torch.nn.parallel.DistributedDataParallel(GPT(cfg.model),
-  bucket_cap_mb=B)`` around gridtrain's own GPT initialised with ``init_parameters``
+* ``DDP dp=2``: ``torch.nn.parallel.DistributedDataParallel(Decoder(cfg.model),
+  bucket_cap_mb=B)`` around gridtrain's own Decoder initialised with ``init_parameters``
   (so the math and the starting weights are identical), the same micro-batches with
   ``no_sync()`` on all but the last, each micro-batch's summed token loss scaled by
   ``1 / tokens per rank`` (= gridtrain's ``dp / global tokens``), AdamW with gridtrain's
   parameter groups, and the mean loss all-reduced for the log (as gridtrain does).
-* ``dp=2, no gradient sync``: the same two processes training a plain GPT on the same
+* ``dp=2, no gradient sync``: the same two processes training a plain Decoder on the same
   micro-batches with no collective at all: the compute floor of a dp=2 step on this
   machine. A setup's step time minus this one's (paired per round) is the communication
   it left exposed, whatever its cause (``--no-floor`` skips it).
@@ -48,7 +48,7 @@ rounds, the best round, the tokens/s ratio gridtrain / DDP paired per round, the
 communication, and for gridtrain, per timed step, the share of its all-reduce time that
 its reducer measured as hidden behind backward (``reducer.stats``, reset every step),
 the time spent in ``reducer.finish`` (wrapped with a clock;
-``gridtrain.grads.reduce_gradients`` calls it after backward) and the DP payload bytes
+``gridtrain.optim.grads.reduce_gradients`` calls it after backward) and the DP payload bytes
 from its ``ByteCounter``.
 
 Run from the repository root::
@@ -74,9 +74,9 @@ from torch.nn.parallel import DistributedDataParallel
 import common  # benchmarks/common.py: the script's own folder is on sys.path
 from common import Side, format_bytes, med
 from gridtrain.config import Config, ParallelConfig
-from gridtrain.model import GPT, init_parameters
-from gridtrain.optim import build_optimizer
-from gridtrain.trainer import Trainer
+from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.optim.optimizer import build_optimizer
+from gridtrain.training.trainer import Trainer
 
 DP = 2
 
@@ -95,7 +95,7 @@ class Setup(Side):
 
 def gridtrain_setup(name: str, trainer: Trainer, batches: list[dict], kind: str, **side) -> Setup:
     """``trainer.train_step(batches)`` with ``reducer.finish`` (called by
-    ``gridtrain.grads.reduce_gradients`` once backward has ended) timed, and per step the
+    ``gridtrain.optim.grads.reduce_gradients`` once backward has ended) timed, and per step the
     reducer's overlap measures and the payload bytes of the ``ByteCounter``."""
     ctx, reducer = trainer.ctx, trainer.reducer
     finish = reducer.finish
@@ -138,7 +138,7 @@ def gridtrain_setup(name: str, trainer: Trainer, batches: list[dict], kind: str,
 # ---- the torch DDP side --------------------------------------------------------------------------
 
 def ddp_setup(cfg: Config, batches: list[dict], n_mb: int, bucket_mb: float, seed: int) -> tuple[Setup, object]:
-    gpt = GPT(cfg.model)
+    gpt = Decoder(cfg.model)
     init_parameters(gpt, seed)
     ddp = DistributedDataParallel(gpt, bucket_cap_mb=bucket_mb)
     opt = build_optimizer(gpt, cfg.training)
@@ -150,7 +150,7 @@ def ddp_setup(cfg: Config, batches: list[dict], n_mb: int, bucket_mb: float, see
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, b in enumerate(batches):
             with ddp.no_sync() if i < n_mb - 1 else contextlib.nullcontext():
-                summed = ddp(b["tokens"], b["labels"]).sum()  # gridtrain's gpt_forward_step
+                summed = ddp(b["tokens"], b["labels"]).sum()  # gridtrain's decoder_forward_step
                 (summed * (1.0 / local_tokens)).backward()
             loss_sum += summed.detach().to(torch.float64)  # as gridtrain's pipeline adds it up
         opt.step()
@@ -172,7 +172,7 @@ def ddp_buckets(ddp: DistributedDataParallel) -> list[int]:
 # ---- the compute floor -------------------------------------------------------------------------
 
 def floor_setup(cfg: Config, batches: list[dict], seed: int) -> Setup:
-    gpt = GPT(cfg.model)
+    gpt = Decoder(cfg.model)
     init_parameters(gpt, seed)
     opt = build_optimizer(gpt, cfg.training)
     local_tokens = sum(b["labels"].numel() for b in batches)

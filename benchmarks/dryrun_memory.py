@@ -19,7 +19,7 @@ import time
 import common  # noqa: F401  benchmarks/common.py: the script's own folder is on sys.path
 from gridtrain import dryrun
 from gridtrain.config import preset_config
-from gridtrain.grid import ProcessGrid
+from gridtrain.parallel.grid import ProcessGrid
 
 LAYOUTS = [  # (preset, world, tp, pp, extra training settings)
     ("gpt2-xl", 640, 5, 8, {}),

@@ -1,20 +1,20 @@
 """Pipeline parallelism side by side: gridtrain's 1F1B runtime against torch.distributed.pipelining.
 
-The same GPT (shape, initial weights, batch, loss, optimizer) is trained for a few steps
+The same Decoder (shape, initial weights, batch, loss, optimizer) is trained for a few steps
 on two gloo processes, one pipeline stage each, in several ways, alternating inside the
 same two processes:
 
-* ``gridtrain pp=2 1f1b``: the real training step, built by ``gridtrain.trainer.build``
-  (``gpt_model_provider``: this rank's chunk of the GPT, stage 0 the embedding and the
+* ``gridtrain pp=2 1f1b``: the real training step, built by ``gridtrain.training.trainer.build``
+  (``decoder_model_provider``: this rank's chunk of the Decoder, stage 0 the embedding and the
   first half of the blocks, stage 1 the rest, the final LayerNorm and its own copy of
-  the tied token table as the LM head; ``gpt_forward_step``) on a config with
+  the tied token table as the LM head; ``decoder_forward_step``) on a config with
   ``parallel.pp = 2, schedule = "1f1b"`` and stepped with ``Trainer.train_step``: the
   schedule's forwards, backwards and batched point-to-point transfers, the tied
   embedding gradient summed over the first and last stage (one all-reduce), the global
   gradient norm (one scalar all-reduce; clipping is off, ``grad_clip = 0``, to match
   the other side), AdamW, and the mean loss broadcast to every stage.
 * ``torch 1F1B``: ``torch.distributed.pipelining``: each rank builds the same stage
-  module from gridtrain's own ``GPT(cfg.model, chunks=[ChunkSpec(...)])`` with
+  module from gridtrain's own ``Decoder(cfg.model, chunks=[ChunkSpec(...)])`` with
   ``init_parameters`` (so the math and the starting weights are identical), wrapped in
   a module whose forward takes one tensor, in ``PipelineStage(module, stage_index,
   num_stages, device)``, driven by ``Schedule1F1B(stage, n_microbatches, loss_fn=...)``:
@@ -68,8 +68,8 @@ from torch import nn
 import common  # benchmarks/common.py: the script's own folder is on sys.path
 from common import Side, med, mib
 from gridtrain.config import Config, ParallelConfig
-from gridtrain.model import GPT, init_parameters
-from gridtrain.optim import build_optimizer
+from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.optim.optimizer import build_optimizer
 
 PP = 2
 
@@ -77,14 +77,14 @@ PP = 2
 # ---- the torch.distributed.pipelining side ---------------------------------------------------
 
 class OneTensorStage(nn.Module):
-    """gridtrain's GPT chunk behind a forward that takes one tensor and returns one.
+    """gridtrain's Decoder chunk behind a forward that takes one tensor and returns one.
 
     Stage 0: token ids [b, s] -> hidden states [b, s, d]. Last stage: hidden states ->
     logits [b, s, vocab] (the padding columns of the table dropped, as gridtrain's loss
     drops them). The loss is the schedule's ``loss_fn``.
     """
 
-    def __init__(self, gpt: GPT):
+    def __init__(self, gpt: Decoder):
         super().__init__()
         self.gpt = gpt
 
@@ -209,7 +209,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
 
     # (b) torch.distributed.pipelining, Schedule1F1B, same stage modules and weights
     def torch_setup(name: str, tie: bool) -> Setup:
-        gpt = GPT(m, chunks=[spec])
+        gpt = Decoder(m, chunks=[spec])
         init_parameters(gpt, opts["seed"])  # the last stage's head starts as the token table
         module = OneTensorStage(gpt)
         opt = build_optimizer(module, cfg.training)

@@ -1,6 +1,6 @@
 """Activation recomputation: the step time each mode costs, beside the memory it saves.
 
-One GPT (shape, initial weights, batch, dropout masks, optimizer) is trained in one
+One Decoder (shape, initial weights, batch, dropout masks, optimizer) is trained in one
 process three ways, alternating step blocks inside the same process:
 
 * ``none``: every block keeps what autograd saves for backward;
@@ -10,9 +10,9 @@ process three ways, alternating step blocks inside the same process:
   ``recompute_layers = 1``): only its input is kept, its whole forward runs again in
   backward.
 
-Each setup is built once by ``gridtrain.trainer.build``, as ``pretrain`` builds it (a
+Each setup is built once by ``gridtrain.training.trainer.build``, as ``pretrain`` builds it (a
 one-rank gloo world and its own context, whose ``Recomputation`` carries the setup's
-policy; ``gpt_model_provider``; the one-stage pipeline: a gradient-accumulation loop
+policy; ``decoder_model_provider``; the one-stage pipeline: a gradient-accumulation loop
 over the micro-batches; the reducer; the optimizer); a step is ``Trainer.train_step``:
 forward and backward of every micro-batch, the gradient norm and clipping, AdamW.
 fp32, ``--dropout`` in the attention and residual dropouts, a fixed batch of random
@@ -49,11 +49,11 @@ import torch
 
 import common  # benchmarks/common.py: the script's own folder is on sys.path
 from common import Side, med, mib
-from gridtrain import memory
+from gridtrain.memory import activations as memory
 from gridtrain.config import Config, ParallelConfig, TrainingConfig
-from gridtrain.model import IGNORE_INDEX
-from gridtrain.rng import RNGState
-from gridtrain.trainer import Trainer
+from gridtrain.models.decoder import IGNORE_INDEX
+from gridtrain.parallel.rng import RNGState
+from gridtrain.training.trainer import Trainer
 
 MODES = ("none", "selective", "full")
 
@@ -204,7 +204,7 @@ def report(run: common.Run, opts: dict) -> str:
     lines += [
         *table(setups),
         "",
-        "saved = bytes autograd keeps for backward at forward (gridtrain.memory hooks, one storage counted once), "
+        "saved = bytes autograd keeps for backward at forward (gridtrain.memory.activations hooks, one storage counted once), "
         "per micro-batch, summed over the blocks; recomputed = bytes saved again while a region is rebuilt in "
         "backward (transient); peak = most bytes held at once during the step, embedding and head included",
     ]

@@ -1,6 +1,6 @@
 """End to end, as a user runs it: ``gridtrain train`` against PyTorch's own implementations written plainly.
 
-Four comparisons, each a whole training run on each side, on the same GPT shape (default:
+Four comparisons, each a whole training run on each side, on the same Decoder shape (default:
 4 layers, d_model 128, 4 heads, seq 128, vocabulary 257; the `small` preset), global batch
 16 sequences in micro-batches of 4, fp32, CPU, gloo, dropout 0:
 
@@ -39,14 +39,14 @@ entropy over the global batch), clip, ``optimizer.step``, the LR scheduler,
 is timed with ``time.perf_counter`` on rank 0, no barrier; throughput = 16 x seq tokens
 / step time, median over the steps after ``--warmup``.
 
-* ``plain``: gridtrain's ``GPT`` used as a plain ``nn.Module`` (one process, tp 1), the
+* ``plain``: gridtrain's ``Decoder`` used as a plain ``nn.Module`` (one process, tp 1), the
   per-token losses summed and scaled by 1 / global tokens, ``loss.backward()`` per
   micro-batch. ``--peer-model plain`` puts ``PlainGPT`` of benchmarks/tp_vs_dtensor.py
   (the same weights) in its place, here and in ``ddp``.
-* ``ddp``: ``DistributedDataParallel(GPT)`` (default 25 MiB buckets, as gridtrain's
+* ``ddp``: ``DistributedDataParallel(Decoder)`` (default 25 MiB buckets, as gridtrain's
   ``--bucket-mb``); rank r trains micro-batches 2r, 2r+1 of the global batch; the loss is
   all-reduced for the log (gridtrain does the same).
-* ``pp``: gridtrain's ``GPT`` chunk of each stage (stage 0: embedding + blocks 0-1,
+* ``pp``: gridtrain's ``Decoder`` chunk of each stage (stage 0: embedding + blocks 0-1,
   stage 1: blocks 2-3 + final norm + head, as gridtrain's uniform partition) behind
   ``OneTensorStage`` (benchmarks/pp_vs_torch_pipelining.py), ``Schedule1F1B`` over 4
   micro-batches; gridtrain's tied embedding done by hand (the token-table and head
@@ -97,9 +97,9 @@ import torch.nn.functional as F
 import common  # benchmarks/common.py: the script's own folder is on sys.path
 from common import med
 from gridtrain.config import Config, ParallelConfig, TrainingConfig
-from gridtrain.model import GPT, ChunkSpec, init_parameters
-from gridtrain.optim import lr_at, param_groups
-from gridtrain.pipeline.partition import uniform
+from gridtrain.models.decoder import Decoder, ChunkSpec, init_parameters
+from gridtrain.optim.optimizer import lr_at, param_groups
+from gridtrain.parallel.pipeline.partition import uniform
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 257
@@ -210,9 +210,9 @@ def optimizer(model: torch.nn.Module, t: TrainingConfig):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, t) / t.lr)
 
 
-def gpt(cfg: Config, chunk: ChunkSpec | None = None) -> GPT:
-    """gridtrain's GPT (tp 1) with its initial weights, used as a plain ``nn.Module``."""
-    model = GPT(cfg.model, chunks=None if chunk is None else [chunk])
+def gpt(cfg: Config, chunk: ChunkSpec | None = None) -> Decoder:
+    """gridtrain's Decoder (tp 1) with its initial weights, used as a plain ``nn.Module``."""
+    model = Decoder(cfg.model, chunks=None if chunk is None else [chunk])
     init_parameters(model, cfg.training.seed)
     return model
 
@@ -227,7 +227,7 @@ def plain_gpt(cfg: Config, tp: int = 1):
 
 
 def gpt_loss(model: torch.nn.Module, b: dict) -> torch.Tensor:
-    return model(b["tokens"], b["labels"]).sum()  # gridtrain's GPT: per-token losses
+    return model(b["tokens"], b["labels"]).sum()  # gridtrain's Decoder: per-token losses
 
 
 def plain_gpt_loss(model: torch.nn.Module, b: dict) -> torch.Tensor:
@@ -406,7 +406,7 @@ def parse_args(argv: list[str] | None = None) -> dict:
                    help="comparisons to run, comma-separated from plain,ddp,pp,tp (default: all)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run before it is stopped")
     p.add_argument("--peer-model", choices=("gridtrain", "plain"), default="gridtrain",
-                   help="model of the plain and ddp peers: gridtrain's GPT as a plain nn.Module (default), or "
+                   help="model of the plain and ddp peers: gridtrain's Decoder as a plain nn.Module (default), or "
                         "PlainGPT of tp_vs_dtensor.py (nn.Linear q/k/v, F.cross_entropy on masked logits)")
     p.add_argument("--gridtrain-flags", default="",
                    help="more flags for every gridtrain run, e.g. '--compile' (the peers stay as written)")

@@ -1,11 +1,11 @@
 """Tensor parallelism side by side: gridtrain's Megatron-style TP against PyTorch DTensor TP.
 
-The same GPT (shape, initial weights, batch, loss, optimizer) is trained for a few steps
+The same Decoder (shape, initial weights, batch, loss, optimizer) is trained for a few steps
 on two gloo processes in two ways, alternating inside the same two processes:
 
-* ``gridtrain tp=2``: gridtrain's real training step, built by ``gridtrain.trainer.build``
-  (``gpt_model_provider``, ``gpt_forward_step``) on a config with ``parallel.tp = 2``
-  and stepped with ``Trainer.train_step``: ``gridtrain.model.GPT`` on the
+* ``gridtrain tp=2``: gridtrain's real training step, built by ``gridtrain.training.trainer.build``
+  (``decoder_model_provider``, ``decoder_forward_step``) on a config with ``parallel.tp = 2``
+  and stepped with ``Trainer.train_step``: ``gridtrain.models.decoder.Decoder`` on the
   ``TensorParallel`` context (column/row-parallel linears with fused QKV,
   vocabulary-parallel embedding and cross entropy, hand-written autograd collectives
   counted by a ``ByteCounter``), one micro-batch through the one-stage pipeline, the
@@ -68,9 +68,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import common  # benchmarks/common.py: the script's own folder is on sys.path
 from common import Side, med, mib
 from gridtrain.config import Config, ParallelConfig, TrainingConfig
-from gridtrain.model import GPT, init_parameters
-from gridtrain.optim import build_optimizer
-from gridtrain.trainer import Trainer
+from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.optim.optimizer import build_optimizer
+from gridtrain.training.trainer import Trainer
 
 TP = 2
 
@@ -141,8 +141,8 @@ class PlainGPT(nn.Module):
 
 
 @torch.no_grad()
-def plain_from_gridtrain(gt: GPT) -> PlainGPT:
-    """A PlainGPT holding exactly the weights of a one-rank gridtrain GPT."""
+def plain_from_gridtrain(gt: Decoder) -> PlainGPT:
+    """A PlainGPT holding exactly the weights of a one-rank gridtrain Decoder."""
     c = gt.cfg
     m = PlainGPT(c.n_layer, c.d_model, c.n_head, c.ffn_size, c.seq_len, c.vocab_size,
                  gt.padded_vocab, c.layernorm_eps)
@@ -322,7 +322,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict | None:
     mesh = init_device_mesh("cpu", (TP,))
 
     def make_dtensor(lp: bool, prep: bool) -> PlainGPT:
-        whole = GPT(replace(m, vocab_pad_multiple=m.vocab_pad_multiple * TP))  # same padding, one rank
+        whole = Decoder(replace(m, vocab_pad_multiple=m.vocab_pad_multiple * TP))  # same padding, one rank
         init_parameters(whole, opts["seed"])
         assert whole.padded_vocab == gt.model.padded_vocab
         model = plain_from_gridtrain(whole)

@@ -7,7 +7,7 @@ def __getattr__(name: str):
     """``gridtrain.load_model`` without importing torch at ``import gridtrain`` (the
     spawned workers import the package before they may import torch)."""
     if name == "load_model":
-        from gridtrain.hf import load_model
+        from gridtrain.checkpoint.huggingface import load_model
 
         return load_model
     raise AttributeError(f"module 'gridtrain' has no attribute {name!r}")

@@ -3,6 +3,6 @@
 if __name__ == "__main__":
     import sys
 
-    from gridtrain.cli import main
+    from gridtrain.cli.main import main
 
     sys.exit(main())

@@ -1,6 +1,6 @@
 """Configuration: dataclasses, presets, YAML files and command-line overrides.
 
-Everything a run needs is decided here; :mod:`gridtrain.validate_config` checks it before
+Everything a run needs is decided here; :mod:`gridtrain.training.validate` checks it before
 any process is spawned or any collective starts. Every value is checked against its
 field's type where it enters (YAML file, flags, or :func:`check_types` for configs built
 in Python), because a wrong type found later is a traceback inside a worker. This

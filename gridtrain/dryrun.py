@@ -2,7 +2,7 @@
 on fake tensors, to measure memory per rank and check device discipline at any scale.
 
 ``gridtrain train <flags> --dry-run --world-size N`` runs, for each chosen rank, the
-project's own code path: :func:`gridtrain.trainer.build` (process groups, model,
+project's own code path: :func:`gridtrain.training.trainer.build` (process groups, model,
 pipeline stage, gradient reducer, optimizer) and :meth:`Trainer.train_step` (every
 micro-batch's forward and backward in schedule order, the gradient reductions, clipping
 and the optimizer step) with micro-batches of token ids made up on the spot (no data set
@@ -27,7 +27,7 @@ What it checks:
 
 * **host synchronisation**: a fake tensor cannot be read, so ``float()``/``int()``/
   ``bool()``/``.item()`` on device data inside the step raises. The step's deliberate
-  reads are named points (:mod:`gridtrain.host_sync`); the dry run lets those through with
+  reads are named points (:mod:`gridtrain.runtime.host_sync`); the dry run lets those through with
   a stand-in value and reports which were hit; any other read fails the dry run with its
   call site;
 * **device discipline**: every tensor handed to a collective or point-to-point operation
@@ -37,7 +37,7 @@ What it checks:
 
 Patches, all undone on exit and all here (:func:`_patched`):
 
-* ``gridtrain.watchdog.start_watchdog`` does nothing: the hang watchdog would start a
+* ``gridtrain.runtime.watchdog.start_watchdog`` does nothing: the hang watchdog would start a
   thread polling a store that no other rank writes;
 * ``torch.utils.swap_tensors`` first clears the fake mode's memo of converted tensors:
   ``Module.to`` swaps fake parameters in place (never ``.data =``, as for real ones),
@@ -72,9 +72,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gridtrain import host_sync, memory, watchdog
+from gridtrain.runtime import host_sync
+from gridtrain.memory import activations as memory
+from gridtrain.runtime import watchdog
 from gridtrain.config import Config, ConfigError
-from gridtrain.grid import ProcessGrid
+from gridtrain.parallel.grid import ProcessGrid
 
 
 class DeviceDisciplineError(RuntimeError):
@@ -276,8 +278,8 @@ def _fake_batches(cfg: Config, trainer) -> list[dict[str, torch.Tensor]] | None:
     """Micro-batches of token ids on the stages that embed or compute the loss, made up
     on the TP group's first rank (on the host, as a dataset gives them) and passed to the
     others as trainer.read_micro_batches does (tensor_parallel.broadcast_batches)."""
-    from gridtrain.tensor_parallel import broadcast_batches
-    from gridtrain.trainer import batch_shapes
+    from gridtrain.parallel.tensor_parallel import broadcast_batches
+    from gridtrain.training.trainer import batch_shapes
 
     ctx = trainer.ctx
     if not (ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
@@ -338,8 +340,8 @@ def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankM
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from gridtrain.providers import gpt_forward_step, gpt_model_provider
-    from gridtrain.trainer import build
+    from gridtrain.training.providers import decoder_forward_step, decoder_model_provider
+    from gridtrain.training.trainer import build
 
     began = time.perf_counter()
     cfg = copy.deepcopy(cfg)
@@ -353,7 +355,7 @@ def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankM
         # (torch.get_rng_state) are real host tensors, by design
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with _patched(fake, device_type), fake:
-            trainer = build(cfg, gpt_model_provider, gpt_forward_step)
+            trainer = build(cfg, decoder_model_provider, decoder_forward_step)
             try:
                 result = measure_step(trainer, _fake_batches(cfg, trainer))
             except DataDependentOutputException as e:
@@ -375,8 +377,8 @@ def _host_read_site(error: BaseException) -> str:
 def stage_layers(cfg: Config, grid: ProcessGrid, stage: int) -> list[tuple[tuple[int, ...], bool, bool]]:
     """(block ids, embeds, ends) of each model chunk of pipeline stage ``stage``, from the
     partition alone (uniform, parameters or --pp-layers; not the measured ``time``)."""
-    from gridtrain.providers import unit_costs
-    from gridtrain.pipeline.partition import partition
+    from gridtrain.training.providers import unit_costs
+    from gridtrain.parallel.pipeline.partition import partition
 
     p, v = grid.pp, cfg.parallel.vpp
     explicit = cfg.parallel.pp_layers
@@ -395,7 +397,7 @@ def expected_parameters(cfg: Config, grid: ProcessGrid, rank: int) -> int:
     whole RMSNorms; the vocabulary-parallel token table (padded vocabulary / t rows) and
     GPT-2's whole position table on the first stage; the final norm and, unless the
     stage also embeds, a copy of the (tied) table or the untied head on the last."""
-    from gridtrain.model import block_parameters
+    from gridtrain.models.decoder import block_parameters
 
     m, t = cfg.model, grid.tp
     d = m.d_model
@@ -423,7 +425,7 @@ def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
       keeps master weights and two moments for its slice (all of it without ZeRO) and
       nothing else (``DistributedOptimizer.state_bytes``)."""
     n = expected_parameters(cfg, grid, rank)
-    from gridtrain.distributed import TORCH_DTYPES
+    from gridtrain.parallel.distributed import TORCH_DTYPES
 
     t = cfg.training
     dtype = TORCH_DTYPES[t.dtype]
@@ -479,9 +481,9 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     positions and dropout mask of the embedding.
     Describes ``--attention math`` (the fused kernel keeps no s x s scores) and
     ``--recompute-keep-last`` off."""
-    from gridtrain.distributed import TORCH_DTYPES
-    from gridtrain.pipeline.schedules import B, F, build_schedule
-    from gridtrain.recompute import policy_from
+    from gridtrain.parallel.distributed import TORCH_DTYPES
+    from gridtrain.parallel.pipeline.schedules import B, F, build_schedule
+    from gridtrain.parallel.recompute import policy_from
 
     m, t = cfg.model, cfg.training
     e = TORCH_DTYPES[t.dtype].itemsize

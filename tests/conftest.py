@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from gridtrain import launch
+from gridtrain.runtime import launch
 
 
 @pytest.fixture

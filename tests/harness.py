@@ -1,6 +1,6 @@
 """Run a test function on several real processes (gloo on CPU) from inside pytest.
 
-A thin layer over ``gridtrain.launch.run_workers``: the worker function must be
+A thin layer over ``gridtrain.runtime.launch.run_workers``: the worker function must be
 a module-level function of an importable test module (the ``tests`` directory
 is a package, so children can ``import tests.test_x``). A failing rank raises
 ``WorkerError`` whose message holds that rank's traceback, which pytest shows
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from gridtrain.launch import run_workers
+from gridtrain.runtime.launch import run_workers
 
 
 def run_on_ranks(

@@ -1,5 +1,5 @@
 """The benchmarks in benchmarks/ still parse, validate, build gridtrain's side with
-``gridtrain.trainer.build`` and run end to end at their smallest size (the numbers they
+``gridtrain.training.trainer.build`` and run end to end at their smallest size (the numbers they
 time are not checked here: only that the run completes and its own checks agree)."""
 
 import importlib.util
@@ -37,7 +37,7 @@ def _run(name: str, *args: str) -> str:
 
 @pytest.mark.parametrize("name", COMPARISONS)
 def test_default_flags_parse_and_validate(name):
-    from gridtrain.validate_config import validate
+    from gridtrain.training.validate import validate
 
     module = _load(name)
     opts = module.parse_args([])
@@ -87,7 +87,7 @@ def test_pp_vs_torch_pipelining_runs_and_the_tied_variant_agrees():
 def test_checkpoint_save_reads_gridtrain_s_summary_line():
     """The benchmark parses the run summary's `checkpoints:` line: the format it expects is gridtrain's."""
     from gridtrain.checkpoint.sharded import SaveReport
-    from gridtrain.reporting import save_summary
+    from gridtrain.training.report import save_summary
 
     module = _load("checkpoint_save")
     saves = [SaveReport(step=2 * i, blocked_s=0.1 * i, write_s=1.0 + i) for i in (1, 2, 3)]

@@ -22,11 +22,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from gridtrain import checkpoint, cli
+from gridtrain import checkpoint
+from gridtrain.cli import main as cli
 from gridtrain.checkpoint import CheckpointError, check_loadable, integrity, latest_step_dir, load_checkpoint, sharded
 from gridtrain.config import preset_config
-from gridtrain.model import GPT, init_parameters
-from gridtrain.tensor_parallel import TensorParallel
+from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.parallel.tensor_parallel import TensorParallel
 from tests.harness import run_on_ranks
 from tests.training import tiny_config, train_in_process
 
@@ -37,7 +38,7 @@ SHARDS, INDEX = "__0_0.distcp", checkpoint.DCP_METADATA  # rank 0's chunks; DCP'
 def _model_and_optimizer(seed: int = 0):
     cfg = preset_config("tiny")
     cfg.training.seed = seed
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     init_parameters(model, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).sum().backward()
@@ -83,7 +84,7 @@ def saved(original, tmp_path) -> Path:
 def _loaded(directory) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """Weights and Adam state loaded from ``directory`` into a fresh model and optimizer."""
     cfg = preset_config("tiny")
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     assert load_checkpoint(directory, model, optimizer) == STEP
     return _weights(model), _adam(model, optimizer)
@@ -296,7 +297,7 @@ def test_model_config_mismatch_names_every_differing_field(saved, original):
     assert "n_layer 2 (checkpoint) vs 1 (flags)" in message and "n_head 4 vs 2" in message, message
     assert "--n-layer 2 --n-head 4" in message, message
     # the loader refuses too: a 1-layer model used to load a 2-layer checkpoint silently
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     with pytest.raises(CheckpointError, match="n_layer 2"):
         load_checkpoint(saved, model)
 

@@ -18,11 +18,11 @@ import torch.distributed.checkpoint as dcp
 from gridtrain import checkpoint
 from gridtrain.checkpoint.shards import Placement, Slab, flat_boxes
 from gridtrain.config import preset_config
-from gridtrain.distributed import shutdown
-from gridtrain.model import GPT, init_parameters
-from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
-from gridtrain.tensor_parallel import ShardSpec, shard
-from gridtrain.trainer import build
+from gridtrain.parallel.distributed import shutdown
+from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
+from gridtrain.parallel.tensor_parallel import ShardSpec, shard
+from gridtrain.training.trainer import build
 
 
 def _box_of(tensor_shape, box):
@@ -136,7 +136,7 @@ def test_save_and_load_need_little_more_host_memory_than_the_state(tmp_path):
     cfg.training = dataclasses.replace(cfg.training, dtype="bf16", steps=1, global_batch_size=2,
                                        micro_batch_size=2, progress=False, save=str(tmp_path / "run"))
     try:
-        trainer = build(cfg, gpt_model_provider, gpt_forward_step, text_datasets_provider)
+        trainer = build(cfg, decoder_model_provider, decoder_forward_step, text_datasets_provider)
         largest = max(p.numel() for p in trainer.model.parameters()) * 4  # in fp32 (the masters)
         state = sum(p.numel() for p in trainer.model.parameters()) * (2 + 3 * 4)
         before = _peak_rss_reset()
@@ -162,7 +162,7 @@ def test_a_whole_model_reads_one_tensor_at_a_time(tmp_path):
     """The one-process readers (export, generate, load_model) see every weight by name with
     its shape from the index, and read exactly the saved values."""
     cfg = preset_config("tiny")
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()
@@ -200,7 +200,7 @@ def test_a_failed_background_write_is_raised_at_the_next_wait(tmp_path, monkeypa
 
 def test_background_write_uses_the_state_as_it_was_when_staged(tmp_path):
     cfg = preset_config("tiny")
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     init_parameters(model, 0)
     from gridtrain.checkpoint import background
 
@@ -217,10 +217,10 @@ def test_background_write_uses_the_state_as_it_was_when_staged(tmp_path):
 
 
 def test_checkpoint_info_describes_a_checkpoint_and_refuses_a_damaged_one(tmp_path, capsys):
-    from gridtrain import cli
+    from gridtrain.cli import main as cli
 
     cfg = preset_config("tiny")
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long)).sum().backward()
     optimizer.step()
@@ -231,7 +231,7 @@ def test_checkpoint_info_describes_a_checkpoint_and_refuses_a_damaged_one(tmp_pa
     assert "step 3, format 2" in out and "integrity: ok" in out and "optimizer step 1" in out
     assert cli.main(["checkpoint", "info", "--json", str(tmp_path)]) == 0
     info = __import__("json").loads(capsys.readouterr().out)
-    real = n - (GPT(cfg.model).embedding.word.weight.shape[0] - cfg.model.vocab_size) * cfg.model.d_model
+    real = n - (Decoder(cfg.model).embedding.word.weight.shape[0] - cfg.model.vocab_size) * cfg.model.d_model
     assert info["parameters"] == real
     assert info["bytes"]["weights"] == 4 * real and info["bytes"]["optimizer"] == 8 * real
     assert info["layout"]["world_size"] == 1 and info["step"] == 3

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gridtrain import cli
+from gridtrain.cli import main as cli
 from gridtrain.config import ConfigError, load_config
 
 BAD_CONFIGS = {

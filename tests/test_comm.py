@@ -8,12 +8,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gridtrain import comm
-from gridtrain.comm import ByteCounter, CommGroup
+from gridtrain.parallel import comm
+from gridtrain.parallel.comm import ByteCounter, CommGroup
 from gridtrain.config import preset_config
-from gridtrain.model import GPT, init_parameters
-from gridtrain.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
-from gridtrain.tensor_parallel import (IGNORE_INDEX, TensorParallel, broadcast_batches,
+from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.parallel.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
+from gridtrain.parallel.tensor_parallel import (IGNORE_INDEX, TensorParallel, broadcast_batches,
                                        vocab_parallel_cross_entropy)
 from tests.harness import run_on_ranks
 
@@ -90,7 +90,7 @@ def _check_dropout(rank: int, tp: TensorParallel) -> None:
     outside TP regions) while each rank's heads draw their own masks."""
     cfg = preset_config("tiny").model
     cfg.dropout = 0.5
-    model = GPT(cfg, tp=tp).double()
+    model = Decoder(cfg, tp=tp).double()
     init_parameters(model, 0)
     torch.manual_seed(5)  # the default stream: alike on every TP rank
     logits = model(torch.randint(0, cfg.vocab_size, (2, 16)))
@@ -119,8 +119,8 @@ def test_tp_collectives_loss_data_and_dropout_on_two_ranks():
 
 def test_a_collective_that_fails_while_being_issued_is_not_left_waiting():
     """Pending records an op that raised at issue as done: a failure, not a hang."""
-    from gridtrain.comm import Pending
-    from gridtrain.watchdog import FlightRecorder
+    from gridtrain.parallel.comm import Pending
+    from gridtrain.runtime.watchdog import FlightRecorder
 
     group = CommGroup("tp", size=2, recorder=FlightRecorder())
     rec = group.recorder.issue("all_reduce", group.name, (0, 1), 8)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from gridtrain.config import ModelConfig
-from gridtrain.model import GPT, compile_blocks, init_parameters
-from gridtrain.split_backward import WeightGradStore
-from gridtrain.tensor_parallel import TensorParallel
-from gridtrain.validate_config import ConfigError, validate
+from gridtrain.models.decoder import Decoder, compile_blocks, init_parameters
+from gridtrain.parallel.split_backward import WeightGradStore
+from gridtrain.parallel.tensor_parallel import TensorParallel
+from gridtrain.training.validate import ConfigError, validate
 from tests.training import assert_same_training, tiny_config, train_in_process, train_layouts
 
 
@@ -53,7 +53,7 @@ def test_a_compiled_backward_defers_weight_gradients_when_it_runs():
     for compiled in (False, True):
         tp = TensorParallel()
         tp.weight_grads = store = WeightGradStore()
-        model = GPT(cfg, tp=tp)
+        model = Decoder(cfg, tp=tp)
         init_parameters(model, 0)
         model = model.double()
         if compiled:
@@ -75,11 +75,11 @@ def test_compile_says_so_when_a_users_model_has_no_gridtrain_blocks():
     run stops with one line saying what to do instead of silently running eager."""
     from torch import nn
 
-    from gridtrain.providers import gpt_forward_step, text_datasets_provider
-    from gridtrain.train import pretrain
+    from gridtrain.training.providers import decoder_forward_step, text_datasets_provider
+    from gridtrain.training.loop import pretrain
 
     with pytest.raises(ValueError, match="torch.compile your model in its provider"):
-        pretrain(lambda cfg, ctx: nn.Linear(4, 4), text_datasets_provider, gpt_forward_step,
+        pretrain(lambda cfg, ctx: nn.Linear(4, 4), text_datasets_provider, decoder_forward_step,
                  tiny_config(compile=True))
     assert not torch.distributed.is_initialized()  # the failed run ended the group it made
 
@@ -87,7 +87,7 @@ def test_compile_says_so_when_a_users_model_has_no_gridtrain_blocks():
 def test_compile_refuses_selective_recomputation_and_the_dry_run(capsys):
     with pytest.raises(ConfigError, match="--compile does not take --recompute selective"):
         validate(tiny_config(compile=True, recompute="selective"), 1, data=False)
-    from gridtrain.cli import main
+    from gridtrain.cli.main import main
 
     assert main(["train", "--model", "tiny", "--dry-run", "--world-size", "2", "--compile"]) == 2
     assert "--dry-run measures the eager blocks" in capsys.readouterr().err

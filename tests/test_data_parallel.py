@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gridtrain.comm import ByteCounter, CommGroup
+from gridtrain.parallel.comm import ByteCounter, CommGroup
 from gridtrain.config import Config, preset_config
-from gridtrain.data_parallel import GradientReducer, bucket_bounds
-from gridtrain.model import GPT, init_parameters
+from gridtrain.parallel.data_parallel import GradientReducer, bucket_bounds
+from gridtrain.models.decoder import Decoder, init_parameters
 from tests.harness import run_on_ranks
 from tests.training import relative_difference, tiny_config, train_in_process, train_layout
 
@@ -101,7 +101,7 @@ def test_3d_layout_trains_the_single_process_model(dp, pp, tp, schedule):
 def _ddp_check(rank: int, world_size: int) -> dict:
     """Same model, same local batches: gridtrain's reducer and torch DDP agree exactly."""
     cfg = preset_config("tiny").model
-    ours, theirs = GPT(cfg).double(), GPT(cfg).double()
+    ours, theirs = Decoder(cfg).double(), Decoder(cfg).double()
     init_parameters(ours, 0)
     init_parameters(theirs, 0)
     counter = ByteCounter()
@@ -130,7 +130,7 @@ def _zero_check(rank: int, world_size: int, batches: list[torch.Tensor], referen
     """ZeRO-1's reducer on the same batches: each bucket reduce-scattered as soon as
     backward has finished it, this rank's slices equal to DDP's averaged gradients."""
     cfg = preset_config("tiny").model
-    model = GPT(cfg).double()
+    model = Decoder(cfg).double()
     init_parameters(model, 0)
     counter = ByteCounter()
     tied = model.embedding.word.weight  # a parameter with a bucket of its own, as a tied table has
@@ -223,7 +223,7 @@ def test_dp_bytes_per_step_equal_the_gradient_buffer():
     labels all count: ``Datasets.every_label_counts``)."""
     cfg = _config(dp=2)
     cfg.training.steps = 2
-    params = sum(p.numel() for p in GPT(cfg.model).parameters())
+    params = sum(p.numel() for p in Decoder(cfg.model).parameters())
     for run in train_layout(cfg, 2):
         for step_bytes, calls in zip(run["step_bytes"], run["step_calls"]):
             assert step_bytes == {"all_reduce/dp": params * 8 + 24}  # gradients; norm, loss, flag
@@ -268,7 +268,7 @@ def test_zero1_moves_gradients_and_weights_once_each():
     updated weights, instead of an all-reduce: the same bytes, split in two."""
     cfg = _config(dp=2)
     cfg.training.zero, cfg.training.steps = 1, 2
-    params = sum(p.numel() for p in GPT(cfg.model).parameters())
+    params = sum(p.numel() for p in Decoder(cfg.model).parameters())
     padded = -(-params // 2) * 2
     for run in train_layout(cfg, 2):
         for step_bytes, calls in zip(run["step_bytes"], run["step_calls"]):
@@ -393,7 +393,7 @@ def test_zero1_pieces_tile_every_parameter_once_across_ranks(dp):
     buckets and dp 3 some boundaries fall inside parameters, and still every element of every
     parameter belongs to exactly one rank, at a distinct place of its shard, and the
     shard is ``padded / dp`` elements (a stand-in DP group: building issues no collective)."""
-    model = GPT(preset_config("tiny").model)
+    model = Decoder(preset_config("tiny").model)
     tied = model.embedding.word.weight
     numel = sum(p.numel() for p in model.parameters())
     owners = {n: torch.zeros(p.numel(), dtype=torch.int64) for n, p in model.named_parameters()}
@@ -441,11 +441,11 @@ def test_zero1_parameter_gathers_overlap_the_next_forward_block_by_block():
     block runs (the first block starts while later blocks' gathers are in flight); the
     parameters then hold the updated master weights; ``parameters_ready`` waits for the
     rest, and a gather is never waited for twice."""
-    from gridtrain.distributed_optimizer import DistributedOptimizer
-    from gridtrain.trainer import gather_before_forwards
+    from gridtrain.optim.distributed_optimizer import DistributedOptimizer
+    from gridtrain.training.trainer import gather_before_forwards
 
     cfg = preset_config("tiny")
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     init_parameters(model, 0)
     log: list = []
     reducer = GradientReducer(model, _Gathers(log), accumulations=1, bucket_mb=0.02, shard=True)

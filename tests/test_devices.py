@@ -30,14 +30,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gridtrain import cli, comm, distributed, launch, worker
-from gridtrain.comm import ByteCounter, CommGroup, DeviceMismatch, same_device
+from gridtrain.cli import main as cli
+from gridtrain.parallel import comm
+from gridtrain.parallel import distributed
+from gridtrain.runtime import launch
+from gridtrain.runtime import worker
+from gridtrain.parallel.comm import ByteCounter, CommGroup, DeviceMismatch, same_device
 from gridtrain.config import ConfigError, load_config
-from gridtrain.data_parallel import GradientReducer
-from gridtrain.devices import DeviceError, cuda_device_from_env, local_device_index
-from gridtrain.optim import clip_grad_norm
-from gridtrain.validate_config import _validate_cuda
-from gridtrain.watchdog import FlightRecorder
+from gridtrain.parallel.data_parallel import GradientReducer
+from gridtrain.runtime.devices import DeviceError, cuda_device_from_env, local_device_index
+from gridtrain.optim.optimizer import clip_grad_norm
+from gridtrain.training.validate import _validate_cuda
+from gridtrain.runtime.watchdog import FlightRecorder
 from tests.harness import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[1]

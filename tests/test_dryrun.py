@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gridtrain import dryrun, host_sync
+from gridtrain import dryrun
+from gridtrain.runtime import host_sync
 from gridtrain.config import ConfigError, preset_config
-from gridtrain.grid import ProcessGrid
+from gridtrain.parallel.grid import ProcessGrid
 from tests.harness import run_on_ranks
 
 
@@ -110,7 +111,7 @@ def test_large_layouts(case):
 
 def test_an_unnamed_host_read_fails_the_dry_run(monkeypatch):
     """A ``float()`` of device data inside the step that is not a named point is found."""
-    import gridtrain.trainer as trainer_module
+    import gridtrain.training.trainer as trainer_module
 
     real = trainer_module.clip_gradients
 
@@ -159,7 +160,7 @@ def test_cuda_is_refused_without_a_cuda_build():
 
 
 def test_command_line_writes_the_report(tmp_path, capsys):
-    from gridtrain.cli import main
+    from gridtrain.cli.main import main
 
     out = tmp_path / "report.json"
     assert main(["train", "--model", "tiny", "--tp", "2", "--pp", "2", "--device", "cpu", "--dry-run",
@@ -181,11 +182,11 @@ def _real_rank(rank: int, world_size: int, cfg) -> dict:
     """One real step of this rank (gloo, real tensors) measured as the dry run measures."""
     from dataclasses import asdict
 
-    from gridtrain.distributed import shutdown
-    from gridtrain.providers import gpt_forward_step, gpt_model_provider
-    from gridtrain.trainer import build
+    from gridtrain.parallel.distributed import shutdown
+    from gridtrain.training.providers import decoder_forward_step, decoder_model_provider
+    from gridtrain.training.trainer import build
 
-    trainer = build(cfg, gpt_model_provider, gpt_forward_step)
+    trainer = build(cfg, decoder_model_provider, decoder_forward_step)
     try:
         return asdict(dryrun.measure_step(trainer, dryrun._fake_batches(cfg, trainer), fake=False))
     finally:

@@ -14,10 +14,11 @@ import time
 import pytest
 import torch
 
-from gridtrain import checkpoint, cli
-from gridtrain.metrics import open_metrics_file
-from gridtrain.model import GPT, init_parameters
-from gridtrain.stops import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, Diverged, Health
+from gridtrain import checkpoint
+from gridtrain.cli import main as cli
+from gridtrain.training.metrics import open_metrics_file
+from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.runtime.stops import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, Diverged, Health
 from tests import processes
 
 # Slow enough to be signalled mid-run (a step takes tens of milliseconds), small enough to be quick.
@@ -56,7 +57,7 @@ def test_huge_lr_stops_and_keeps_the_last_finite_checkpoint(dtype, message, tmp_
     assert err.count("\n") == 1 and message in err and "Traceback" not in err
     if dtype == "fp32":  # step 1 was finite and saved; step 2 was not applied
         assert (save / "latest").read_text().strip() == "step_0000001"
-        model = GPT(checkpoint.saved_model(save))
+        model = Decoder(checkpoint.saved_model(save))
         init_parameters(model, 0)
         fresh = [p.detach().clone() for p in model.parameters()]
         assert checkpoint.load_checkpoint(save, model) == 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gridtrain.config import preset_config
-from gridtrain.model import GPT, generate, init_parameters
+from gridtrain.models.decoder import Decoder, generate, init_parameters
 
 PRESETS = ("tiny", "llama-tiny")
 
@@ -23,14 +23,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def build(preset: str, attention: str = "sdpa") -> GPT:
+def build(preset: str, attention: str = "sdpa") -> Decoder:
     cfg = dataclasses.replace(preset_config(preset).model, attention=attention)
-    model = GPT(cfg)
+    model = Decoder(cfg)
     init_parameters(model, 0)
     return model.double().eval()
 
 
-def tokens(model: GPT, batch: int, length: int, seed: int = 1) -> torch.Tensor:
+def tokens(model: Decoder, batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, model.cfg.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
@@ -86,7 +86,7 @@ def test_seeded_sampling_is_reproducible(preset):
 
 
 def test_the_cache_is_refused_for_a_pipeline_stage_and_past_its_length():
-    stage = GPT(preset_config("tiny").model, layer_ids=[0], post_process=False)
+    stage = Decoder(preset_config("tiny").model, layer_ids=[0], post_process=False)
     with pytest.raises(ValueError, match="whole model in one process"):
         stage.new_cache(1)
     model = build("tiny")

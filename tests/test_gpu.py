@@ -15,14 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gridtrain import memory
+from gridtrain.memory import activations as memory
 from gridtrain.config import preset_config
-from gridtrain.model import GPT, init_parameters
-from gridtrain.pipeline.runtime import StageStats
-from gridtrain.recompute import Recomputation, RecomputePolicy
-from gridtrain.rng import RNGStatesTracker
-from gridtrain.tensor_parallel import TensorParallel
-from gridtrain.timing import CudaClock, clock_for
+from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.parallel.pipeline.runtime import StageStats
+from gridtrain.parallel.recompute import Recomputation, RecomputePolicy
+from gridtrain.parallel.rng import RNGStatesTracker
+from gridtrain.parallel.tensor_parallel import TensorParallel
+from gridtrain.runtime.timing import CudaClock, clock_for
 from tests.training import relative_difference, tiny_config, train_in_process
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
@@ -37,12 +37,12 @@ def test_one_process_training_on_cuda_follows_the_cpu_run(dtype, tolerance):
     assert relative_difference(gpu["losses"], cpu["losses"]) < tolerance
 
 
-def _cuda_model(mode: str, attention: str) -> GPT:
+def _cuda_model(mode: str, attention: str) -> Decoder:
     cfg = preset_config("tiny").model
     cfg.dropout, cfg.attention = 0.1, attention
     rng = RNGStatesTracker(CUDA)
     rng.add("model-parallel", 77)
-    model = GPT(cfg, tp=TensorParallel(rng=rng), recompute=Recomputation(RecomputePolicy(mode), rng))
+    model = Decoder(cfg, tp=TensorParallel(rng=rng), recompute=Recomputation(RecomputePolicy(mode), rng))
     init_parameters(model, 0)
     return model.to(CUDA)
 
@@ -75,7 +75,7 @@ def test_offloading_activations_changes_no_number():
 
 
 def test_the_recompute_anchor_is_a_cuda_tensor(monkeypatch):
-    from gridtrain import recompute
+    from gridtrain.parallel import recompute
     seen = []
     original = recompute._Checkpoint.apply
 

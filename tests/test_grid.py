@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from gridtrain.grid import GridCoord, GridError, ProcessGrid
+from gridtrain.parallel.grid import GridCoord, GridError, ProcessGrid
 
 # The worked example of DESIGN.md: 16 ranks, tp=2, dp=2, pp=4.
 TP_GROUPS_16 = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]

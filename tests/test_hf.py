@@ -4,7 +4,7 @@
 No network: the Hugging Face models are built from a config with random weights and
 ``save_pretrained`` into temporary directories; the tokenizer is a byte-level BPE
 trained here on a few hundred made-up sentences. Models are tiny and in fp64, where
-gridtrain's GPT-2 and transformers' agree to rounding (about 1e-15).
+gridtrain's Decoder-2 and transformers' agree to rounding (about 1e-15).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import gridtrain  # noqa: E402
 from gridtrain import checkpoint, cli  # noqa: E402
 from gridtrain.data import (DataError, GlobalBatchSampler, build_datasets, collate, load_tokenizer,  # noqa: E402
                             load_tokens)
-from gridtrain.hf import apply_init_from, check_init_from  # noqa: E402
+from gridtrain.checkpoint.huggingface import apply_init_from, check_init_from  # noqa: E402
 from gridtrain.config import preset_config  # noqa: E402
-from gridtrain.hf_mapping import GPT2, LLAMA  # noqa: E402
-from gridtrain.model import GPT, IGNORE_INDEX, init_parameters  # noqa: E402
+from gridtrain.models.hf_mapping import GPT2, LLAMA  # noqa: E402
+from gridtrain.models.decoder import Decoder, IGNORE_INDEX, init_parameters  # noqa: E402
 from tests.training import relative_difference, tiny_config, train_in_process, train_layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ def stored(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def gridtrain_loss(model: GPT, tokens: torch.Tensor) -> torch.Tensor:
+def gridtrain_loss(model: Decoder, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss, as transformers computes it with labels=tokens."""
     labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], IGNORE_INDEX)], dim=1)
     return model(tokens, labels).sum() / labels[:, :-1].numel()
@@ -144,7 +144,7 @@ def test_imported_checkpoint_is_a_step_0_checkpoint_that_load_accepts(imported, 
     assert sorted(manifest["files"]) == ["meta.json", "model-pp000.safetensors", "tokenizer.json"]
     meta = checkpoint.read_meta(imported)
     assert meta["step"] == 0 and meta["config"]["model"]["d_model"] == 32
-    model = GPT(checkpoint.saved_model(imported))
+    model = Decoder(checkpoint.saved_model(imported))
     assert checkpoint.load_checkpoint(imported, model, torch.optim.AdamW(model.parameters())) == 0
 
 
@@ -166,7 +166,7 @@ def test_export_loads_in_transformers_with_gridtrain_logits(tmp_path, case, monk
     cfg = tiny_config()
     preset, fields = EXPORTED[case]
     cfg.model = dataclasses.replace(preset_config(preset).model, **fields)
-    model = GPT(cfg.model).double()
+    model = Decoder(cfg.model).double()
     init_parameters(model, 5)
     with torch.no_grad():
         for p in model.parameters():

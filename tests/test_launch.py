@@ -1,4 +1,4 @@
-"""Multi-process tests of gridtrain.launch and the live process groups of gridtrain.grid.
+"""Multi-process tests of gridtrain.runtime.launch and the live process groups of gridtrain.parallel.grid.
 
 Every worker function is module-level so that spawned children can import it
 from ``tests.test_launch``. Each spawn of torch processes costs seconds on a
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gridtrain.grid import GridError, ProcessGrid, create_process_groups
-from gridtrain.launch import (
+from gridtrain.parallel.grid import GridError, ProcessGrid, create_process_groups
+from gridtrain.runtime.launch import (
     LaunchError,
     WorkerError,
     WorkerTimeout,

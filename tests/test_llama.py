@@ -19,14 +19,16 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from gridtrain import dryrun, llama, memory
-from gridtrain.comm import CommGroup
+from gridtrain import dryrun
+from gridtrain.models import llama
+from gridtrain.memory import activations as memory
+from gridtrain.parallel.comm import CommGroup
 from gridtrain.config import ModelConfig, preset_config
-from gridtrain.grid import ProcessGrid
-from gridtrain.model import GPT, block_parameters, count_parameters, init_parameters, training_flops_per_token
-from gridtrain.recompute import Recomputation, policy_from
-from gridtrain.split_backward import WeightGradStore
-from gridtrain.tensor_parallel import ShardSpec, TensorParallel, shard, shard_spec, unshard
+from gridtrain.parallel.grid import ProcessGrid
+from gridtrain.models.decoder import Decoder, block_parameters, count_parameters, init_parameters, training_flops_per_token
+from gridtrain.parallel.recompute import Recomputation, policy_from
+from gridtrain.parallel.split_backward import WeightGradStore
+from gridtrain.parallel.tensor_parallel import ShardSpec, TensorParallel, shard, shard_spec, unshard
 from tests.training import relative_difference, train_in_process, train_layouts
 
 TINY = preset_config("llama-tiny").model
@@ -46,8 +48,8 @@ def _fake_tp(size: int, rank: int) -> TensorParallel:
     return TensorParallel(CommGroup("tp", None, size=size, rank=rank))
 
 
-def build(cfg: ModelConfig = TINY, **kwargs) -> GPT:
-    model = GPT(cfg, **kwargs)
+def build(cfg: ModelConfig = TINY, **kwargs) -> Decoder:
+    model = Decoder(cfg, **kwargs)
     init_parameters(model, 0)
     return model
 
@@ -118,7 +120,7 @@ def test_tp_shapes_with_replicated_kv_heads():
     """tp 4 over 8 query heads and 2 kv heads: 2 query heads per rank, 1 kv head each,
     gate and up sharded separately; the global tensors do not depend on tp."""
     h, f, hd = TINY.d_model, TINY.ffn_size, TINY.head_dim
-    block = GPT(TINY, tp=_fake_tp(4, 3)).blocks["0"]
+    block = Decoder(TINY, tp=_fake_tp(4, 3)).blocks["0"]
     assert block.attn.q.weight.shape == (2 * hd, h) and block.attn.k.weight.shape == (hd, h)
     assert shard_spec(block.attn.k.weight) == ShardSpec(0, replicas=2)
     assert block.mlp.gate.weight.shape == block.mlp.up.weight.shape == (f // 4, h)
@@ -203,12 +205,12 @@ def test_presets_have_the_published_sizes(name):
 
 
 def test_parameter_formula_counts_the_module_at_every_tp():
-    model = GPT(TINY)
+    model = Decoder(TINY)
     padding = 2 * (model.padded_vocab - TINY.vocab_size) * TINY.d_model  # token table and untied head
     assert sum(p.numel() for p in model.parameters()) - padding == count_parameters(TINY)
     for tp in (2, 4, 8):
         for rank in range(tp):
-            blocks = GPT(TINY, tp=_fake_tp(tp, rank)).blocks
+            blocks = Decoder(TINY, tp=_fake_tp(tp, rank)).blocks
             assert sum(p.numel() for p in blocks.parameters()) == TINY.n_layer * block_parameters(TINY, tp)
 
 
@@ -335,7 +337,7 @@ def assert_rank_matches(run: dict, reference: dict, cfg, tp_rank: int, rtol: flo
         assert relative_difference(run[key], reference[key]) <= rtol, key
     assert abs(run["valid_loss"] - reference["valid_loss"]) <= rtol * reference["valid_loss"]
     tp = cfg.parallel.tp
-    layout = dict(GPT(cfg.model, tp=_fake_tp(tp, tp_rank)).named_parameters())
+    layout = dict(Decoder(cfg.model, tp=_fake_tp(tp, tp_rank)).named_parameters())
     for name, value in run["state"].items():
         full = torch.from_numpy(reference["state"][name])
         spec = shard_spec(layout[name])

@@ -23,15 +23,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from gridtrain import checkpoint
-from gridtrain.comm import CommGroup, single
+from gridtrain.parallel.comm import CommGroup, single
 from gridtrain.config import Config, preset_config
-from gridtrain.data_parallel import GradientReducer
-from gridtrain.distributed import shutdown
-from gridtrain.distributed_optimizer import DistributedOptimizer
-from gridtrain.model import GPT, init_parameters
-from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
-from gridtrain.train import pretrain
-from gridtrain.trainer import build
+from gridtrain.parallel.data_parallel import GradientReducer
+from gridtrain.parallel.distributed import shutdown
+from gridtrain.optim.distributed_optimizer import DistributedOptimizer
+from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
+from gridtrain.training.loop import pretrain
+from gridtrain.training.trainer import build
 from tests.harness import run_on_ranks
 from tests.training import relative_difference, summarize, tiny_config, train_in_process
 
@@ -126,9 +126,9 @@ def test_16bit_run_resumes_bit_for_bit_on_one_process(tmp_path, dtype):
 
 def _dp2_worker(rank: int, world_size: int, cfgs: list[Config]) -> dict:
     """The runs in order on these ranks, and the optimizer's bytes on each rank."""
-    trainer = build(cfgs[0], gpt_model_provider, gpt_forward_step)
+    trainer = build(cfgs[0], decoder_model_provider, decoder_forward_step)
     return {"state_bytes": trainer.optimizer.state_bytes(), "padded": trainer.reducer.padded,
-            "runs": [summarize(pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg))
+            "runs": [summarize(pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg))
                      for cfg in cfgs]}
 
 
@@ -152,7 +152,7 @@ def test_16bit_zero1_runs_resume_bit_for_bit_on_dp2_and_load_on_one_process(tmp_
     one.training.load = bf16[1].training.load
     saved = _saved(bf16[0], K)["state"]
     try:
-        trainer = build(one, gpt_model_provider, gpt_forward_step)
+        trainer = build(one, decoder_model_provider, decoder_forward_step)
         opt = trainer.optimizer
         assert isinstance(opt, DistributedOptimizer) and not trainer.reducer.shard and opt.steps == K
         for p, o in zip(opt.params, opt.offsets):
@@ -184,7 +184,7 @@ def test_optimizer_bytes_per_rank_are_the_closed_form(dtype, dp, zero):
     cfg = preset_config("tiny")
     param_dtype = {"bf16": torch.bfloat16, "fp64": torch.float64}[dtype]
     master_dtype = torch.float64 if dtype == "fp64" else torch.float32
-    model = GPT(cfg.model)
+    model = Decoder(cfg.model)
     init_parameters(model, 0)
     model = model.to(param_dtype)
     numel = sum(p.numel() for p in model.parameters())

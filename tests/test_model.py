@@ -1,4 +1,4 @@
-"""The GPT model: shapes, causality, initialisation that ignores the layout, FLOPs formula."""
+"""The Decoder model: shapes, causality, initialisation that ignores the layout, FLOPs formula."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from gridtrain.config import ModelConfig, preset_config
-from gridtrain.model import (GPT, IGNORE_INDEX, count_parameters, init_parameters, parameter_seed,
+from gridtrain.models.decoder import (Decoder, IGNORE_INDEX, count_parameters, init_parameters, parameter_seed,
                              training_flops_per_token)
 
 TINY = preset_config("tiny").model
 
 
-def build(cfg: ModelConfig = TINY, seed: int = 0, **kwargs) -> GPT:
-    model = GPT(cfg, **kwargs)
+def build(cfg: ModelConfig = TINY, seed: int = 0, **kwargs) -> Decoder:
+    model = Decoder(cfg, **kwargs)
     init_parameters(model, seed)
     return model
 
@@ -22,7 +22,7 @@ def build(cfg: ModelConfig = TINY, seed: int = 0, **kwargs) -> GPT:
 def test_parameter_count_formula_matches_the_module():
     for name in ("tiny", "small", "gpt2"):
         cfg = preset_config(name).model
-        model = GPT(cfg)
+        model = Decoder(cfg)
         padding = (model.padded_vocab - cfg.vocab_size) * cfg.d_model
         assert sum(p.numel() for p in model.parameters()) - padding == count_parameters(cfg)
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gridtrain import cli
-from gridtrain.metrics import MISSING_TENSORBOARD, MetricsLogger, StepRecord, require_tensorboard
-from gridtrain.plot import PlotError, plot_runs, read_metrics, run_labels, series
+from gridtrain.cli import main as cli
+from gridtrain.training.metrics import MISSING_TENSORBOARD, MetricsLogger, StepRecord, require_tensorboard
+from gridtrain.cli.plot import PlotError, plot_runs, read_metrics, run_labels, series
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -224,7 +224,7 @@ def test_train_writes_the_metrics_file_steps_to_tensorboard(tmp_path, capsys):
 def test_train_without_tensorboard_installed_stops_before_any_process(tmp_path, capsys, monkeypatch):
     import torch.distributed as dist
 
-    from gridtrain import launch
+    from gridtrain.runtime import launch
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a process group or worker was started for a bad configuration")

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from gridtrain.config import Config, preset_config
-from gridtrain.model import GPT, init_parameters
-from gridtrain.pipeline.partition import PartitionError, balanced, partition, uniform
-from gridtrain.pipeline.validate import in_flight_bound
-from gridtrain.providers import unit_costs
-from gridtrain.split_backward import WeightGradStore
-from gridtrain.tensor_parallel import TensorParallel
+from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.parallel.pipeline.partition import PartitionError, balanced, partition, uniform
+from gridtrain.parallel.pipeline.validate import in_flight_bound
+from gridtrain.training.providers import unit_costs
+from gridtrain.parallel.split_backward import WeightGradStore
+from gridtrain.parallel.tensor_parallel import TensorParallel
 from tests.training import relative_difference, tiny_config, train_in_process, train_layout
 
 N_LAYER = 8  # enough blocks for 4 stages x 2 chunks
@@ -111,7 +111,7 @@ def test_pipeline_with_tensor_and_sequence_parallelism():
 def test_split_backward_gives_the_plain_gradients():
     """B (input gradients, weight gradients queued) then W equals one plain backward."""
     cfg = preset_config("tiny").model
-    plain, split = (GPT(cfg, tp=TensorParallel()).double() for _ in range(2))
+    plain, split = (Decoder(cfg, tp=TensorParallel()).double() for _ in range(2))
     init_parameters(plain, 0)
     init_parameters(split, 0)
     split.tp.weight_grads = store = WeightGradStore()

@@ -14,19 +14,19 @@ from fractions import Fraction
 
 import pytest
 
-from gridtrain import cli
+from gridtrain.cli import main as cli
 from gridtrain.config import ModelConfig, preset_config
 from gridtrain.dryrun import expected_activation_peak, expected_bytes
-from gridtrain.grid import ProcessGrid
-from gridtrain.model import training_flops_per_token
-from gridtrain.pipeline.schedules import B, F, W, build_schedule
-from gridtrain.pipeline.simulate import Costs, simulate
+from gridtrain.parallel.grid import ProcessGrid
+from gridtrain.models.decoder import training_flops_per_token
+from gridtrain.parallel.pipeline.schedules import B, F, W, build_schedule
+from gridtrain.parallel.pipeline.simulate import Costs, simulate
 from gridtrain.planner import cost, published
 from gridtrain.planner.cost import (Job, Layout, block_cost, block_gemms, bubble_closed_form, config_of,
                                     memory_bytes, predict, ring_link, ring_seconds)
 from gridtrain.planner.machine import machine
 from gridtrain.planner.search import Fixed, layouts, search
-from gridtrain.validate_config import validate
+from gridtrain.training.validate import validate
 
 A100 = machine("a100-80gb")
 GPT = ModelConfig(n_layer=8, n_head=8, d_model=512, seq_len=256, vocab_size=1000)
@@ -254,7 +254,7 @@ def test_rendezvous_lets_zb_h1_fill_its_bubble():
 def test_rendezvous_waits_for_sends_in_flight_at_the_next_batch():
     """A batch of sends only does not hold its stage; the stage's next batch (or the end
     of the schedule) waits for them."""
-    from gridtrain.pipeline.schedules import RECV_F, SEND_F, Action
+    from gridtrain.parallel.pipeline.schedules import RECV_F, SEND_F, Action
 
     schedule = [[Action(F, 0), Action(SEND_F, 0), Action(F, 1), Action(SEND_F, 1)],
                 [Action(RECV_F, 0), Action(F, 0), Action(RECV_F, 1), Action(F, 1)]]
@@ -269,8 +269,8 @@ def test_rendezvous_waits_for_sends_in_flight_at_the_next_batch():
 def test_rendezvous_message_time_and_deadlock():
     """A message leaves when both sides have posted and takes the receiver's latency; two
     stages that both wait to receive first never proceed."""
-    from gridtrain.pipeline.schedules import RECV_F, SEND_F, Action
-    from gridtrain.pipeline.simulate import DeadlockError
+    from gridtrain.parallel.pipeline.schedules import RECV_F, SEND_F, Action
+    from gridtrain.parallel.pipeline.simulate import DeadlockError
 
     schedule = [[Action(F, 0), Action(SEND_F, 0)], [Action(RECV_F, 0), Action(F, 0)]]
     timeline = simulate(schedule, lambda s, c: Costs(f=1 + s, b=0, w=0, latency=0.5), rendezvous=True)

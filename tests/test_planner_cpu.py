@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from gridtrain import cli
+from gridtrain.cli import main as cli
 from gridtrain.config import ModelConfig
 from gridtrain.planner.cost import Job, Layout, predict
 from gridtrain.planner.machine import machine_from_profile
 from gridtrain.planner.measure import train_args
 from gridtrain.planner.profile import _fit
-from gridtrain.validate_config import validate
+from gridtrain.training.validate import validate
 
 PROFILE = {"cores": 4, "gemm_flops": {"32": 2e9, "64": 4e9, "128": 6e9, "512": 8e9}, "bandwidth": 1e10,
            "kernel_s": 2e-5, "link": {"all_reduce": [1e-4, 1e9], "all_gather": [2e-4, 5e8],

@@ -9,27 +9,28 @@ import contextlib
 import pytest
 import torch
 
-from gridtrain import memory, recompute
+from gridtrain.memory import activations as memory
+from gridtrain.parallel import recompute
 from gridtrain.config import ConfigError, load_config, preset_config
-from gridtrain.validate_config import validate
-from gridtrain.model import GPT, init_parameters
-from gridtrain.recompute import Recomputation, RecomputePolicy
-from gridtrain.rng import RNGStatesTracker
-from gridtrain.tensor_parallel import TensorParallel
+from gridtrain.training.validate import validate
+from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.parallel.recompute import Recomputation, RecomputePolicy
+from gridtrain.parallel.rng import RNGStatesTracker
+from gridtrain.parallel.tensor_parallel import TensorParallel
 from tests.training import relative_difference, tiny_config, train_in_process, train_layouts
 
 
-def _model(mode: str = "none", *, dropout: float = 0.1, attention: str = "math", **policy) -> GPT:
+def _model(mode: str = "none", *, dropout: float = 0.1, attention: str = "math", **policy) -> Decoder:
     cfg = preset_config("tiny").model
     cfg.dropout, cfg.attention = dropout, attention
     rng = RNGStatesTracker(torch.device("cpu"))
     rng.add("model-parallel", 77)  # a TP stream, as every distributed run has
-    model = GPT(cfg, tp=TensorParallel(rng=rng), recompute=Recomputation(RecomputePolicy(mode, **policy), rng))
+    model = Decoder(cfg, tp=TensorParallel(rng=rng), recompute=Recomputation(RecomputePolicy(mode, **policy), rng))
     init_parameters(model, 0)
     return model.double()
 
 
-def _step(model: GPT, tokens: torch.Tensor, meter: memory.ActivationMeter | None = None):
+def _step(model: Decoder, tokens: torch.Tensor, meter: memory.ActivationMeter | None = None):
     """One forward and backward from a fixed generator state; loss, grads, meter."""
     torch.manual_seed(5)
     meter = meter or memory.ActivationMeter.for_model(model)
@@ -99,7 +100,7 @@ def test_block_runs_follow_megatrons_methods():
 
 # ---- counted bytes against the formula ----------------------------------------------------------
 
-def _shape(model: GPT, batch: int, dropout: bool, element_bytes: int) -> dict:
+def _shape(model: Decoder, batch: int, dropout: bool, element_bytes: int) -> dict:
     c = model.cfg
     return dict(seq=c.seq_len, batch=batch, hidden=c.d_model, heads=c.n_head, ffn=c.ffn_size,
                 element_bytes=element_bytes, mask_bytes=memory.dropout_mask_bytes("cpu", element_bytes),

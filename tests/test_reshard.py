@@ -17,7 +17,7 @@ import pytest
 
 from gridtrain import checkpoint
 from gridtrain.config import Config, preset_config
-from gridtrain.model import GPT, count_parameters, init_parameters
+from gridtrain.models.decoder import Decoder, count_parameters, init_parameters
 from tests.test_checkpoint_shards import stored_bytes_by_file
 from tests.training import relative_difference, tiny_config, train_in_process, train_layouts
 
@@ -83,7 +83,7 @@ def _save_dirs(resharded) -> dict[str, str]:
 def _final_weights(save_dir: str, model: str) -> dict:
     """The weights of a run's last checkpoint, loaded whole into one process."""
     cfg = _config(model, ONE)
-    gpt = GPT(cfg.model)
+    gpt = Decoder(cfg.model)
     init_parameters(gpt, 0)  # vocabulary padding rows zero, as in the reference
     gpt.double()
     assert checkpoint.load_checkpoint(save_dir, gpt) == 10

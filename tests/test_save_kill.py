@@ -21,7 +21,7 @@ import torch
 
 from gridtrain import checkpoint
 from gridtrain.config import preset_config
-from gridtrain.model import GPT
+from gridtrain.models.decoder import Decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 KILLS = 3
@@ -37,7 +37,7 @@ def _command(save: Path, background: bool, steps: int) -> list[str]:
 def _loads(save: Path) -> int:
     step = checkpoint.latest_step_dir(save, verify_data=True)
     assert step is not None
-    model = GPT(preset_config("tiny").model)
+    model = Decoder(preset_config("tiny").model)
     return checkpoint.load_checkpoint(step, model, torch.optim.AdamW(model.parameters()))
 
 

@@ -15,8 +15,8 @@ from fractions import Fraction
 
 import pytest
 
-from gridtrain.pipeline import draw
-from gridtrain.pipeline.schedules import (
+from gridtrain.parallel.pipeline import draw
+from gridtrain.parallel.pipeline.schedules import (
     RECV_F,
     Action,
     B,
@@ -28,8 +28,8 @@ from gridtrain.pipeline.schedules import (
     interleaved_order,
     with_communication,
 )
-from gridtrain.pipeline.simulate import Costs, simulate
-from gridtrain.pipeline.validate import InvalidSchedule, in_flight_bound, peak_held, validate_schedule
+from gridtrain.parallel.pipeline.simulate import Costs, simulate
+from gridtrain.parallel.pipeline.validate import InvalidSchedule, in_flight_bound, peak_held, validate_schedule
 
 STAGES = range(1, 9)
 MICROBATCHES = range(1, 33)

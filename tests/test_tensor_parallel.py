@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from gridtrain.comm import CommGroup
+from gridtrain.parallel.comm import CommGroup
 from gridtrain.config import Config
-from gridtrain.model import GPT
-from gridtrain.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
-from gridtrain.tensor_parallel import ShardSpec, TensorParallel, shard, shard_spec, unshard
+from gridtrain.models.decoder import Decoder
+from gridtrain.parallel.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
+from gridtrain.parallel.tensor_parallel import ShardSpec, TensorParallel, shard, shard_spec, unshard
 from tests.training import FP32_WEIGHT_RTOL, assert_same_training, tiny_config, train_in_process, train_layout
 
 # ---- shards and RNG as data (no processes) -------------------------------------------------
@@ -65,7 +65,7 @@ def _fake_tp(size: int, rank: int) -> TensorParallel:
 
 def test_tp_layers_have_megatron_shapes():
     cfg = tiny_config().model
-    model = GPT(cfg, tp=_fake_tp(4, 2))
+    model = Decoder(cfg, tp=_fake_tp(4, 2))
     h, f = cfg.d_model, cfg.ffn_size
     block = model.blocks["0"]
     assert block.attn.qkv.weight.shape == (3 * h // 4, h) and block.attn.local_heads == cfg.n_head // 4
@@ -87,7 +87,7 @@ def _parity_config(tp: int, sequence_parallel: bool, dtype: str) -> Config:
 
 def _reference_shards(reference: dict, cfg: Config, tp: int, rank: int) -> dict[str, np.ndarray]:
     """The single-process weights cut the way TP rank ``rank`` holds them (padding zero-filled)."""
-    layout = dict(GPT(cfg.model, tp=_fake_tp(tp, rank)).named_parameters())
+    layout = dict(Decoder(cfg.model, tp=_fake_tp(tp, rank)).named_parameters())
     out = {}
     for name, value in reference["state"].items():
         spec = shard_spec(layout[name])
@@ -225,7 +225,7 @@ def test_column_backward_overlaps_its_collective_with_the_weight_gradients(monke
     """Megatron's asynchronous TP backward, as data: the input gradient's all-reduce (SP:
     reduce-scatter) is issued before the weight-gradient GEMMs and waited for after them;
     under SP the input's re-gather is issued before the input gradient is computed."""
-    import gridtrain.tensor_parallel as tp_module
+    import gridtrain.parallel.tensor_parallel as tp_module
 
     events: list[str] = []
     original = tp_module.weight_grad_of
@@ -259,7 +259,7 @@ def test_column_backward_overlaps_its_collective_with_the_weight_gradients(monke
 def test_row_parallel_sum_reduces_a_computed_partial_in_place():
     """No copy before the forward all-reduce of a row-parallel layer: its fresh partial
     product is summed in place; a leaf (or a view) is copied first, never overwritten."""
-    from gridtrain import comm
+    from gridtrain.parallel import comm
 
     group = _EventComm([])
     w = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)

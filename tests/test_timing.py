@@ -8,11 +8,11 @@ are): every duration must come from ``clock.seconds``, never from subtracting ma
 import pytest
 import torch
 
-from gridtrain import timing
+from gridtrain.runtime import timing
 from gridtrain.config import ModelConfig
-from gridtrain.data_parallel import OverlapStats
-from gridtrain.model import profile_units
-from gridtrain.pipeline.runtime import StageStats
+from gridtrain.parallel.data_parallel import OverlapStats
+from gridtrain.models.decoder import profile_units
+from gridtrain.parallel.pipeline.runtime import StageStats
 
 
 class Event:
@@ -76,7 +76,7 @@ def test_time_profile_runs_on_the_training_device_and_dtype(monkeypatch):
         seen.append(clock)
         return original(fn, runs, clock)
 
-    monkeypatch.setattr("gridtrain.model.median_seconds", spy)
+    monkeypatch.setattr("gridtrain.models.decoder.median_seconds", spy)
     cfg = ModelConfig(vocab_size=64, seq_len=8, d_model=16, n_layer=2, n_head=2)
     dtypes = []
     handle = torch.nn.modules.module.register_module_forward_pre_hook(

@@ -10,7 +10,7 @@ import torch
 
 from gridtrain import checkpoint
 from gridtrain.config import TrainingConfig
-from gridtrain.optim import clip_grad_norm, lr_at
+from gridtrain.optim.optimizer import clip_grad_norm, lr_at
 from tests.training import tiny_config, train_in_process
 
 

@@ -1,7 +1,7 @@
 """The catalogue of bad inputs: each is refused before any process starts, as one line.
 
 Why a catalogue: a bad input found inside the workers costs a traceback per rank, or a
-whole run lost at its first save; found by gridtrain.validate_config it costs one line
+whole run lost at its first save; found by gridtrain.training.validate it costs one line
 and exit status 2. Each entry below is data (the `gridtrain train` arguments, with
 ``{d}`` standing for a folder of prepared files, and a piece of the expected message),
 run through ``cli.main`` in this process with one process and with ``--nproc 2`` while
@@ -23,11 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from gridtrain import checkpoint, cli, validate_config
+from gridtrain import checkpoint
+from gridtrain.cli import main as cli
+from gridtrain.training import validate as validate_config
 from gridtrain.config import Config, ConfigError, load_config, preset_config
 from gridtrain.data import prepare
-from gridtrain.model import GPT
-from gridtrain.validate_config import field_name, validate
+from gridtrain.models.decoder import Decoder
+from gridtrain.training.validate import field_name, validate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -201,7 +203,7 @@ def d(tmp_path_factory) -> Path:
         (root / name).mkdir()
         (root / name / "latest").write_text(latest)
     cfg = preset_config("tiny")
-    checkpoint.save_checkpoint(root / "ckpt", 1, GPT(cfg.model), None, cfg)
+    checkpoint.save_checkpoint(root / "ckpt", 1, Decoder(cfg.model), None, cfg)
     shutil.copytree(root / "ckpt", root / "ckpt-damaged")
     (checkpoint.step_dir(root / "ckpt-damaged", 1) / "__0_0.distcp").unlink()
     (root / "yaml").mkdir()

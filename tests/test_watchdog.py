@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from gridtrain import watchdog
-from gridtrain.watchdog import (HANG_EXIT_CODE, FlightRecorder, Watchdog, analyse, backstop_timeout_s,
+from gridtrain.runtime import watchdog
+from gridtrain.runtime.watchdog import (HANG_EXIT_CODE, FlightRecorder, Watchdog, analyse, backstop_timeout_s,
                                 format_report, headline)
 
 # ---- the recorder --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Helpers that train the built-in GPT on a grid of real gloo processes and compare runs.
+"""Helpers that train the built-in Decoder on a grid of real gloo processes and compare runs.
 
 Parity tests (DESIGN.md, "The invariant") call :func:`train_layout` for a layout and for
 one process with the same config, and :func:`assert_same_training` on the two.
@@ -11,8 +11,8 @@ import dataclasses
 import numpy as np
 
 from gridtrain.config import Config, preset_config
-from gridtrain.providers import gpt_forward_step, gpt_model_provider, text_datasets_provider
-from gridtrain.train import TrainResult, pretrain
+from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
+from gridtrain.training.loop import TrainResult, pretrain
 from tests.harness import run_on_ranks
 
 
@@ -36,7 +36,7 @@ def summarize(result: TrainResult) -> dict:
 
 
 def _train_worker(rank: int, world_size: int, cfg: Config) -> dict:
-    return summarize(pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg))
+    return summarize(pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg))
 
 
 def train_layout(cfg: Config, world_size: int, timeout_s: float = 240) -> list[dict]:
@@ -58,7 +58,7 @@ def train_layouts(cfgs: list[Config], world_size: int, timeout_s: float = 360) -
 def train_in_process(cfg: Config) -> dict:
     """One rank in this process (no spawn): the fast reference for single-process tests
     (pretrain makes and ends the one-rank group)."""
-    return summarize(pretrain(gpt_model_provider, text_datasets_provider, gpt_forward_step, cfg))
+    return summarize(pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg))
 
 
 def relative_difference(a, b) -> float:

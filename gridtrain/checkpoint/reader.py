@@ -3,7 +3,7 @@
 ``gridtrain checkpoint info``.
 
 :class:`ShardedTensors` offers a format-2 checkpoint's weights by global name through the
-same small interface as :class:`~gridtrain.tensor_files.TensorFiles` (``names``,
+same small interface as :class:`~gridtrain.checkpoint.tensor_files.TensorFiles` (``names``,
 ``spec``, ``meta``, ``get``): shapes and dtypes come from DCP's index without reading
 data, and ``get`` asks DCP for one whole tensor, which reads the parts of the chunks
 that make it up (from every rank's file) and nothing else. A reader's memory is the
@@ -28,7 +28,7 @@ from gridtrain.checkpoint.integrity import (DCP_METADATA, MANIFEST, _read_manife
                                             _saved_model, check_loadable, is_sharded, weight_files)
 from gridtrain.checkpoint.shards import LoadPlanner, single_process
 from gridtrain.checkpoint.sharded import stored_index
-from gridtrain.tensor_files import TensorFiles
+from gridtrain.checkpoint.tensor_files import TensorFiles
 
 MODEL_PREFIX = "model/"
 

@@ -57,7 +57,7 @@ from gridtrain.checkpoint.integrity import (DCP_METADATA, META, CheckpointError,
                                             step_dir)
 from gridtrain.checkpoint.shards import LoadPlanner, Placement, SavePlanner, Slab, Writer, single_process
 from gridtrain.config import Config
-from gridtrain.tensor_parallel import TensorParallel, shard_spec
+from gridtrain.parallel.tensor_parallel import TensorParallel, shard_spec
 
 FORMAT = "gridtrain-checkpoint"
 VERSION = 2

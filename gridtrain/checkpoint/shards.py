@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from gridtrain.tensor_parallel import ShardSpec
+from gridtrain.parallel.tensor_parallel import ShardSpec
 
 
 @dataclass(frozen=True)

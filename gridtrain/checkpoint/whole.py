@@ -22,7 +22,7 @@ from torch import nn
 
 from gridtrain.checkpoint.integrity import (CheckpointError, _first_line, _is_trainer, _is_weights, _read_manifest,
                                             _REDO)
-from gridtrain.tensor_parallel import TensorParallel, shard, shard_spec, unshard
+from gridtrain.parallel.tensor_parallel import TensorParallel, shard, shard_spec, unshard
 
 
 

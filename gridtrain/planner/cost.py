@@ -59,10 +59,10 @@ import math
 from dataclasses import dataclass, field, replace
 
 from gridtrain.config import Config, ModelConfig
-from gridtrain.grid import ProcessGrid
-from gridtrain.model import training_flops_per_token
-from gridtrain.pipeline.schedules import build_schedule
-from gridtrain.pipeline.simulate import Costs, simulate
+from gridtrain.parallel.grid import ProcessGrid
+from gridtrain.models.decoder import training_flops_per_token
+from gridtrain.parallel.pipeline.schedules import build_schedule
+from gridtrain.parallel.pipeline.simulate import Costs, simulate
 from gridtrain.planner.machine import Link, ring_seconds  # noqa: F401 (ring_seconds: re-exported)
 
 # memory-bound passes over a block's activations (b s d elements each) in a forward:

@@ -114,7 +114,7 @@ def _gloo_worker(rank: int, port: int, out) -> None:
     to be scheduled, which between idle processes it would not."""
     import torch.distributed as dist
 
-    from gridtrain.comm import _ALL_GATHER_SINGLE, _REDUCE_SCATTER_SINGLE
+    from gridtrain.parallel.comm import _ALL_GATHER_SINGLE, _REDUCE_SCATTER_SINGLE
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from gridtrain.config import ModelConfig
-from gridtrain.pipeline.schedules import ScheduleError, check_sizes
+from gridtrain.parallel.pipeline.schedules import ScheduleError, check_sizes
 from gridtrain.planner.cost import (Job, Layout, Prediction, block_cost, head_cost, memory_bytes, micro_batches,
                                     predict)
 

@@ -1,0 +1,436 @@
+"""The decoder: GPT-2 (pre-LayerNorm blocks, GELU MLP, learned positions, tied embeddings)
+or Llama (the same blocks with the parts of :mod:`gridtrain.models.llama`), chosen by ``cfg.arch``.
+
+One model class serves both, so that pipeline chunks, the head and loss, initialisation,
+parameter counts, checkpoints and generation are written once.
+
+Two properties matter more than anything else here:
+
+* **Global parameter names.** Blocks live in a ``ModuleDict`` keyed by their global
+  layer index, so ``blocks.7.attn.qkv.weight`` means the same tensor whichever stage
+  holds layer 7. Checkpoints and the initialisation below key on these names.
+* **Layout-independent initialisation.** :func:`init_parameters` draws every parameter
+  whole from a generator seeded by (seed, name), as Megatron's CPU initialisation does,
+  so any split of the model over devices starts from the same numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gridtrain.models import llama
+from gridtrain.memory import activations as memory
+from gridtrain.models.attention import KVCache, LayerCache, SelfAttention
+from gridtrain.config import ModelConfig
+from gridtrain.parallel.recompute import Recomputation
+from gridtrain.parallel.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: F401
+                                       TensorParallel, VocabParallelEmbedding, gather_logits,
+                                       parallel_lm_logits, shard, shard_spec,
+                                       vocab_parallel_cross_entropy)
+from gridtrain.runtime.timing import clock_for, median_seconds
+
+
+class CausalSelfAttention(SelfAttention):
+    """GPT-2's causal self-attention: a fused column-parallel QKV with biases (each TP
+    rank owns ``n_head / tp`` whole heads) and a row-parallel output projection. The core
+    (scores, softmax, dropout, weighted sum of values) is attention.SelfAttention's:
+    torch's fused kernel or op by op (``attention="math"``); selective recomputation
+    recomputes exactly this core.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation):
+        super().__init__(cfg, tp, recompute)
+        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp, parts=3)
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp)
+        self.proj.weight.residual_projection = True  # scaled init, see init_parameters
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        qkv = self.qkv(x)
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return self.proj(self.attend(q, k, v, cache))
+
+
+class MLP(nn.Module):
+    """GELU MLP: column-parallel expansion, row-parallel contraction."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.fc = ColumnParallelLinear(cfg.d_model, cfg.ffn_size, tp)
+        self.proj = RowParallelLinear(cfg.ffn_size, cfg.d_model, tp)
+        self.proj.weight.residual_projection = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+def layer_norm(cfg: ModelConfig, tp: TensorParallel) -> nn.LayerNorm:
+    """A LayerNorm, replicated over TP; under sequence parallelism its grads are partial."""
+    norm = nn.LayerNorm(cfg.d_model, eps=cfg.layernorm_eps)
+    for p in norm.parameters():
+        p.sequence_parallel = tp.sequence_parallel
+    return norm
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: ``x + attn(ln1(x))``, then ``x + mlp(ln2(x))``, with
+    GPT-2's parts (LayerNorm, attention with biases, GELU MLP) or Llama's (RMSNorm,
+    grouped-query attention with rotary positions from the shared ``rotary``, SwiGLU)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation,
+                 rotary: llama.Rotary | None = None):
+        super().__init__()
+        self.tp = tp
+        is_llama = cfg.arch == "llama"
+        norm = llama.rms_norm if is_llama else layer_norm
+        self.ln1 = norm(cfg, tp)
+        self.attn = llama.Attention(cfg, tp, recompute, rotary) if is_llama else CausalSelfAttention(cfg, tp, recompute)
+        self.ln2 = norm(cfg, tp)
+        self.mlp = llama.SwiGLU(cfg, tp) if is_llama else MLP(cfg, tp)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.compiled: Callable | None = None  # see compile_blocks
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        if cache is None and self.compiled is not None:
+            return self.compiled(x)
+        return self.layer(x, cache)
+
+    def layer(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.attn(self.ln1(x), cache))
+        return x + self._dropout(self.mlp(self.ln2(x)))
+
+    def _dropout(self, h: torch.Tensor) -> torch.Tensor:
+        with self.tp.sharded_dropout():
+            return self.dropout(h)
+
+
+class Embedding(nn.Module):
+    """Token embedding, plus a learned position embedding for GPT-2 (Llama's positions are
+    rotary, inside attention); the token table is padded (see ModelConfig) and split over
+    TP by vocabulary rows."""
+
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.word = VocabParallelEmbedding(padded_vocab, cfg.d_model, tp)
+        self.word.weight.vocab_rows = cfg.vocab_size  # rows past this are padding
+        if cfg.arch == "gpt2":
+            self.position = nn.Embedding(cfg.seq_len, cfg.d_model)
+            self.position.weight.sequence_parallel = tp.sequence_parallel
+        else:
+            self.position = None
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """``tokens`` at positions ``offset`` on (after those in a key/value cache)."""
+        x = self.word(tokens)  # [b, s / tp, d] under sequence parallelism
+        if self.position is not None:
+            first = self.tp.rank * x.shape[1] if self.tp.sequence_parallel else offset
+            x = x + self.position(torch.arange(first, first + x.shape[1], device=tokens.device))
+        with self.tp.sharded_dropout():
+            return self.dropout(x)
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One model chunk a pipeline rank runs: which blocks, and whether it embeds / ends."""
+
+    layer_ids: tuple[int, ...]
+    pre_process: bool = True
+    post_process: bool = True
+
+
+class Decoder(nn.Module):
+    """A GPT-2 or Llama decoder (``cfg.arch``), or the chunks of one that a pipeline rank holds.
+
+    Each :class:`ChunkSpec` names its blocks by global index and says whether it holds
+    the embedding (``pre_process``) or the final norm, head and loss (``post_process``),
+    as Megatron's model_provider flags do. A rank with several chunks (interleaved
+    schedule) holds them in one module, so parameter names stay global. ``tp`` says how
+    each layer is split (default: not at all), ``recompute`` which activations are
+    recomputed rather than kept (default: none).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, layer_ids: Iterable[int] | None = None,
+                 pre_process: bool = True, post_process: bool = True,
+                 tp: TensorParallel | None = None, chunks: list[ChunkSpec] | None = None,
+                 recompute: Recomputation | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp = tp or TensorParallel()
+        self.recompute = recompute = recompute or Recomputation(rng=tp.rng)
+        ids = tuple(range(cfg.n_layer) if layer_ids is None else layer_ids)
+        self.chunks = chunks or [ChunkSpec(ids, pre_process, post_process)]
+        has_embedding = any(c.pre_process for c in self.chunks)
+        has_head = any(c.post_process for c in self.chunks)
+        self.padded_vocab = cfg.padded_vocab_size(tp.size)
+        self.embedding = Embedding(cfg, self.padded_vocab, tp) if has_embedding else None
+        rotary = llama.Rotary(cfg) if cfg.arch == "llama" else None  # one table for all blocks
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, recompute, rotary)
+                                     for c in self.chunks for i in c.layer_ids})
+        self.final_norm = (llama.rms_norm if cfg.arch == "llama" else layer_norm)(cfg, tp) if has_head else None
+        if has_head and not (cfg.tie_embeddings and has_embedding):
+            # Untied head, or a last pipeline stage that keeps its own copy of the tied
+            # table (kept equal to the first stage's by summing their gradients).
+            self.head = nn.Parameter(torch.empty(self.padded_vocab // tp.size, cfg.d_model))
+            self.head.tp_spec = ShardSpec(0)
+            self.head.vocab_rows = cfg.vocab_size
+            self.head.tied_copy = cfg.tie_embeddings
+        else:
+            self.head = None
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embedding.word.weight if self.head is None else self.head
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
+                chunk: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        """Token ids in, logits ``[b, s, vocab]`` out, or per-token losses ``[b, s]`` (at
+        least fp32) when labels are given. A chunk without the embedding takes hidden
+        states; a chunk without the head returns them. With a ``cache`` (from
+        :meth:`new_cache`; whole one-process models only), ``inputs`` are the tokens
+        after the cached ones, and their keys and values join the cache."""
+        spec = self.chunks[chunk]
+        if cache is not None:
+            self._check_cache(cache, inputs.shape[1])
+        if spec.pre_process:
+            with memory.layer_scope("embedding"):
+                x = self.embedding(inputs, 0 if cache is None else cache.length)
+        else:
+            x = inputs
+        if cache is None:
+            x = self._run_blocks(x, spec.layer_ids)
+        else:
+            for i in spec.layer_ids:
+                x = self.blocks[str(i)](x, cache.layer(i))
+            cache.advance(x.shape[1])
+        if not spec.post_process:
+            return x
+        with memory.layer_scope("head"):
+            logits = parallel_lm_logits(self.final_norm(x), self.output_weight(), self.tp,
+                                        tied_in_place=self.head is None)
+            if labels is None:
+                return gather_logits(logits, self.cfg.vocab_size, self.tp)
+            return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
+
+    def _run_blocks(self, x: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
+        """Blocks ``layer_ids`` in turn, recomputed as the recomputation policy says."""
+        for ids, recomputed in self.recompute.policy.block_runs(layer_ids):
+            if recomputed and self.recompute.full:
+                with memory.layer_scope(f"blocks.{ids[0]}"):
+                    x = self.recompute.checkpoint(self._blocks(ids), x)
+                continue
+            for i in ids:
+                with memory.layer_scope(f"blocks.{i}"):
+                    x = self.blocks[str(i)](x)
+        return x
+
+    def new_cache(self, batch: int) -> KVCache:
+        """An empty key/value cache for ``batch`` sequences of up to ``seq_len`` tokens
+        (the positions GPT-2's table and Llama's rotary table hold), in the model's dtype
+        and on its device."""
+        self._check_cache(None, 0)
+        weight = self.output_weight()
+        return KVCache(self.cfg.n_layer, batch, self.cfg.kv_heads, self.cfg.head_dim, self.cfg.seq_len,
+                       dtype=weight.dtype, device=weight.device)
+
+    def _check_cache(self, cache: KVCache | None, tokens: int) -> None:
+        """A key/value cache serves only a whole model in one process, within its context."""
+        whole = len(self.chunks) == 1 and self.chunks[0].pre_process and self.chunks[0].post_process
+        if self.tp.size != 1 or self.tp.sequence_parallel or not whole or len(self.blocks) != self.cfg.n_layer:
+            raise ValueError("a key/value cache needs the whole model in one process (tp 1, no pipeline stages, "
+                             "no sequence parallelism): gather it first (checkpoint.gather_model)")
+        if cache is not None and cache.length + tokens > cache.max_len:
+            raise ValueError(f"a key/value cache holds {cache.max_len} positions: {cache.length} cached + "
+                             f"{tokens} new tokens do not fit (slide a window without the cache)")
+
+    def _blocks(self, ids: tuple[int, ...]):
+        """A function running blocks ``ids`` in turn: one recomputed region."""
+        def run(x: torch.Tensor) -> torch.Tensor:
+            for i in ids:
+                x = self.blocks[str(i)](x)
+            return x
+        return run
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """``--compile``: ``torch.compile`` each transformer block's training forward, and so
+    its backward (AOTAutograd), leaving the rest of the step eager: the embedding, the
+    head and loss, the pipeline runtime, gradient hooks and the optimizer. Returns the
+    number of blocks compiled.
+
+    Blocks are where the time is and they are all alike, so one compiled graph serves
+    every block of a rank (parameters are the graph's inputs). Calls with a key/value
+    cache (generation) stay eager: their shapes change every token. Random draws fall
+    back to eager kernels (inductor's ``fallback_random``) so that dropout masks are the
+    eager ones: recomputation replays them and runs on any layout draw them alike.
+    Full recomputation recompiles nothing new: its first pass runs the block without a
+    graph, its rebuild with one. What a compiled block saves for backward is its
+    partitioner's choice, not the eager list the activation-memory formula counts.
+    """
+    import torch._inductor.config as inductor
+
+    inductor.fallback_random = True
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.compiled = torch.compile(block.layer)
+    return len(blocks)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed for one parameter: the same in every process and layout."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _init_std(name: str, param: torch.Tensor, cfg: ModelConfig) -> float | None:
+    """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer); None = constant."""
+    if getattr(param, "residual_projection", False):
+        return 0.02 / math.sqrt(2 * cfg.n_layer)
+    if name.endswith(".bias") or ".ln" in name or name.startswith("final_norm"):
+        return None
+    return 0.02
+
+
+@torch.no_grad()
+def init_parameters(model: Decoder, seed: int) -> None:
+    """Draw each parameter whole from its own generator, then copy in the local shard.
+
+    Values are drawn in fp32 on the CPU so every dtype, device and TP layout starts from
+    the same numbers; vocabulary padding rows are zero (they never receive a gradient).
+    """
+    tp = model.tp
+    for name, param in model.named_parameters():
+        std = _init_std(name, param, model.cfg)
+        if std is None:
+            param.fill_(1.0 if name.endswith("weight") else 0.0)
+            continue
+        spec = shard_spec(param)
+        full_shape = spec.full_shape(param.shape, tp.size) if spec else tuple(param.shape)
+        rows = getattr(param, "vocab_rows", full_shape[0])
+        gen = torch.Generator().manual_seed(parameter_seed(seed, _canonical_name(name)))
+        full = torch.zeros(full_shape)
+        full[:rows].normal_(0.0, std, generator=gen)
+        param.copy_(shard(full, spec, tp.rank, tp.size) if spec else full)
+
+
+def _canonical_name(name: str) -> str:
+    """A last stage's copy of the tied table starts from the same numbers as the original."""
+    return "embedding.word.weight" if name == "head" else name
+
+
+def block_parameters(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one block on one TP rank. GPT-2: two LayerNorms (whole),
+    column-parallel QKV and MLP expansion (weights and biases / tp), row-parallel
+    projections (weights / tp, whole biases); Llama: see llama.block_parameters."""
+    if cfg.arch == "llama":
+        return llama.block_parameters(cfg, tp)
+    d, f, t = cfg.d_model, cfg.ffn_size, tp
+    return 4 * d + (3 * d * d + 3 * d) // t + d * d // t + d + (d * f + f) // t + f * d // t + d
+
+
+def count_parameters(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
+    """Parameters of the whole (unpadded) model, from its shape alone."""
+    d = cfg.d_model
+    norm = d if cfg.arch == "llama" else 2 * d  # the final norm: RMSNorm has no bias
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    total = cfg.n_layer * block_parameters(cfg) + norm + head
+    return total if exclude_embeddings else total + embedding_parameters(cfg)
+
+
+def embedding_parameters(cfg: ModelConfig) -> int:
+    """The token table, and GPT-2's position table."""
+    return (cfg.vocab_size + (cfg.seq_len if cfg.arch == "gpt2" else 0)) * cfg.d_model
+
+
+def parameter_costs(cfg: ModelConfig) -> tuple[list[float], float, float]:
+    """Parameters per block, in the embedding and in the head (untied copy counted): the
+    costs of ``--pp-partition parameters``."""
+    d = cfg.d_model
+    head = cfg.vocab_size * d + (d if cfg.arch == "llama" else 2 * d)
+    return [float(block_parameters(cfg))] * cfg.n_layer, embedding_parameters(cfg), head
+
+
+def profile_units(cfg: ModelConfig, micro_batch_size: int, steps: int = 3, *,
+                  device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> tuple[list[float], float, float]:
+    """Measured forward+backward seconds of each block, the embedding and the head + loss,
+    on the training ``device`` and ``dtype``, with random tokens (median of ``steps`` runs,
+    each timed to the end of the device's work: timing.py): the costs of
+    ``--pp-partition time``."""
+    clock = clock_for(device)
+    model = Decoder(cfg)
+    init_parameters(model, 0)
+    model.to(device=device, dtype=dtype)
+    tokens = torch.randint(0, cfg.vocab_size, (micro_batch_size, cfg.seq_len), device=device)
+
+    def timed(fn) -> float:
+        return median_seconds(fn, steps, clock)
+
+    hidden = model.embedding(tokens).detach()
+    embedding = timed(lambda: model.embedding(tokens).sum().backward())
+    blocks = [timed(lambda b=b: b(hidden.requires_grad_()).sum().backward()) for b in model.blocks.values()]
+    head_chunk = Decoder(cfg, layer_ids=[], pre_process=False).to(device=device, dtype=dtype)
+    head = timed(lambda: head_chunk(hidden.requires_grad_(), tokens).sum().backward())
+    return blocks, embedding, head
+
+
+def training_flops_per_token(cfg: ModelConfig) -> float:
+    """Model FLOPs per trained token: forward plus backward (3x forward), no recompute.
+
+    Per token and layer the forward pass does 24 d^2 (QKV, projection, 4x MLP matmuls,
+    each FLOP counted as 2 for multiply-add) plus 4 s d for the attention scores and the
+    weighted sum; the logits add 2 d V. Backward costs twice the forward. This is the
+    formula of Narayanan et al. (2021): 72 B s L d^2 (1 + s/(6d)) + 6 B s d V per batch.
+    """
+    d, s, L, V = cfg.d_model, cfg.seq_len, cfg.n_layer, cfg.vocab_size
+    if cfg.arch == "llama":  # grouped-query attention and a three-matrix MLP: llama.forward_flops_per_token
+        return 3.0 * (L * llama.forward_flops_per_token(cfg) + 2 * d * V)
+    f_ratio = cfg.ffn_size / (4 * d)
+    per_layer = 8 * d * d + 16 * d * d * f_ratio + 4 * s * d
+    return 3.0 * (L * per_layer + 2 * d * V)
+
+
+@torch.no_grad()
+def generate(model: Decoder, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None,
+             use_cache: bool = True) -> torch.Tensor:
+    """Sample continuations of ``prompt`` ([b, t] token ids); returns prompt + new tokens.
+
+    With ``use_cache`` (a whole one-process model), the prompt runs once and each later
+    step runs only the newest token over a key/value cache; past the context
+    (``seq_len`` tokens) every step runs the last ``seq_len`` tokens without it, as
+    without the cache."""
+    was_training = model.training
+    model.eval()
+    ids = prompt
+    seq_len = model.cfg.seq_len
+    cache = model.new_cache(prompt.shape[0]) if use_cache else None
+    with model.tp.without_sequence_parallel():
+        for _ in range(max_new_tokens):
+            if cache is not None and ids.shape[1] <= seq_len:
+                logits = model(ids[:, cache.length:], cache=cache)[:, -1, :].float()
+            else:
+                logits = model(ids[:, -seq_len:])[:, -1, :].float()
+            ids = torch.cat([ids, sample_next(logits, temperature, top_k, generator)], dim=1)
+    model.train(was_training)
+    return ids
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from last-position logits: greedy at temperature 0, else top-k sampling."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).to(logits.device)

@@ -1,0 +1,226 @@
+"""The Llama architecture's layers, split over TP the way GPT-2's are (docs/llama.md).
+
+A Llama block is a GPT-2 block with other parts: RMSNorm instead of LayerNorm, rotary
+position embeddings (Hugging Face's convention: the two halves of each head rotated
+together) instead of a learned position table, grouped-query attention (``n_kv_head``
+key/value heads, each shared by ``n_head / n_kv_head`` query heads), a SwiGLU MLP
+(``down(silu(gate(x)) * up(x))``) and no biases. :mod:`gridtrain.models.decoder` builds blocks,
+embedding, head, pipeline chunks and initialisation for both architectures; this module
+holds only what is Llama's own.
+
+How the parts split over TP (Megatron's rules, docs/llama.md):
+
+* query heads: ``n_head / tp`` whole heads per rank (column-parallel ``q``);
+* key/value heads: ``n_kv_head / tp`` per rank when tp divides their count; when tp
+  exceeds it, each kv head is **replicated** on the ``tp / n_kv_head`` consecutive ranks
+  whose query heads read it (:func:`kv_heads_of_rank`). The copies' gradients are
+  partial sums, summed over the ranks sharing the head after backward
+  (grads.allreduce_replicated_grads), so every copy takes the same step;
+* gate and up are two column-parallel linears (not one fused tensor), so a checkpoint's
+  whole tensors are the same whatever the tp; ``down`` and the attention output ``proj``
+  are row-parallel;
+* RMSNorm weights are replicated; under sequence parallelism each rank sees 1/tp of the
+  tokens and their gradients are summed over TP (as LayerNorm's are).
+
+``q``, ``k`` and ``v`` (and ``gate`` and ``up``) read the same input: one entry into the
+TP region serves them (tensor_parallel.column_linears: one all-gather under SP).
+
+Parameter names (global, stable: checkpoints and the Hugging Face mapping key on them),
+for block N: ``blocks.N.ln1.weight`` (input_layernorm), ``blocks.N.attn.{q,k,v}.weight``
+(q_proj, k_proj, v_proj), ``blocks.N.attn.proj.weight`` (o_proj),
+``blocks.N.ln2.weight`` (post_attention_layernorm), ``blocks.N.mlp.{gate,up,down}.weight``
+(gate_proj, up_proj, down_proj); ``embedding.word.weight`` (embed_tokens),
+``final_norm.weight`` (norm), ``head`` (lm_head, absent when tied).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gridtrain.models.attention import LayerCache, SelfAttention
+from gridtrain.config import ModelConfig
+from gridtrain.parallel.recompute import Recomputation
+from gridtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, column_linears
+
+# ---- which heads a TP rank holds ---------------------------------------------------------------
+
+
+def kv_replicas(n_kv_head: int, tp: int) -> int:
+    """How many TP ranks hold each key/value head: 1 when tp divides the kv head count,
+    ``tp / n_kv_head`` when tp exceeds it (tp must then be a multiple of it)."""
+    return max(1, tp // n_kv_head)
+
+
+def query_heads_of_rank(n_head: int, tp: int, rank: int) -> range:
+    """The query heads TP rank ``rank`` computes: ``n_head / tp`` consecutive ones."""
+    per_rank = n_head // tp
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def kv_heads_of_rank(n_head: int, n_kv_head: int, tp: int, rank: int) -> range:
+    """The key/value heads TP rank ``rank`` holds: those its query heads read (query head
+    i reads kv head ``i // (n_head / n_kv_head)``)."""
+    group = n_head // n_kv_head
+    queries = query_heads_of_rank(n_head, tp, rank)
+    return range(queries.start // group, (queries.stop - 1) // group + 1)
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------------
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``w * x / sqrt(mean(x^2) + eps)``, normalised in at least fp32 (as Hugging Face
+    does), keeping only the input and one number per token for backward (as fused
+    kernels do): the normalised value is rebuilt there."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (wide * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.to(rstd.dtype) * rstd
+        grad_weight = (grad * normed.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
+        g = (grad * weight).to(rstd.dtype)
+        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+def rms_norm(cfg: ModelConfig, tp: TensorParallel) -> RMSNorm:
+    """An RMSNorm, replicated over TP; under sequence parallelism its grads are partial."""
+    norm = RMSNorm(cfg.d_model, cfg.layernorm_eps)
+    norm.weight.sequence_parallel = tp.sequence_parallel
+    return norm
+
+
+# ---- rotary position embeddings ------------------------------------------------------------------
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The rotation frequency of each of the ``head_dim / 2`` pairs, in fp32:
+    ``theta^(-2i/head_dim)``, with Llama 3's scaling when ``cfg.rope_scaling == "llama3"``."""
+    dim = cfg.head_dim
+    freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if cfg.rope_scaling == "llama3":
+        freqs = llama3_scaled(freqs, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                              cfg.rope_original_max_positions)
+    return freqs
+
+
+def llama3_scaled(freqs: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                  original_max_positions: int) -> torch.Tensor:
+    """Llama 3's rope scaling (rope_type "llama3"): wavelengths shorter than
+    ``original / high_freq_factor`` are kept, those longer than ``original /
+    low_freq_factor`` are divided by ``factor``, and the band between is interpolated
+    linearly in ``original / wavelength``."""
+    wavelength = 2 * math.pi / freqs
+    smooth = (original_max_positions / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    out = torch.where(wavelength > original_max_positions / low_freq_factor, freqs / factor, blended)
+    return torch.where(wavelength < original_max_positions / high_freq_factor, freqs, out)
+
+
+class Rotary(nn.Module):
+    """cos and sin of every position's angles, ``[seq_len, head_dim]`` (each frequency
+    twice: the two halves of a head turn together), computed once in fp32 as Hugging Face
+    does and cast with the model; one instance is shared by all of a model's blocks."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float32), rope_frequencies(cfg))
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """``x`` ``[b, heads, s, head_dim]`` at positions offset..offset+s-1, rotated."""
+        end = offset + x.shape[-2]
+        return x * self.cos[offset:end] + rotate_half(x) * self.sin[offset:end]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dimension."""
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+# ---- attention and MLP ---------------------------------------------------------------------------
+
+
+class Attention(SelfAttention):
+    """Grouped-query causal self-attention with rotary positions, no biases; under TP
+    each rank computes ``n_head / tp`` query heads and holds the key/value heads they
+    read (replicated when tp exceeds the kv head count)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation, rotary: Rotary):
+        super().__init__(cfg, tp, recompute)
+        self.rotary = rotary
+        kv = cfg.kv_heads
+        self.local_kv_heads = len(kv_heads_of_rank(cfg.n_head, kv, tp.size, tp.rank))
+        d, kv_dim, replicas = cfg.d_model, kv * cfg.head_dim, kv_replicas(kv, tp.size)
+        self.q = ColumnParallelLinear(d, cfg.n_head * cfg.head_dim, tp, bias=False)
+        self.k = ColumnParallelLinear(d, kv_dim, tp, bias=False, replicas=replicas)
+        self.v = ColumnParallelLinear(d, kv_dim, tp, bias=False, replicas=replicas)
+        self.proj = RowParallelLinear(cfg.n_head * cfg.head_dim, d, tp, bias=False)
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        q, k, v = column_linears(x, [self.q.weight, self.k.weight, self.v.weight], self.tp)
+        b, s, _ = q.shape
+        offset = 0 if cache is None else cache.offset  # positions after the cached tokens
+        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2), offset)
+        k = self.rotary(k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2), offset)
+        v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        return self.proj(self.attend(q, k, v, cache))
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: gate and up column-parallel (separate tensors),
+    down row-parallel, no biases."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.gate = ColumnParallelLinear(cfg.d_model, cfg.ffn_size, tp, bias=False)
+        self.up = ColumnParallelLinear(cfg.d_model, cfg.ffn_size, tp, bias=False)
+        self.down = RowParallelLinear(cfg.ffn_size, cfg.d_model, tp, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = column_linears(x, [self.gate.weight, self.up.weight], self.tp)
+        return self.down(F.silu(gate) * up)
+
+
+# ---- sizes ---------------------------------------------------------------------------------------------
+
+
+def block_parameters(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one block on one TP rank: two norms (whole), q and proj (1/tp),
+    k and v (the rank's kv heads), gate, up and down (1/tp)."""
+    d, f, hd, kv = cfg.d_model, cfg.ffn_size, cfg.head_dim, cfg.kv_heads
+    local_kv = len(kv_heads_of_rank(cfg.n_head, kv, tp, 0))
+    return 2 * d + 2 * d * cfg.n_head * hd // tp + 2 * d * local_kv * hd + 3 * d * f // tp
+
+
+def forward_flops_per_token(cfg: ModelConfig) -> float:
+    """Forward matmul FLOPs per token of one block: q, k, v and the output projection
+    (2 d (2 n_head + 2 n_kv_head) head_dim), the three MLP matrices (6 d ffn) and the
+    attention scores and weighted sum (4 s n_head head_dim)."""
+    d, hd, s = cfg.d_model, cfg.head_dim, cfg.seq_len
+    return 2 * d * (2 * cfg.n_head + 2 * cfg.kv_heads) * hd + 6 * d * cfg.ffn_size + 4 * s * cfg.n_head * hd

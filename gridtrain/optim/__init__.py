@@ -1,0 +1,10 @@
+"""What happens to gradients after backward, and the step that consumes them.
+
+* ``optimizer``: AdamW parameter groups, the learning-rate schedule, norms and clipping;
+* ``distributed_optimizer``: ZeRO-1 (master weights and Adam state sharded over data
+  parallel, flat fp32 masters for 16-bit parameters) and the fp16 loss scaler;
+* ``grads``: the gradient path in the order it must happen (data-parallel reduction,
+  sequence-parallel and tied-embedding sums, the step's scalars, the global norm, clipping).
+
+May import ``parallel``, ``runtime``, ``config``.
+"""

@@ -1,0 +1,266 @@
+"""AdamW on flat master weights, optionally sharded over data parallel (ZeRO-1), for
+16-bit parameters.
+
+Megatron's distributed optimizer in miniature. The gradient reducer's buffer gives
+every parameter a fixed offset in one flat vector; this optimizer keeps, for the part of
+that vector it owns, the master weights (fp32, or fp64 for fp64 runs) and AdamW's two
+moments:
+
+* without sharding a rank owns the whole vector: this is the mixed-precision optimizer
+  (bf16/fp16 parameters for compute, fp32 master weights for the update);
+* with ZeRO-1 (``--zero 1``) DP rank r owns the r-th 1/dp of every gradient bucket
+  (data_parallel.py): the reducer reduce-scatters each bucket as soon as backward has
+  finished it, so that each rank receives just its averaged slices, each rank updates
+  only those slices of master weights and moments (1/dp of the optimizer memory), and
+  the updated slices are all-gathered back, bucket by bucket, into every rank's
+  parameters. The rank's slices, concatenated, are its shard; ``pieces`` (the
+  reducer's) says which parameter elements each part of it holds.
+
+For fp16 a :class:`LossScaler` scales the loss and this optimizer unscales the gradients
+and skips steps whose gradients overflowed anywhere on the grid.
+
+The update is AdamW exactly as ``torch.optim.AdamW`` computes it (decoupled weight decay
+on matrices and embeddings only, bias-corrected moments), so a sharded run trains the
+same model as an unsharded one. Clipping takes one norm over the owned slices of all DP
+ranks and all model-parallel ranks, counting TP-replicated parameters and the tied head
+copy once.
+
+**Memory.** The only tensors this optimizer keeps are its three shard-sized vectors:
+master weights and the two moments, ``3 x padded / dp`` elements (12 bytes per
+parameter over dp for fp32 masters; :meth:`DistributedOptimizer.state_bytes`). Which
+elements are weight-decayed and which count towards the gradient norm is a per-parameter
+property, so it is kept as a few ``(begin, end)`` ranges of the shard rather than as
+dense masks: dense masks would cost another 8 bytes per owned element, and a mask built
+for the whole model and then sliced (a view keeps its whole storage alive) 8 bytes per
+parameter on every rank whatever dp is. The updated weights are all-gathered in the
+parameters' own dtype (half the bytes of gathering fp32 masters for bf16/fp16), one
+buffer per bucket, each freed once the forward has copied it into the parameters: the
+gathered copy lives through the start of the next forward, while activations are few.
+
+**Checkpoints** store each parameter's optimizer state by name through
+torch.distributed.checkpoint (gridtrain/checkpoint/), whatever the layout: each DP rank
+writes the boxes of its own pieces of the master weights and both moments
+(gridtrain/checkpoint/shards.py), and reads back into them the parts it owns, so
+nothing is gathered, with ZeRO-1 or without. The master weights are stored beside the
+moments, so that a bf16 or fp16 run resumes from its fp32 masters instead of from the
+rounded 16-bit parameters. :meth:`DistributedOptimizer.load_state_by_param` takes whole
+per-parameter tensors instead (the whole-tensor checkpoints of earlier versions,
+``--init-from``). :class:`LossScaler` has its own ``state_dict`` for the same reason:
+an fp16 run resumed with a fresh scale would skip steps the uninterrupted run did not.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+from torch import nn
+
+from gridtrain.parallel.comm import CommGroup
+from gridtrain.config import TrainingConfig
+from gridtrain.parallel.data_parallel import GradientReducer, Piece
+from gridtrain.optim.optimizer import clip_coefficient
+from gridtrain.parallel.tensor_parallel import is_tp_duplicate
+
+
+def _runs(pieces: list[Piece]) -> list[tuple[int, int]]:
+    """The pieces' shard ranges, adjacent ones merged (fewer, longer operations)."""
+    runs: list[tuple[int, int]] = []
+    for piece in pieces:
+        if runs and runs[-1][1] == piece.at:
+            runs[-1] = (runs[-1][0], piece.end)
+        else:
+            runs.append((piece.at, piece.end))
+    return runs
+
+
+class DistributedOptimizer:
+    def __init__(self, reducer: GradientReducer, t: TrainingConfig, *, dp: CommGroup, mp: CommGroup,
+                 tp_rank: int, master_dtype: torch.dtype):
+        self.reducer, self.t, self.dp, self.mp = reducer, t, dp, mp
+        self.params = reducer.params
+        self.offsets = [reducer.offsets[p] for p in self.params]  # where each starts in the buffer
+        size = reducer.padded // (dp.size if reducer.shard else 1)
+        self.device = reducer.buffer.device
+        self.pieces = reducer.pieces  # the parameter elements this rank updates, in shard order
+        self.master = torch.zeros(size, dtype=master_dtype, device=self.device)
+        self._master_from_params()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        # views of the master weights (no memory of their own): the decayed elements
+        self._decayed = [self.master[a:b] for a, b in _runs([q for q in self.pieces if q.param.ndim >= 2])]
+        # ranges of the shard that count towards the gradient norm: not a TP-replicated copy
+        # held by a TP rank other than the first, nor the last stage's tied head copy
+        self._counted = _runs([q for q in self.pieces if not is_tp_duplicate(q.param, tp_rank)
+                               and not getattr(q.param, "tied_copy", False)])
+        self.steps = 0
+        self._gathering: dict[int, tuple] = {}  # bucket id -> (bucket, its gathered buffer, Pending)
+        self._waits_in_forward = False  # gather_before was called: step leaves gathers in flight
+        self.lr = t.lr
+        self.param_groups = [{"lr": t.lr}]  # read by set_lr
+
+    @torch.no_grad()
+    def _master_from_params(self) -> None:
+        for q in self.pieces:
+            self.master[q.at:q.end] = q.param.detach().reshape(-1)[q.lo:q.hi]
+
+    def state_bytes(self) -> int:
+        """Bytes of every tensor storage this optimizer keeps alive between steps, each
+        counted once and whole (a view of a larger tensor counts that tensor's storage):
+        ``3 x padded / dp`` elements of the master dtype, nothing else."""
+        held = [self.master, self.exp_avg, self.exp_avg_sq, *self._decayed]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+        return sum(storages.values())
+
+    def _grad(self) -> torch.Tensor:
+        return self.reducer.shard_grad if self.reducer.shard else self.reducer.buffer
+
+    def unscale(self, scale: float) -> None:
+        """Divide this rank's gradient slice by the fp16 loss scale."""
+        if scale != 1.0:
+            self._grad().div_(scale)
+
+    def nonfinite(self) -> torch.Tensor:
+        """1.0 when this rank's gradient slice holds an inf or NaN, else 0.0 (fp64, on the
+        device: summed with the other ranks' in grads.step_scalars)."""
+        return torch.isfinite(self._grad()).all().logical_not().to(torch.float64)  # empty slice: finite
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """This rank's share of the squared global norm (fp64, on the device): its slice,
+        without TP-replicated copies held by a TP rank other than the first and the last
+        stage's tied head copy. Under ZeRO-1 the DP ranks' slices add up; otherwise every
+        DP replica holds the same whole gradient."""
+        views = [self._grad()[a:b].to(self.master.dtype) for a, b in self._counted]
+        if not views:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([n.double() for n in torch._foreach_norm(views)]).square().sum()
+
+    def clip_to(self, norm: float, max_norm: float) -> None:
+        """Scale this rank's gradient slice, of global norm ``norm``, to at most ``max_norm``."""
+        coef = clip_coefficient(norm, max_norm)
+        if coef is not None:
+            self._grad().mul_(coef)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        t, lr = self.t, self.param_groups[0]["lr"]
+        self.steps += 1
+        grad = self._grad().to(self.master.dtype)
+        if self._decayed and lr * t.weight_decay != 0:
+            torch._foreach_mul_(self._decayed, 1 - lr * t.weight_decay)
+        self.exp_avg.lerp_(grad, 1 - t.beta1)
+        self.exp_avg_sq.mul_(t.beta2).addcmul_(grad, grad, value=1 - t.beta2)
+        step_size = lr / (1 - t.beta1 ** self.steps)
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - t.beta2 ** self.steps)).add_(t.adam_eps)
+        self.master.addcdiv_(self.exp_avg, denom, value=-step_size)
+        self._publish()
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """Copy the master weights into the model's parameters. With ZeRO-1, each bucket's
+        slices, rounded to the parameters' dtype, are gathered from every DP rank into a
+        buffer per bucket, in the order the forward uses them (the first layers' are the
+        gradient buffer's last buckets). Where
+        :meth:`gather_before` has put waits before the model's forwards, the gathers are
+        left in flight: each part of the next forward waits only for its own buckets, so
+        the rest travels behind its computation (Megatron's overlapped parameter gather)."""
+        if not self.params:
+            return
+        if not (self.reducer.shard and self.dp.size > 1):
+            for p, o in zip(self.params, self.offsets):
+                p.copy_(self.master[o: o + p.numel()].view_as(p))
+            return
+        self.parameters_ready()  # a bucket the last forward never needed (unused parameters)
+        for b in reversed(self.reducer.buckets):
+            size = (b.end - b.start) // self.dp.size
+            whole = torch.empty(b.end - b.start, dtype=self.params[0].dtype, device=self.device)
+            self._gathering[id(b)] = (b, whole, self.dp.start_all_gather_into(
+                whole, self.master[b.at:b.at + size].to(whole.dtype)))
+        if not self._waits_in_forward:
+            self.parameters_ready()
+
+    @torch.no_grad()
+    def parameters_ready(self, params: list[nn.Parameter] | None = None) -> None:
+        """Wait for the gathers still in flight (those holding ``params``, or all) and copy
+        what they brought into the parameters. Anything that reads the parameters other
+        than through a forward (a checkpoint, the end of the run) calls this first."""
+        if not self._gathering:
+            return
+        buckets = list(self._gathering.values()) if params is None else \
+            [self._gathering[id(b)] for p in params for b in self.reducer.buckets_of.get(p, ())
+             if id(b) in self._gathering]
+        for b, whole, pending in buckets:
+            if self._gathering.pop(id(b), None) is None:
+                continue  # a bucket shared by two of the parameters, done already
+            pending.wait()
+            for p in b.params:
+                o = self.reducer.offsets[p]
+                lo, hi = max(b.start, o), min(b.end, o + p.numel())
+                p.detach().view(-1)[lo - o:hi - o].copy_(whole[lo - b.start:hi - b.start])
+            # the bucket's gathered copy is freed here: none outlives its first use
+
+    def gather_before(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        """Before each forward of ``module``, wait for the gathers of ``params`` (the
+        parameters that forward uses first-hand). Only under ZeRO-1 with dp > 1 (the
+        only case with gathers); from then on :meth:`step` leaves its gathers in flight."""
+        if not (self.reducer.shard and self.dp.size > 1):
+            return
+        params = [p for p in params if p in self.reducer.buckets_of]
+        module.register_forward_pre_hook(lambda _module, _args: self.parameters_ready(params))
+        self._waits_in_forward = True
+
+    # ---- whole per-parameter state (format-1 checkpoints, --init-from) --------------------
+
+    @torch.no_grad()
+    def load_state_by_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Load AdamW state given whole per parameter (as torch.optim.AdamW names it, plus
+        ``master``: the master weights) into whatever this rank owns: each parameter's
+        state sliced to the pieces of it in this rank's shard. Master weights come from
+        ``master`` where the checkpoint has them, else from the parameters as loaded;
+        moments from the checkpoint, else zero."""
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        self._master_from_params()
+        for q in self.pieces:
+            state = states.get(q.param) or {}
+            if "step" in state:
+                self.steps = int(state["step"])
+            for key, flat in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
+                if key in state:
+                    flat[q.at:q.end] = state[key].reshape(-1)[q.lo:q.hi].to(flat.dtype)
+
+
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (Micikevicius et al., 2018): multiply the loss by S so
+    that small gradients survive fp16's narrow range; on an overflow skip the step and
+    halve S; after ``growth_interval`` good steps in a row double it.
+
+    Its state (the scale, the good steps since the last change, the steps skipped) is
+    saved with checkpoints: a resumed fp16 run must scale, skip and grow exactly when the
+    uninterrupted run would."""
+
+    def __init__(self, initial: float = 2.0 ** 16, growth_interval: int = 1000, min_scale: float = 1.0):
+        self.scale, self.growth_interval, self.min_scale = initial, growth_interval, min_scale
+        self.good_steps = 0
+        self.skipped = 0
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.scale = max(self.min_scale, self.scale / 2)
+            self.good_steps = 0
+            self.skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= 2
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """The saved scale and counters; the growth interval and minimum stay this run's
+        (they are flags, and a resumed run may change them)."""
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped = int(state["skipped"])

@@ -1,0 +1,203 @@
+"""Everything a gradient goes through after backward, in the order it must happen.
+
+When a stage's last backward (or, under ZB-H1, its last W) has run, each parameter's
+gradient is a local sum over this rank's micro-batches. Before the optimizer may use it,
+it still has to be combined with its copies and partial sums elsewhere on the grid:
+
+1. **sequence-parallel sums** (TP group): under sequence parallelism LayerNorm weights,
+   row-parallel biases and the position embedding see 1/tp of the tokens on each rank,
+   so each TP rank holds a partial gradient; their sum over TP is the whole gradient.
+   Likewise **replicated slices** (Llama's key/value heads when tp exceeds their count):
+   each rank holding a copy has the gradient of its own query heads only, and their sum
+   over the ranks sharing the head is the whole gradient;
+2. **tied-embedding sums** (embedding group: first and last pipeline stage): the token
+   table and the last stage's copy of it as the output head are one parameter, so their
+   two gradients are summed and both copies take the same step;
+3. **data-parallel average** (DP group): the reducer (data_parallel.py) started most of
+   it during backward, bucket by bucket; ``finish`` waits for the rest and divides by dp.
+   Under ZeRO-1 it reduce-scatters instead, leaving each DP rank only the average of its
+   own 1/dp slice of each bucket;
+4. **the step's scalars and clipping**: one norm over every parameter of the whole model
+   (TP-replicated parameters and the tied head copy counted once), the mean loss and the
+   fp16 overflow flag, each rank's shares summed as one vector over the model-parallel
+   group and DP and read once (:func:`step_scalars`); then each rank clips its own.
+
+Why this order: the sums of 1 and 2 and the average of 3 are linear, so they commute, and
+the DP average comes first because most of its buckets are already in flight when
+backward ends. Under ZeRO-1 a rank then holds only its 1/dp slice of each bucket
+(data_parallel.py); the sums of 1 and 2 act on those slices, which is right because the
+ranks they sum over hold the same slices: TP peers of one DP rank have identical buffer
+layouts, and the tied embedding has a bucket of its own on both stages
+(:func:`tied_parameter`), so its slice is the same elements there. Clipping needs the
+final gradients, so it is last of all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gridtrain.runtime import host_sync
+from gridtrain.parallel.comm import CommGroup
+from gridtrain.parallel.data_parallel import GradientReducer
+from gridtrain.parallel.distributed import DistributedContext
+from gridtrain.optim.distributed_optimizer import DistributedOptimizer
+from gridtrain.optim.optimizer import clip_to, grad_norm_squared
+from gridtrain.parallel.tensor_parallel import TensorParallel, is_tp_duplicate, shard_spec
+
+
+def reduce_gradients(model: nn.Module, reducer: GradientReducer, ctx: DistributedContext) -> None:
+    """Steps 1 to 3 (the schedule's ALLREDUCE_GRADS): this stage's gradients become the
+    gradients of the mean loss of the global batch. The DP reduction comes first (its
+    buckets are mostly in flight already); the TP and tied sums then act on what this
+    rank holds of each gradient (``reducer.grad_parts``: under ZeRO-1 only its slices)."""
+    reducer.finish()  # waits for the buckets in flight before touching the gradients
+    parts = reducer.grad_parts
+    allreduce_sequence_parallel_grads(model, ctx.tp, parts)
+    allreduce_replicated_grads(model, ctx.tp, parts)
+    sum_tied_embedding_grads(model, ctx.embedding, parts)
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """The numbers a step reports and decides by, the same on every rank."""
+
+    loss: float  # mean token loss of the global batch
+    grad_norm: float  # global gradient norm before clipping
+    finite: bool  # every rank's gradients finite (checked for fp16 only; else True)
+
+
+def step_scalars(model: nn.Module, optimizer, ctx: DistributedContext, loss: torch.Tensor | None, *,
+                 check_finite: bool, max_norm: float) -> StepScalars:
+    """Step 4's numbers in one reduction and one host read, instead of a collective (or
+    two) and a read for each: this rank's share of the squared global norm, of the mean
+    loss (``loss``: this DP rank's loss sum over the global token count, on the last
+    stage; None elsewhere) and of the non-finite flags, as one fp64 vector summed over
+    the model-parallel group, then over DP.
+
+    Each share is counted once: the norm skips TP-replicated copies beyond the first TP
+    rank and the tied head copy, and is taken on the first DP replica only unless ZeRO-1
+    shards the gradients over DP; the loss comes from the first TP rank of the last
+    stage of every DP replica. An fp16 overflow anywhere makes the flag sum positive.
+    """
+    device = ctx.device
+    distributed = isinstance(optimizer, DistributedOptimizer)
+    if distributed:
+        norm_sq = optimizer.grad_norm_squared()
+        sharded = optimizer.reducer.shard
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        norm_sq = grad_norm_squared([p for p in params if not is_tp_duplicate(p, ctx.tp.rank)
+                                     and not getattr(p, "tied_copy", False)], device)
+        sharded = False
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    parts = [norm_sq.to(device=device, dtype=torch.float64) if sharded or ctx.coords.dp == 0 else zero,
+             loss.to(device=device, dtype=torch.float64) if loss is not None and ctx.tp.rank == 0 else zero,
+             optimizer.nonfinite() if check_finite and distributed else zero]
+    sums = torch.stack(parts)
+    ctx.mp.all_reduce(sums)
+    ctx.dp.all_reduce(sums)
+    # the dry run's stand-in: a norm above the clip limit (so clipping runs), finite
+    stand_in = [(2.0 * max_norm if max_norm > 0 else 1.0) ** 2, 0.0, 0.0]
+    norm_sq, mean_loss, bad = host_sync.read("step_scalars", sums, lambda t: t.tolist(), stand_in=stand_in)
+    return StepScalars(mean_loss, math.sqrt(norm_sq) if norm_sq >= 0 else float("nan"), bad == 0.0)
+
+
+def clip_gradients(model: nn.Module, optimizer, norm: float, max_norm: float) -> None:
+    """Step 4's end: scale this rank's gradients, of global norm ``norm``, to ``max_norm``."""
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.clip_to(norm, max_norm)
+    else:
+        clip_to([p for p in model.parameters() if p.requires_grad], norm, max_norm)
+
+
+Parts = Callable[[nn.Parameter], list[torch.Tensor]]
+
+
+def _whole(p: nn.Parameter) -> list[torch.Tensor]:
+    """The gradient being accumulated, whole: the reducer's buffer view when there is one."""
+    grad = getattr(p, "main_grad", None)
+    grad = grad if grad is not None else p.grad
+    return [grad] if grad is not None else []
+
+
+def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel, parts: Parts = _whole) -> None:
+    """Sum over TP the gradients of replicated weights that saw only a sequence shard.
+
+    Under sequence parallelism LayerNorm, the row-parallel biases and the position
+    embedding each see 1/tp of the tokens on each rank, so each rank holds a partial
+    gradient; their sum is the gradient of the whole sequence.
+    """
+    if not tp.sequence_parallel or tp.size == 1:
+        return
+    grads = [g for p in model.parameters() if getattr(p, "sequence_parallel", False) for g in parts(p)]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    tp.comm.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def allreduce_replicated_grads(model: nn.Module, tp: TensorParallel, parts: Parts = _whole) -> None:
+    """Sum the gradients of replicated slices over the TP ranks that hold each slice.
+
+    A slice held by ``replicas`` ranks (ShardSpec.replicas: Llama's key/value heads when
+    tp exceeds their count) gets, on each of them, the gradient of that rank's query
+    heads only. Each rank writes its gradient into its slice's row of a zero buffer with
+    one row per slice; one all-reduce over TP then sums every row over exactly the ranks
+    holding that slice, and each rank takes its row back. (A process group per set of
+    sharing ranks would move 1/slices of the bytes, but kv weights are small and this
+    needs no groups beyond TP.)
+    """
+    if tp.size == 1:
+        return
+    replicated = [(p, shard_spec(p)) for p in model.parameters()
+                  if shard_spec(p) is not None and shard_spec(p).replicas > 1]
+    grads = [(g, spec) for p, spec in replicated for g in parts(p)]
+    if not grads:
+        return
+    rows = [g.new_zeros(spec.slices(tp.size), g.numel()) for g, spec in grads]
+    for row, (g, spec) in zip(rows, grads):
+        row[tp.rank // spec.replicas] = g.reshape(-1)
+    flat = torch.cat([r.reshape(-1) for r in rows])
+    tp.comm.all_reduce(flat)
+    offset = 0
+    for row, (g, spec) in zip(rows, grads):
+        whole = flat[offset: offset + row.numel()].view_as(row)
+        g.copy_(whole[tp.rank // spec.replicas].view_as(g))
+        offset += row.numel()
+
+
+def tied_parameter(model: nn.Module, embedding: CommGroup | None) -> nn.Parameter | None:
+    """This stage's copy of a token table tied to the output head across pipeline stages
+    (the first stage's table, the last stage's head copy), or None: no pipeline, no
+    embedding group, an untied model (Llama's default) or a middle stage."""
+    if embedding is None or embedding.size == 1 or not getattr(getattr(model, "cfg", None), "tie_embeddings", True):
+        return None
+    tied = getattr(model, "head", None)
+    if tied is None or not getattr(tied, "tied_copy", False):
+        tied = model.embedding.word.weight
+    return tied
+
+
+def sum_tied_embedding_grads(model: nn.Module, embedding: CommGroup | None, parts: Parts = _whole) -> None:
+    """The first stage's token embedding and the last stage's copy of it as the output
+    head are one parameter in the model: sum their gradients over the embedding group
+    (first and last stage) so that both copies take the same step and stay equal. An
+    untied model (Llama's default) has no copies: both stages skip the sum."""
+    tied = tied_parameter(model, embedding)
+    if tied is None:
+        return
+    grads = parts(tied)
+    if not grads and tied.grad is None and getattr(tied, "main_grad", None) is None:
+        tied.grad = torch.zeros_like(tied)
+        grads = [tied.grad]
+    for grad in grads:
+        embedding.all_reduce(grad)

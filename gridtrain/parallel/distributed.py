@@ -1,0 +1,146 @@
+"""Where this process sits: the default process group, the grid, its groups, the device.
+
+A run reaches here in one of three ways: as one of ``--nproc`` workers (the launcher
+has already initialised the default group), under ``torchrun`` (the environment says
+who we are), or as a plain single process (a one-rank gloo group on an in-memory store,
+so that the same code path, collectives included, runs everywhere).
+
+Every process group gets the backstop timeout of watchdog.py (``--timeout`` plus a
+margin), and with more than one rank a watchdog thread is started here and stopped by
+:func:`shutdown`: it turns a wait longer than ``--timeout`` into a hang report naming the
+rank that never arrived (docs/hangs.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gridtrain.runtime import watchdog
+from gridtrain.parallel.comm import ByteCounter, CommGroup
+from gridtrain.config import Config
+from gridtrain.runtime.devices import cuda_device_from_env, process_group_device
+from gridtrain.parallel.grid import ProcessGrid, ProcessGroups, create_process_groups
+from gridtrain.runtime.launch import backend_for, init_from_env, resolve_device_type
+from gridtrain.parallel.recompute import Recomputation, policy_from
+from gridtrain.parallel.rng import MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker
+from gridtrain.parallel.tensor_parallel import TensorParallel
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+@dataclass
+class DistributedContext:
+    grid: ProcessGrid
+    groups: ProcessGroups
+    rank: int
+    device: torch.device
+    dtype: str  # the run's --dtype
+    tp: TensorParallel  # the TP group, sequence parallelism, RNG streams
+    recompute: Recomputation  # which activations are recomputed; replays tp's RNG streams
+    dp: CommGroup
+    mp: CommGroup  # model parallel: TP x PP, over which the gradient norm is summed
+    pp: CommGroup
+    embedding: CommGroup | None  # first and last pipeline stage (tied embeddings), if a member
+    bytes: ByteCounter  # every counted collective of this rank
+    recorder: watchdog.FlightRecorder = field(default_factory=watchdog.process_recorder)  # the flight recorder
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' and the computation's dtype; bf16 runs keep fp32 master weights
+        in the optimizer and accumulate gradients in fp32 (data_parallel.py)."""
+        return TORCH_DTYPES[self.dtype]
+
+    @property
+    def coords(self):
+        return self.grid.coords(self.rank)
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that holds the loss and writes progress: last stage, first DP/TP rank."""
+        c = self.coords
+        return self.grid.is_last_stage(self.rank) and c.dp == 0 and c.tp == 0
+
+
+def launched_by_env() -> bool:
+    """A launcher (torchrun) set this process's rank and world: the default group is made
+    from them and belongs to the launcher's run; else it is a one-rank group of its own."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def init_default_group(cfg: Config) -> None:
+    """Initialise torch.distributed unless a launcher already did."""
+    if dist.is_initialized():
+        return
+    backend = backend_for(resolve_device_type(cfg.training.device))
+    if launched_by_env():  # torchrun
+        init_from_env(backend, watchdog.backstop_timeout_s(cfg.training.dist_timeout_s))
+    else:
+        device_id = process_group_device(backend)
+        extra = {"device_id": device_id} if device_id is not None else {}
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=cfg.training.dist_timeout_s), **extra)
+
+
+def rank_device(device_type: str, environ=None) -> torch.device:
+    """The device this rank computes on: its GPU by the launcher's rule
+    (:func:`gridtrain.runtime.devices.cuda_device_from_env`, the one the process group was bound
+    with), else the CPU."""
+    if device_type == "cuda":
+        return cuda_device_from_env(environ)
+    return torch.device(device_type)
+
+
+def setup_distributed(cfg: Config) -> DistributedContext:
+    """Initialise (if needed) and build the grid's groups; seed this rank's generators;
+    start the hang watchdog."""
+    init_default_group(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p = cfg.parallel
+    grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp)
+    timeout_s = cfg.training.dist_timeout_s
+    groups = create_process_groups(grid, rank, timeout=timedelta(seconds=watchdog.backstop_timeout_s(timeout_s)))
+    device = rank_device(resolve_device_type(cfg.training.device))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # Dropout masks differ between pipeline stages (they hold different layers) but not
+    # between DP replicas or TP ranks, as in Megatron; TP regions draw from their own
+    # per-rank stream.
+    coords = grid.coords(rank)
+    seed = cfg.training.seed + 100 * coords.pp
+    torch.manual_seed(seed)
+    rng = RNGStatesTracker(device)
+    rng.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + coords.tp)
+    counter = ByteCounter()
+    recorder = watchdog.process_recorder()
+    watchdog.start_watchdog(recorder, rank, world, timeout_s, device)
+    # Every group knows the rank's device: its collectives refuse a tensor elsewhere, and
+    # code with no tensor of its own (a stage without parameters) allocates there.
+    tp = TensorParallel(CommGroup.of("tp", groups.tp, counter, device=device),
+                        sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng)
+    return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
+                              dtype=cfg.training.dtype, tp=tp,
+                              recompute=Recomputation(policy_from(cfg.training), rng),
+                              dp=CommGroup.of("dp", groups.dp, counter, device=device),
+                              mp=CommGroup.of("mp", groups.mp, counter, device=device),
+                              pp=CommGroup.of("pp", groups.pp, counter, device=device),
+                              embedding=_embedding_group(grid, rank, groups, counter, device), bytes=counter,
+                              recorder=recorder)
+
+
+def _embedding_group(grid: ProcessGrid, rank: int, groups: ProcessGroups,
+                     counter: ByteCounter, device: torch.device) -> CommGroup | None:
+    if grid.pp == 1 or not (grid.is_first_stage(rank) or grid.is_last_stage(rank)):
+        return None
+    return CommGroup.of("embedding", groups.embedding, counter, device=device)
+
+
+def shutdown() -> None:
+    """Stop the watchdog, then destroy the process groups."""
+    watchdog.stop_watchdog()
+    if dist.is_initialized():
+        dist.destroy_process_group()

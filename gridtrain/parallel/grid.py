@@ -1,0 +1,312 @@
+"""The process grid: which rank holds which (dp, pp, tp) coordinate, and its groups.
+
+The first half of this module is pure rank arithmetic. It never touches
+``torch.distributed``, so every layout can be checked in a unit test without
+starting a process, and a bad layout is rejected with one clear line before any
+collective is started.
+
+The second half (``ProcessGroups`` / ``create_process_groups``) turns the
+arithmetic into live ``torch.distributed`` groups. ``new_group`` is collective
+over the whole world, so every rank must create every group in the same order;
+the ``all_*_groups`` methods give that order and ``create_process_groups``
+walks it.
+
+Layout (Megatron's default order): TP varies fastest, then DP, then PP::
+
+    rank = pp_idx * (dp * tp) + dp_idx * tp + tp_idx
+
+TP neighbours are adjacent ranks (on GPUs: the same node, the fastest links,
+which TP needs most); pipeline stages are the furthest apart (PP sends the
+least data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+class GridError(ValueError):
+    """A grid that cannot be built or used; the message names the problem and the fix."""
+
+
+class GridCoord(NamedTuple):
+    """Where a rank sits in the grid: its data, pipeline and tensor parallel indices."""
+
+    dp: int
+    pp: int
+    tp: int
+
+
+def _check_positive(name: str, value: Any) -> None:
+    """Reject sizes that are not positive integers (bool is an int but never a size)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GridError(f"{name}={value!r} is not an integer; pass a whole number >= 1")
+    if value < 1:
+        raise GridError(f"{name}={value} must be >= 1; pass a whole number >= 1")
+
+
+@dataclass(frozen=True)
+class ProcessGrid:
+    """A ``dp x pp x tp`` grid of ``world_size`` ranks; construct with :meth:`build`.
+
+    The grid is a value: pass it explicitly to whatever needs rank arithmetic
+    instead of keeping a module-level "current grid".
+    """
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+
+    def __post_init__(self) -> None:
+        """Validate here too, so a grid made without ``build`` cannot be inconsistent."""
+        for name in ("world_size", "tp", "pp", "dp"):
+            _check_positive(name, getattr(self, name))
+        if self.tp * self.pp * self.dp != self.world_size:
+            raise GridError(
+                f"dp={self.dp} x pp={self.pp} x tp={self.tp} = "
+                f"{self.dp * self.pp * self.tp} does not equal world size "
+                f"{self.world_size}; choose sizes whose product is the world size"
+            )
+
+    @classmethod
+    def build(
+        cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None
+    ) -> ProcessGrid:
+        """Build a grid, inferring ``dp = world_size / (tp * pp)`` when dp is None.
+
+        Inferring dp is what users expect from Megatron and torchrun: they pick
+        the model-parallel sizes and let the world size set the replica count.
+        """
+        _check_positive("world_size", world_size)
+        _check_positive("tp", tp)
+        _check_positive("pp", pp)
+        if dp is None:
+            if world_size % (tp * pp) != 0:
+                raise GridError(
+                    f"world size {world_size} is not divisible by tp={tp} x pp={pp}; "
+                    "choose sizes whose product divides the world size"
+                )
+            dp = world_size // (tp * pp)
+        _check_positive("dp", dp)
+        return cls(world_size=world_size, tp=tp, pp=pp, dp=dp)
+
+    # ---- coordinates -------------------------------------------------------
+
+    def _check_rank(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise GridError(
+                f"rank {rank!r} is not an integer; pass a rank in [0, {self.world_size})"
+            )
+        if not 0 <= rank < self.world_size:
+            raise GridError(
+                f"rank {rank} is outside the grid of {self.world_size} ranks; "
+                f"pass a rank in [0, {self.world_size})"
+            )
+
+    def coords(self, rank: int) -> GridCoord:
+        """The (dp, pp, tp) coordinate of ``rank``."""
+        self._check_rank(rank)
+        pp_idx, rest = divmod(rank, self.dp * self.tp)
+        dp_idx, tp_idx = divmod(rest, self.tp)
+        return GridCoord(dp=dp_idx, pp=pp_idx, tp=tp_idx)
+
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        """The rank at coordinate (dp, pp, tp); the inverse of :meth:`coords`."""
+        for name, idx, size in (("dp", dp, self.dp), ("pp", pp, self.pp), ("tp", tp, self.tp)):
+            if not 0 <= idx < size:
+                raise GridError(
+                    f"{name} index {idx} is outside [0, {size}); pass an index below {name}={size}"
+                )
+        return pp * (self.dp * self.tp) + dp * self.tp + tp
+
+    def dp_rank(self, rank: int) -> int:
+        """Index of ``rank`` within its data-parallel group (which replica it is)."""
+        return self.coords(rank).dp
+
+    def pp_rank(self, rank: int) -> int:
+        """Index of ``rank`` within its pipeline (which stage it runs)."""
+        return self.coords(rank).pp
+
+    def tp_rank(self, rank: int) -> int:
+        """Index of ``rank`` within its tensor-parallel group (which shard it holds)."""
+        return self.coords(rank).tp
+
+    # ---- groups of one rank ------------------------------------------------
+
+    def tp_group(self, rank: int) -> list[int]:
+        """Ranks that split the same layers: same dp and pp, every tp index."""
+        c = self.coords(rank)
+        return [self.rank_of(c.dp, c.pp, t) for t in range(self.tp)]
+
+    def dp_group(self, rank: int) -> list[int]:
+        """Ranks that hold replicas of the same shard: same pp and tp, every dp index."""
+        c = self.coords(rank)
+        return [self.rank_of(d, c.pp, c.tp) for d in range(self.dp)]
+
+    def pp_group(self, rank: int) -> list[int]:
+        """The stages of rank's pipeline, first stage first: same dp and tp, every pp index."""
+        c = self.coords(rank)
+        return [self.rank_of(c.dp, p, c.tp) for p in range(self.pp)]
+
+    def model_parallel_group(self, rank: int) -> list[int]:
+        """All ranks that together hold one whole model replica (same dp index).
+
+        Gradient-norm clipping and loss reporting reduce over this group.
+        """
+        c = self.coords(rank)
+        return sorted(self.rank_of(c.dp, p, t) for p in range(self.pp) for t in range(self.tp))
+
+    def embedding_group(self, rank: int) -> list[int]:
+        """First and last stage of rank's pipeline (just the one stage when pp == 1).
+
+        With tied input/output embeddings, these two stages each hold a copy of
+        the embedding and all-reduce its gradient over this group.
+        """
+        stages = self.pp_group(rank)
+        return sorted({stages[0], stages[-1]})
+
+    # ---- all groups of one kind, in a fixed order --------------------------
+
+    def all_tp_groups(self) -> list[list[int]]:
+        """Every TP group, ordered by (pp, dp); the same order on every rank."""
+        first_ranks = [self.rank_of(d, p, 0) for p in range(self.pp) for d in range(self.dp)]
+        return [self.tp_group(r) for r in first_ranks]
+
+    def all_dp_groups(self) -> list[list[int]]:
+        """Every DP group, ordered by (pp, tp)."""
+        first_ranks = [self.rank_of(0, p, t) for p in range(self.pp) for t in range(self.tp)]
+        return [self.dp_group(r) for r in first_ranks]
+
+    def all_pp_groups(self) -> list[list[int]]:
+        """Every pipeline, ordered by (dp, tp), i.e. by its first-stage rank."""
+        first_ranks = [self.rank_of(d, 0, t) for d in range(self.dp) for t in range(self.tp)]
+        return [self.pp_group(r) for r in first_ranks]
+
+    def all_model_parallel_groups(self) -> list[list[int]]:
+        """Every model-parallel group, ordered by dp index."""
+        return [self.model_parallel_group(self.rank_of(d, 0, 0)) for d in range(self.dp)]
+
+    def all_embedding_groups(self) -> list[list[int]]:
+        """Every embedding group, one per pipeline, in :meth:`all_pp_groups` order."""
+        return [self.embedding_group(stages[0]) for stages in self.all_pp_groups()]
+
+    # ---- pipeline neighbours and sources -----------------------------------
+
+    def is_first_stage(self, rank: int) -> bool:
+        """True on the stage that embeds tokens."""
+        return self.coords(rank).pp == 0
+
+    def is_last_stage(self, rank: int) -> bool:
+        """True on the stage that computes the loss."""
+        return self.coords(rank).pp == self.pp - 1
+
+    def next_pp_rank(self, rank: int) -> int:
+        """The rank of the next stage, wrapping from the last stage to the first.
+
+        Wrapping (as in Megatron) keeps the function total; interleaved
+        schedules do send from the last stage's chunk to the first stage's next chunk.
+        """
+        c = self.coords(rank)
+        return self.rank_of(c.dp, (c.pp + 1) % self.pp, c.tp)
+
+    def prev_pp_rank(self, rank: int) -> int:
+        """The rank of the previous stage, wrapping from the first stage to the last."""
+        c = self.coords(rank)
+        return self.rank_of(c.dp, (c.pp - 1) % self.pp, c.tp)
+
+    def tp_src_rank(self, rank: int) -> int:
+        """First rank of rank's TP group: it reads the batch and broadcasts it to the group."""
+        return self.tp_group(rank)[0]
+
+    def describe(self) -> str:
+        """A short human summary, e.g. ``"16 ranks = dp 2 x pp 4 x tp 2"``."""
+        return f"{self.world_size} ranks = dp {self.dp} x pp {self.pp} x tp {self.tp}"
+
+
+# ---- live process groups ---------------------------------------------------
+
+
+@dataclass
+class ProcessGroups:
+    """This rank's live ``torch.distributed`` groups, one per kind, and its coordinate."""
+
+    grid: ProcessGrid
+    rank: int
+    coord: GridCoord
+    tp: ProcessGroup
+    dp: ProcessGroup
+    pp: ProcessGroup
+    mp: ProcessGroup
+    embedding: ProcessGroup | None  # None on middle pipeline stages: they hold no embedding
+
+
+def _group_kinds(grid: ProcessGrid) -> list[tuple[str, list[list[int]]]]:
+    """Every kind of group with all of its rank lists, in the one order all ranks use."""
+    return [
+        ("tp", grid.all_tp_groups()),
+        ("dp", grid.all_dp_groups()),
+        ("pp", grid.all_pp_groups()),
+        ("mp", grid.all_model_parallel_groups()),
+        ("embedding", grid.all_embedding_groups()),
+    ]
+
+
+def _check_world(grid: ProcessGrid, rank: int) -> None:
+    """Fail with one clear line unless the default group matches the grid and rank."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise GridError(
+            "torch.distributed is not initialized; call init_process_group "
+            "(or gridtrain.runtime.launch.init_from_env) before create_process_groups"
+        )
+    world = dist.get_world_size()
+    if world != grid.world_size:
+        raise GridError(
+            f"the process group has {world} ranks but the grid "
+            f"({grid.describe()}) needs {grid.world_size}; launch "
+            f"{grid.world_size} processes or change dp/pp/tp"
+        )
+    if dist.get_rank() != rank:
+        raise GridError(
+            f"create_process_groups was given rank {rank} but this process is rank "
+            f"{dist.get_rank()}; pass torch.distributed.get_rank()"
+        )
+
+
+def create_process_groups(
+    grid: ProcessGrid,
+    rank: int,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+) -> ProcessGroups:
+    """Create every group of every kind on every rank and keep the ones holding ``rank``.
+
+    ``new_group`` is collective over the whole world: all ranks must call it for
+    every group, in the same order, even for groups they are not in; otherwise
+    the ranks deadlock or pair up the wrong groups. Single-rank groups (e.g. TP
+    groups when tp == 1) are created too, so callers can always pass a real
+    group to a collective instead of special-casing size 1.
+
+    ``timeout`` is every group's backend timeout. ``None`` means torch's default for
+    the backend (10 minutes for NCCL and gloo, much longer than most users' --timeout),
+    so callers should pass one: setup_distributed gives the backstop of watchdog.py,
+    ``--timeout`` plus a margin, so that the watchdog's hang report comes first.
+    """
+    import torch.distributed as dist
+
+    _check_world(grid, rank)
+    mine: dict[str, ProcessGroup] = {}
+    for kind, rank_lists in _group_kinds(grid):
+        for ranks in rank_lists:
+            group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
+            if rank in ranks:
+                mine[kind] = group
+    mine.setdefault("embedding", None)
+    return ProcessGroups(grid=grid, rank=rank, coord=grid.coords(rank), **mine)

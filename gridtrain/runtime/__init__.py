@@ -1,0 +1,13 @@
+"""The processes a run lives in, and the services every layer above uses.
+
+* ``launch`` / ``worker``: spawn ``--nproc`` local workers or read torchrun's environment,
+  the rendezvous store, failure attribution;
+* ``devices``: one rule from rank to GPU, process-group devices;
+* ``watchdog``: the flight recorder of collectives and the hang watchdog;
+* ``stops``: exit codes and why a run stopped (NaN, preemption, hang);
+* ``host_sync``: the named points where a step reads a device value on the host;
+* ``timing``: host and CUDA-event clocks.
+
+Nothing here knows a model, a parallel layer or the training loop: it imports only
+``config`` and itself.
+"""

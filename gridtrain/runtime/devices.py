@@ -1,0 +1,97 @@
+"""Which device a rank computes on: one rule, as pure functions, used by every path.
+
+A process reaches its GPU three ways: as a ``--nproc`` worker (worker.py binds it before
+creating the NCCL group), under torchrun (``launch.init_from_env``) and in the training
+context (``distributed.setup_distributed``, which puts the tensors there). They used to
+disagree (``rank % device_count`` in one, LOCAL_RANK in the other); now all three call
+:func:`cuda_device_from_env`, and the pre-spawn checks of validate_config.py apply the
+same :func:`gpu_shortage`, so a layout that cannot give each worker of a node a GPU of
+its own is refused, in one line, before anything starts.
+
+Its own module, not launch.py, because worker.py needs it and launch.py imports
+worker.py (the package keeps no import cycles); launch.py re-exports the names.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class DeviceError(RuntimeError):
+    """This node cannot give each of its workers a GPU of its own (or the launcher's
+    LOCAL_RANK / LOCAL_WORLD_SIZE contradict each other)."""
+
+
+def gpu_shortage(local_world_size: int, device_count: int, workers: str) -> str | None:
+    """Why this node's workers cannot each have a GPU of their own, in one line with the
+    fix, or None when they can. ``workers`` names where the count came from (e.g.
+    ``"--nproc 4"``, ``"LOCAL_WORLD_SIZE=8 (torchrun --nproc-per-node)"``).
+
+    NCCL refuses two ranks of one communicator on one GPU, so a node with fewer GPUs
+    than workers cannot run; sharing GPUs round-robin (``rank % device_count``) would
+    only move the failure to the first collective.
+    """
+    if device_count < 1:
+        return (f"{workers} on cuda, but no CUDA device is visible on this node; "
+                "use --device cpu, or run where GPUs are visible (check CUDA_VISIBLE_DEVICES)")
+    if local_world_size > device_count:
+        return (f"{workers} needs {local_world_size} CUDA devices on this node (one per rank: NCCL "
+                f"cannot put two ranks on one GPU), found {device_count}; use at most {device_count} "
+                "workers per node, or --device cpu")
+    return None
+
+
+def local_device_index(local_rank: int, local_world_size: int, device_count: int,
+                       workers: str = "this node's workers") -> int:
+    """The GPU index of the worker with ``local_rank`` among ``local_world_size`` workers on
+    a node with ``device_count`` visible GPUs: its local rank, one GPU per worker.
+
+    This is the only rank-to-GPU rule in the package: the ``--nproc`` workers
+    (worker.py), torchrun workers (:func:`gridtrain.runtime.launch.init_from_env`) and the training context
+    (distributed.py) all call it, so the GPU a process binds before creating its NCCL
+    group is the GPU its tensors are put on. Raises :class:`DeviceError` (one line with
+    the fix) when the workers outnumber the GPUs.
+    """
+    problem = gpu_shortage(local_world_size, device_count, workers)
+    if problem is not None:
+        raise DeviceError(problem)
+    if not 0 <= local_rank < local_world_size:
+        raise DeviceError(f"LOCAL_RANK={local_rank} is outside 0..{local_world_size - 1} "
+                          f"(LOCAL_WORLD_SIZE={local_world_size}); the launcher's environment is inconsistent")
+    return local_rank
+
+
+def local_placement(environ=None) -> tuple[int, int]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE) from the environment: torchrun and the ``--nproc``
+    workers both set them; a plain process is local rank 0 of 1. Without
+    LOCAL_WORLD_SIZE (launchers that set only LOCAL_RANK), the node is assumed to hold
+    at least ``LOCAL_RANK + 1`` workers."""
+    env = os.environ if environ is None else environ
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    return local_rank, int(env.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+
+
+def cuda_device_from_env(environ=None, device_count: int | None = None) -> torch.device:
+    """This process's GPU (:func:`local_device_index` of :func:`local_placement`), with its
+    index: ``device_id`` of ``init_process_group`` and ``torch.cuda.set_device`` need one."""
+    local_rank, local_world = local_placement(environ)
+    count = torch.cuda.device_count() if device_count is None else device_count
+    workers = f"LOCAL_WORLD_SIZE={local_world} (workers on this node)"
+    return torch.device("cuda", local_device_index(local_rank, local_world, count, workers))
+
+
+def process_group_device(backend: str, environ=None) -> torch.device | None:
+    """What to pass as ``init_process_group(device_id=...)``: this process's GPU for NCCL
+    (set as the current device too), None for every other backend.
+
+    With ``device_id`` NCCL binds the group to that GPU at once (no guess from the
+    current device at the first collective, no later warning about an unknown
+    device-to-rank mapping, and ``barrier`` knows its device).
+    """
+    if backend != "nccl":
+        return None
+    device = cuda_device_from_env(environ)
+    torch.cuda.set_device(device)
+    return device

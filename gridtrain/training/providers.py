@@ -1,0 +1,71 @@
+"""The built-in providers that turn ``pretrain`` into ``gridtrain train``: Decoder and text data.
+
+A user's own model and data plug in by writing functions with the same signatures
+(see the README's "Python API" section).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gridtrain.config import Config
+from gridtrain.data import Batch, ByteTokenizer, Datasets, build_datasets, load_tokenizer, unigram_entropy
+from gridtrain.parallel.distributed import DistributedContext
+from gridtrain.models.decoder import Decoder, ChunkSpec, init_parameters, parameter_costs, profile_units
+from gridtrain.parallel.pipeline.partition import UnitCosts, partition
+
+
+def decoder_model_provider(cfg: Config, ctx: DistributedContext) -> nn.Module:
+    """This rank's chunks of the Decoder of ``cfg.model``, split over TP and PP, initialised
+    layout-independently, on this rank's device."""
+    model = Decoder(cfg.model, tp=ctx.tp, chunks=stage_chunks(cfg, ctx), recompute=ctx.recompute)
+    init_parameters(model, cfg.training.seed)
+    return model.to(device=ctx.device, dtype=ctx.param_dtype)
+
+
+def stage_chunks(cfg: Config, ctx: DistributedContext) -> list[ChunkSpec]:
+    """The model chunks of this rank's pipeline stage (one per virtual stage it holds).
+
+    A measured ("time") partition is computed on rank 0 and broadcast, so that every
+    rank cuts the model at the same places.
+    """
+    p, v, s = ctx.grid.pp, cfg.parallel.vpp, ctx.coords.pp
+    explicit, method = cfg.parallel.pp_layers, cfg.parallel.pp_partition
+    measured = explicit is None and method == "time"
+    layers = [None]
+    if ctx.rank == 0 or not measured:
+        costs = None if explicit is not None else unit_costs(cfg, method, device=ctx.device, dtype=ctx.param_dtype)
+        layers[0] = partition(cfg.model.n_layer, p * v, explicit=explicit, costs=costs)
+    if measured:
+        torch.distributed.broadcast_object_list(layers, src=0)
+    last = p * v - 1
+    return [ChunkSpec(tuple(layers[0][c * p + s]), c * p + s == 0, c * p + s == last) for c in range(v)]
+
+
+def unit_costs(cfg: Config, method: str, *, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> UnitCosts | None:
+    """The costs ``--pp-partition`` balances: none (equal block counts), parameter
+    counts, or forward+backward times measured by this process on the training device
+    and dtype."""
+    if method == "parameters":
+        return parameter_costs(cfg.model)
+    if method == "time":
+        return profile_units(cfg.model, cfg.training.micro_batch_size, device=device, dtype=dtype)
+    return None
+
+
+def text_datasets_provider(cfg: Config) -> Datasets:
+    """Windows of ``seq_len + 1`` tokens over --data (or the built-in corpus)."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    train, valid, tokens = build_datasets(cfg.data.path, tokenizer, cfg.model.seq_len,
+                                          valid_every=cfg.data.valid_every)
+    unit = "nats/byte" if isinstance(tokenizer, ByteTokenizer) else "nats/token"
+    return Datasets(train=train, valid=valid, tokenizer=tokenizer,
+                    reference_loss=unigram_entropy(tokens, tokenizer.vocab_size), loss_unit=unit,
+                    every_label_counts=True)  # labels are the next tokens of the stream
+
+
+def decoder_forward_step(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Summed token loss of one micro-batch (the loop scales it into the global mean)."""
+    return model(batch["tokens"], batch["labels"]).sum()

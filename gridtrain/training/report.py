@@ -1,0 +1,298 @@
+"""What a run reports: per-step records, and the summary, memory report, pipeline idle
+fractions and traces at the end.
+
+The training loop (train.py) hands a :class:`RunReport` what each step did; the report
+keeps the numbers (:class:`TrainResult`, returned to the caller), writes the per-step
+metrics (metrics.py: JSON lines, progress bar, TensorBoard), counts the payload bytes
+each step moved per process group, measures saved-activation memory on the first step
+(memory.py) and prints the closing summary. Only the logging rank prints; every rank
+keeps its own numbers, and the end-of-run gathers (idle fractions, memory per stage)
+are collective over the pipeline group, so every rank calls :meth:`RunReport.finish`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gridtrain.memory import activations as memory
+from gridtrain.config import Config, ModelConfig
+from gridtrain.parallel.distributed import DistributedContext
+from gridtrain.training.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
+from gridtrain.models.decoder import training_flops_per_token
+from gridtrain.training.trainer import StepOutput, Trainer
+
+
+@dataclass
+class TrainResult:
+    ctx: DistributedContext
+    model: nn.Module
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    valid_loss: float | None = None
+    tokens_per_s: float = 0.0
+    step_bytes: list[dict[str, int]] = field(default_factory=list)  # "kind/group" -> bytes, per step
+    step_calls: list[dict[str, int]] = field(default_factory=list)  # "kind/group" -> collectives, per step
+    peak_in_flight: int = 0  # most micro-batch chunks whose activations this stage held
+    stage_busy_s: float = 0.0  # time this stage spent computing (F, B, W) ...
+    stage_wall_s: float = 0.0  # ... out of the time its schedule took
+    overlap: list[float] = field(default_factory=list)  # DP all-reduce hidden behind backward, per step
+    skipped_steps: int = 0  # fp16 steps skipped on gradient overflow
+    trace_events: list[tuple[int, str, float, float]] = field(default_factory=list)  # (step, action, start, end)
+    memory: list[memory.StageMemory] = field(default_factory=list)  # every stage's, measured at step 1
+
+
+class RunReport:
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+        cfg, ctx, t = trainer.cfg, trainer.ctx, trainer.cfg.training
+        model = trainer.model
+        self.log = MetricsLogger(ctx.is_logging_rank, t.metrics_file, t.steps, trainer.start_step, t.progress,
+                                 tensorboard=t.tensorboard)
+        self.stats = RunStats(flops_per_token=_flops_per_token(model), world_size=ctx.grid.world_size)
+        self.result = TrainResult(ctx=ctx, model=model)
+        self.step_tokens = trainer.step_tokens
+        self.tokens_seen = trainer.start_step * self.step_tokens
+        self.offload = t.offload_activations and ctx.device.type == "cuda"
+        self.stage_memory: memory.StageMemory | None = None  # this stage's, from the first step
+        self._bytes_before: dict = {}  # the byte and call counters when the current step began ...
+        self._calls_before: dict = {}
+        self._elapsed = 0.0  # ... and the seconds it took
+        if t.offload_activations and not self.offload:
+            self.log.print("--offload-activations: activations already live in host memory on the CPU; "
+                           "nothing to offload")
+        self.log.print(f"gridtrain: {ctx.grid.describe()}, {_count(model):,} parameters per rank, "
+                       f"{trainer.num_micro_batches} micro-batches of {t.micro_batch_size} per step, "
+                       f"device {ctx.device.type}, dtype {t.dtype}")
+        if trainer.resumed_from is not None:
+            self.log.print(f"resuming from {trainer.resumed_from} after step {trainer.start_step}")
+        elif t.auto_resume and t.save:
+            self.log.print(f"--auto-resume: no checkpoint in {t.save} yet; starting from step 0")
+
+    # ---- per step --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step_window(self, first: bool):
+        """Around one step's reading and training: its time and bytes; on the ``first``
+        step (the counts repeat) the bytes saved for backward, per layer."""
+        trainer = self.trainer
+        counter = trainer.ctx.bytes
+        began, self._bytes_before, self._calls_before = time.perf_counter(), dict(counter.bytes), dict(counter.calls)
+        meter = memory.ActivationMeter.for_model(trainer.model) if first or self.offload else None
+        with memory.saved_activations(meter, self.offload), _device_peak(trainer.ctx.device, first) as peak:
+            yield
+        if first:
+            self.stage_memory = _stage_memory(meter, peak[0], trainer)
+        self._elapsed = time.perf_counter() - began
+
+    def step(self, step: int, lr: float, out: StepOutput, valid_loss: float | None) -> None:
+        """Keep and log the step that :meth:`step_window` just measured."""
+        trainer, result = self.trainer, self.result
+        self.tokens_seen += self.step_tokens
+        record = StepRecord(step=step, loss=out.loss, grad_norm=out.grad_norm, lr=lr, tokens=self.tokens_seen,
+                            step_time_s=self._elapsed, tokens_per_s=self.step_tokens / self._elapsed)
+        self.stats.records.append(record)
+        result.losses.append(out.loss)
+        result.grad_norms.append(out.grad_norm)
+        result.overlap.append(trainer.reducer.stats.fraction)
+        result.peak_in_flight = max(result.peak_in_flight, out.stage.peak_in_flight)
+        result.stage_busy_s += out.stage.busy_s
+        result.stage_wall_s += out.stage.wall_s
+        result.trace_events += [(step, *event) for event in out.stage.trace]
+        result.step_bytes.append(_since(self._bytes_before, trainer.ctx.bytes.bytes))
+        result.step_calls.append(_since(self._calls_before, trainer.ctx.bytes.calls))
+        extra = {"comm_bytes": bytes_by_group(result.step_bytes[-1])}
+        if trainer.scaler is not None:
+            extra["loss_scale"] = trainer.scaler.scale
+            result.skipped_steps = trainer.scaler.skipped
+        if valid_loss is not None:
+            result.valid_loss = extra["valid_loss"] = valid_loss
+            self.log.print(f"step {step}: train loss {out.loss:.4f}, valid loss {valid_loss:.4f}")
+        self.log.step(record, extra)
+
+    def end_of_steps(self) -> None:
+        self.log.close()
+
+    # ---- at the end --------------------------------------------------------------------------
+
+    def finish(self, valid_loss: float | None) -> TrainResult:
+        """The run's result; writes traces and prints the summary (collective over PP)."""
+        trainer, result = self.trainer, self.result
+        ctx, t = trainer.ctx, trainer.cfg.training
+        if valid_loss is not None:
+            result.valid_loss = valid_loss
+        result.tokens_per_s = self.stats.tokens_per_s()
+        if t.trace:
+            Path(t.trace).mkdir(parents=True, exist_ok=True)
+            write_chrome_trace(Path(t.trace) / f"rank{ctx.rank:03d}.json", result.trace_events, ctx.rank,
+                               ctx.coords.pp)
+        idle = _stage_idle_fractions(result, ctx)
+        if self.stage_memory is not None:
+            result.memory = _gather_stage_memory(self.stage_memory, ctx)
+        self._print_summary()
+        if result.memory:
+            self.log.print(memory.summary_line(result.memory))
+            if t.memory_report:
+                for line in memory.report_lines(result.memory, _memory_note(trainer.cfg, ctx)):
+                    self.log.print(line)
+        if ctx.grid.pp > 1:
+            self.log.print("pipeline: measured idle fraction per stage " +
+                           ", ".join(f"{s}: {f:.3f}" for s, f in enumerate(idle)) +
+                           f"; peak micro-batches held on this stage {result.peak_in_flight}")
+        return result
+
+    def _print_summary(self) -> None:
+        stats, result, log = self.stats, self.result, self.log
+        ctx, data = self.trainer.ctx, self.trainer.data
+        if not stats.records:
+            return
+        tflops = stats.tflops_per_device()
+        peak = peak_tflops(ctx.device, self.trainer.cfg.training.peak_tflops)
+        mfu = f"MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s" if peak else \
+            f"MFU n/a (no known peak for {ctx.device.type}; pass --peak-tflops)"
+        log.print(f"throughput: {stats.tokens_per_s():,.0f} tokens/s, {tflops:.4f} TFLOP/s per device "
+                  f"({stats.flops_per_token / 1e6:.2f} MFLOP per token), {mfu}")
+        if ctx.grid.dp > 1 and len(result.overlap) > 1:
+            steady = result.overlap[1:]
+            log.print(f"data parallel: {100 * sum(steady) / len(steady):.0f}% of gradient all-reduce time "
+                      "hidden behind backward (mean over steps after the first)")
+        moved = bytes_by_group(result.step_bytes[-1]) if result.step_bytes else {}
+        if moved:
+            log.print("communication per step (payload bytes, this rank): " +
+                      ", ".join(f"{g} {format_bytes(n)}" for g, n in sorted(moved.items())))
+        if ctx.dtype == "fp16":
+            log.print(f"fp16: {result.skipped_steps} step(s) skipped on gradient overflow")
+        if self.trainer.saves:
+            log.print(save_summary(self.trainer.saves, self.trainer.saver is not None))
+        log.print(f"final train loss {result.losses[-1]:.4f} {data.loss_unit}")
+        if result.valid_loss is not None:
+            ref = "" if data.reference_loss is None else \
+                f" (corpus unigram entropy {data.reference_loss:.4f} {data.loss_unit})"
+            log.print(f"validation loss {result.valid_loss:.4f} {data.loss_unit}{ref}")
+
+
+def save_summary(saves, background: bool) -> str:
+    """One line: how long checkpoints blocked training, and how long they took to write."""
+    blocked = sorted(s.blocked_s for s in saves)
+    written = sorted(s.write_s for s in saves)
+    how = "in the background (--save-async)" if background else "synchronously"
+    return (f"checkpoints: {len(saves)} saved {how}; training blocked {blocked[len(blocked) // 2]:.3f} s per save "
+            f"(median; max {blocked[-1]:.3f} s, in order: {', '.join(f'{s.blocked_s:.3f}' for s in saves[:8])}"
+            f"{' ...' if len(saves) > 8 else ''}), writing took {written[len(written) // 2]:.3f} s (median)")
+
+
+# ---- byte accounting ---------------------------------------------------------------------------
+
+def _since(before: dict, now: dict) -> dict[str, int]:
+    """What a counter ("kind/group" keys) added since ``before``, without zeros."""
+    moved = {f"{k}/{g}": n - before.get((k, g), 0) for (k, g), n in now.items()}
+    return {k: n for k, n in moved.items() if n}
+
+
+def bytes_by_group(moved: dict[str, int]) -> dict[str, int]:
+    """Payload bytes per group (tp, dp, ...) from "kind/group" keys, summed over kinds."""
+    out: dict[str, int] = {}
+    for key, n in moved.items():
+        group = key.split("/", 1)[1]
+        out[group] = out.get(group, 0) + n
+    return out
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:g} B"
+
+
+# ---- pipeline ------------------------------------------------------------------------------------
+
+def _stage_idle_fractions(result: TrainResult, ctx: DistributedContext) -> list[float]:
+    """Each pipeline stage's share of schedule time spent not computing (waiting for
+    activations or gradients, or communicating), gathered over the pipeline group."""
+    mine = 1.0 - result.stage_busy_s / result.stage_wall_s if result.stage_wall_s else 0.0
+    if ctx.grid.pp == 1:
+        return [mine]
+    return [float(x) for x in ctx.pp.all_gather(torch.tensor([mine], dtype=torch.float64, device=ctx.device), 0)]
+
+
+def write_chrome_trace(path, events: list[tuple[int, str, float, float]], rank: int, stage: int) -> None:
+    """``events`` (step, action, start, end in perf_counter seconds) as a Chrome trace
+    (chrome://tracing, Perfetto): one row per rank, one box per action."""
+    origin = min((e[2] for e in events), default=0.0)
+    rows = [{"name": name, "cat": name.rstrip("0123456789.") or name, "ph": "X", "pid": rank,
+             "tid": stage, "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6, "args": {"step": step}}
+            for step, name, start, end in events]
+    rows.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} (stage {stage})"}})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": rows, "displayTimeUnit": "ms"}, f)
+
+
+# ---- memory --------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _device_peak(device: torch.device, measuring: bool):
+    """torch.cuda.max_memory_allocated over the block, on a GPU while measuring; yields a
+    one-item list holding it (None elsewhere)."""
+    peak: list[int | None] = [None]
+    if not measuring or device.type != "cuda":
+        yield peak
+        return
+    torch.cuda.reset_peak_memory_stats(device)
+    yield peak
+    peak[0] = torch.cuda.max_memory_allocated(device)
+
+
+def _stage_memory(meter: memory.ActivationMeter, device_peak: int | None, trainer: Trainer) -> memory.StageMemory:
+    """This stage's measured saved-activation bytes, beside the formula for its blocks
+    (the formula describes the op-by-op attention, so it is given for --attention math)."""
+    cfg, ctx, micro_batches = trainer.cfg, trainer.ctx, trainer.num_micro_batches
+    expected = {}
+    chunks = getattr(trainer.model, "chunks", None)
+    if chunks is not None and cfg.model.attention == "math":
+        e = torch.finfo(ctx.param_dtype).bits // 8
+        shape = memory.layer_shape(cfg.model, batch=cfg.training.micro_batch_size, tp=ctx.tp.size,
+                                   sequence_parallel=ctx.tp.sequence_parallel, element_bytes=e,
+                                   mask_bytes=memory.dropout_mask_bytes(ctx.device, e))
+        policy = ctx.recompute.policy
+        for spec in chunks:
+            expected.update(memory.expected_by_layer(policy.block_runs(spec.layer_ids), policy.mode,
+                                                     micro_batches, policy.keep_last, **shape))
+    return memory.StageMemory(stage=ctx.coords.pp, micro_batches=micro_batches, kept=meter.by_layer(),
+                              recomputed=meter.by_layer("recompute"), peak_bytes=meter.peak_bytes,
+                              expected=expected, device_peak_bytes=device_peak)
+
+
+def _gather_stage_memory(mine: memory.StageMemory, ctx: DistributedContext) -> list[memory.StageMemory]:
+    stages: list = [None] * ctx.grid.pp
+    torch.distributed.all_gather_object(stages, mine, group=ctx.pp.group)
+    return stages
+
+
+def _memory_note(cfg: Config, ctx: DistributedContext) -> str:
+    t, m = cfg.training, cfg.model
+    e = torch.finfo(ctx.param_dtype).bits // 8
+    mask = memory.dropout_mask_bytes(ctx.device, e)
+    formula = ("formula: Korthikanti et al. adapted, docs/memory.md" if m.attention == "math"
+               else "no formula for --attention sdpa (fused kernel); use --attention math to compare")
+    return (f"recompute {t.recompute}, {e}-byte activations, dropout {m.dropout} "
+            f"({mask}-byte masks), micro-batch {t.micro_batch_size}, tp {ctx.tp.size}"
+            f"{' + SP' if ctx.tp.sequence_parallel else ''}; {formula}")
+
+
+# ---- model ---------------------------------------------------------------------------------------
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _flops_per_token(model: nn.Module) -> float:
+    """The Decoder formula for the built-in model; 6 x parameters for anyone else's."""
+    cfg = getattr(model, "cfg", None)
+    return training_flops_per_token(cfg) if isinstance(cfg, ModelConfig) else 6.0 * _count(model)

@@ -1,0 +1,323 @@
+"""Build once, then step: everything a training step needs, created in one place.
+
+:func:`build` makes, in the order each depends on the one before, the parts that the
+loop (train.py), the benchmarks and the tests share:
+
+1. the process groups, device and RNG streams of this rank (distributed.py);
+2. the model from the user's ``model_provider``, the same on every DP replica;
+3. the data and the global-batch sampler (optional: benchmarks bring their own batches);
+4. this rank's pipeline stage running the schedule's action list (pipeline/runtime.py);
+5. the gradient reducer: flat buffer, buckets, hooks (data_parallel.py);
+6. the optimizer (AdamW, or flat master weights with ZeRO-1 / 16-bit parameters) and the
+   fp16 loss scaler;
+7. the checkpoint to resume from, if any; else the weights of ``--init-from``, if given;
+   with ``--save-async``, the background checkpoint writer and its process group.
+
+A :class:`Trainer` then runs one optimizer step (:meth:`Trainer.train_step`), a
+validation pass, or a save. The loss is defined once: the mean over every loss-bearing
+token of the global batch. Each micro-batch's summed loss is scaled by
+``dp / global_tokens`` before backward, so that averaging gradients over the DP group
+yields exactly that mean's gradient for any number of DP ranks and micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gridtrain import checkpoint
+from gridtrain.runtime import host_sync
+from gridtrain.checkpoint.background import BackgroundSaver
+from gridtrain.checkpoint.sharded import SaveReport
+from gridtrain.config import Config
+from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
+from gridtrain.parallel.data_parallel import GradientReducer, broadcast_parameters
+from gridtrain.parallel.distributed import DistributedContext, setup_distributed
+from gridtrain.optim.distributed_optimizer import DistributedOptimizer, LossScaler
+from gridtrain.optim.grads import clip_gradients, reduce_gradients, step_scalars, tied_parameter
+from gridtrain.checkpoint.huggingface import open_source
+from gridtrain.models.decoder import IGNORE_INDEX, Block, compile_blocks
+from gridtrain.optim.optimizer import build_optimizer, lr_at, set_lr
+from gridtrain.parallel.pipeline.runtime import PipelineStage, StageStats
+from gridtrain.parallel.pipeline.schedules import build_schedule, uses_split_backward
+from gridtrain.parallel.split_backward import WeightGradStore
+from gridtrain.runtime.stops import Diverged
+from gridtrain.parallel.tensor_parallel import broadcast_batches
+
+ModelProvider = Callable[[Config, DistributedContext], nn.Module]
+DatasetsProvider = Callable[[Config], Datasets]
+ForwardStep = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+@dataclass
+class StepOutput:
+    """One optimizer step, as every rank sees it."""
+
+    loss: float  # mean token loss of the global batch (the same on every rank)
+    grad_norm: float  # global norm before clipping; inf for an fp16 step skipped on overflow
+    stage: StageStats  # what this rank's pipeline stage did
+
+
+@dataclass
+class Trainer:
+    cfg: Config
+    ctx: DistributedContext
+    model: nn.Module
+    pipeline: PipelineStage
+    reducer: GradientReducer
+    optimizer: torch.optim.Optimizer | DistributedOptimizer
+    scaler: LossScaler | None
+    num_micro_batches: int  # per step on this DP rank
+    data: Datasets | None = None
+    sampler: GlobalBatchSampler | None = None
+    start_step: int = 0  # steps already taken (resumed from a checkpoint)
+    resumed_from: Path | None = None  # the checkpoint this run started from
+    saver: BackgroundSaver | None = None  # --save-async's writer
+    saves: list[SaveReport] = field(default_factory=list)  # every save of this run, in order
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens in one global batch."""
+        return self.cfg.training.global_batch_size * int(self.data.train[0]["labels"].numel())
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's current dynamic loss scale (None for other dtypes)."""
+        return self.scaler.scale if self.scaler is not None else None
+
+    def set_lr(self, step: int) -> float:
+        lr = lr_at(step, self.cfg.training)
+        set_lr(self.optimizer, lr)
+        return lr
+
+    def read_batches(self, step: int) -> list[Batch] | None:
+        """This rank's micro-batches of the global batch of ``step``."""
+        return read_micro_batches(self.data.train, self.sampler, step, self.ctx, batch_shapes(self.cfg))
+
+    def train_step(self, batches: list[Batch] | None) -> StepOutput:
+        """One optimizer step: the stage's schedule (forward, backward and gradient
+        reduction of every micro-batch), clipping, the optimizer."""
+        ctx = self.ctx
+        self.reducer.zero()
+        holds_loss = ctx.grid.is_last_stage(ctx.rank)
+        every_label_counts = self.data is not None and self.data.every_label_counts
+        global_tokens = _global_token_count(batches, ctx, every_label_counts) if holds_loss else 1
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        loss_sum, stats = self.pipeline.run(batches, ctx.grid.dp / global_tokens * scale,
+                                            lambda: reduce_gradients(self.model, self.reducer, ctx))
+        if self.scaler is not None:
+            self.optimizer.unscale(scale)
+        max_norm = self.cfg.training.grad_clip
+        s = step_scalars(self.model, self.optimizer, ctx, loss_sum / global_tokens if holds_loss else None,
+                         check_finite=self.scaler is not None, max_norm=max_norm)
+        if self.scaler is not None:
+            self.scaler.update(s.finite)
+            if not s.finite:
+                return StepOutput(s.loss, float("inf"), stats)
+        clip_gradients(self.model, self.optimizer, s.grad_norm, max_norm)
+        if math.isfinite(s.loss) and math.isfinite(s.grad_norm):  # never apply a NaN (stops.py stops the run)
+            self.optimizer.step()
+        return StepOutput(s.loss, s.grad_norm, stats)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the first ``eval_iters`` global batches of the validation
+        set, forward-only through the pipeline. The same windows are used whatever the
+        layout, each DP rank taking its fixed slice."""
+        t, ctx, dataset = self.cfg.training, self.ctx, self.data.valid
+        ctx.recorder.set_action("validation")
+        self.model.eval()
+        sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.micro_batch_size,
+                                     ctx.grid.dp, ctx.coords.dp, t.seed, shuffle=False)
+        holds_loss = ctx.grid.is_last_stage(ctx.rank)
+        totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
+        for step in range(min(t.eval_iters, max(1, len(dataset) // t.global_batch_size))):
+            batches = read_micro_batches(dataset, sampler, step, ctx, batch_shapes(self.cfg))
+            loss_sum = self.pipeline.forward_only(batches)
+            if holds_loss:
+                totals[0] += loss_sum
+                for b in batches:  # counted on the device: no host read per micro-batch
+                    totals[1] += (b["labels"] != IGNORE_INDEX).sum()
+        self.model.train()
+        if holds_loss:
+            ctx.dp.all_reduce(totals)
+        mean = ctx.pp.broadcast(totals[0] / totals[1].clamp(min=1), src_index=ctx.grid.pp - 1)
+        return host_sync.read("valid_loss", mean, stand_in=0.0)
+
+    def save(self, step: int) -> None:
+        """Write a checkpoint after ``step`` steps, unless some weight is not finite (e.g. an
+        fp16 copy of a master weight beyond fp16's range): then the run has diverged, and
+        ``latest`` stays the last finite checkpoint. The time the loop is blocked (the
+        finiteness check, building the state, waiting for the previous background write,
+        staging or writing) is recorded per save for the run summary."""
+        began = time.perf_counter()
+        self.ctx.recorder.set_action("checkpoint save")
+        self.parameters_ready()
+        if not self._weights_finite():
+            raise Diverged(f"step {step}: some weights are not finite (inf or NaN); not saved, the latest "
+                           f"checkpoint in {self.cfg.training.save} is from before; lower --lr", step)
+        t = self.cfg.training
+        state = checkpoint.state_to_save(self.model, self.optimizer, self.ctx)
+        meta = checkpoint.meta_of(step, self.cfg, self.ctx, self.optimizer, self.scaler)
+        if self.saver is not None:
+            report = self.saver.save(t.save, step, state, meta, keep_last=t.keep_last)
+        else:
+            report = SaveReport(step=step)
+            written = time.perf_counter()
+            report.path = checkpoint.write_state(t.save, step, state, meta, keep_last=t.keep_last)
+            report.write_s = time.perf_counter() - written
+        report.blocked_s = time.perf_counter() - began
+        self.saves.append(report)
+
+    def parameters_ready(self) -> None:
+        """Wait for ZeRO-1's parameter gathers still in flight after the last step (the
+        next forward would wait for them itself; anything else reading the weights calls
+        this first)."""
+        if isinstance(self.optimizer, DistributedOptimizer):
+            self.optimizer.parameters_ready()
+
+    def finish_saves(self) -> None:
+        """Wait for a background save in flight; raise its failure (never silent)."""
+        if self.saver is not None:
+            self.saver.wait()
+
+    def _weights_finite(self) -> bool:
+        """Whether every rank's parameters are all finite (collective over the world)."""
+        flag = torch.ones(1, device=self.ctx.device)
+        for p in self.model.parameters():  # on the device: one host read, below
+            flag.mul_(torch.isfinite(p).all())
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        return host_sync.read("weights_finite", flag, bool, stand_in=True)
+
+
+def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
+          datasets_provider: DatasetsProvider | None = None, *,
+          ctx: DistributedContext | None = None) -> Trainer:
+    """Everything a step needs on this rank (see the module docstring for the order).
+    ``ctx``: a context already set up (e.g. a one-rank grid inside a larger world, as the
+    benchmarks' single-process references use); default: :func:`setup_distributed`."""
+    t = cfg.training
+    ctx = ctx if ctx is not None else setup_distributed(cfg)
+    model = model_provider(cfg, ctx)
+    if t.compile and compile_blocks(model) == 0:
+        raise ValueError("--compile compiles gridtrain's transformer blocks (model.Block), and this model has "
+                         "none; drop --compile or torch.compile your model in its provider")
+    broadcast_parameters(model, ctx.dp)
+    data = datasets_provider(cfg) if datasets_provider is not None else None
+    sampler = None
+    if data is not None:
+        sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.micro_batch_size,
+                                     ctx.grid.dp, ctx.coords.dp, t.seed)
+    micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.grid.dp)
+    pipeline = build_pipeline(model, cfg, ctx, forward_step, micro_batches)
+    reducer = GradientReducer(model, ctx.dp, accumulations=micro_batches,
+                              bucket_mb=cfg.parallel.bucket_mb, shard=t.zero == 1, device=ctx.device,
+                              in_place=not uses_split_backward(cfg.parallel.schedule),
+                              alone=[p for p in [tied_parameter(model, ctx.embedding)] if p is not None])
+    optimizer = make_optimizer(model, reducer, cfg, ctx)
+    if isinstance(optimizer, DistributedOptimizer):
+        gather_before_forwards(model, optimizer)
+    scaler = LossScaler(t.loss_scale, t.loss_scale_window, t.min_loss_scale) if t.dtype == "fp16" else None
+    source = resume_source(cfg)
+    # the scaler resumes too: a fresh loss scale would skip steps the saved run did not
+    start = checkpoint.load_checkpoint(source, model, optimizer, ctx, scaler=scaler) if source is not None else 0
+    if source is None and t.init_from is not None:  # fine-tuning: weights only, step 0, fresh optimizer
+        init = open_source(t.init_from, "--init-from")
+        checkpoint.init_weights(init.tensors, model, optimizer, ctx, where=init.where)
+    saver = BackgroundSaver() if t.save and t.save_async else None  # collective: its own process group
+    return Trainer(cfg=cfg, ctx=ctx, model=model, pipeline=pipeline, reducer=reducer, optimizer=optimizer,
+                   scaler=scaler, num_micro_batches=micro_batches, data=data, sampler=sampler,
+                   start_step=start, resumed_from=source, saver=saver)
+
+
+def resume_source(cfg: Config) -> Path | None:
+    """The checkpoint to start from: ``--load``; with ``--auto-resume``, else the newest
+    complete checkpoint in the ``--save`` directory (None there: a fresh start)."""
+    t = cfg.training
+    if t.load:
+        return Path(t.load)
+    if t.auto_resume and t.save:
+        return checkpoint.latest_step_dir(t.save)
+    return None
+
+
+def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forward_step: ForwardStep,
+                   num_micro_batches: int) -> PipelineStage:
+    """This rank's stage of the schedule; with one stage, a plain gradient-accumulation loop."""
+    p, v, m = ctx.grid.pp, cfg.parallel.vpp, num_micro_batches
+    actions = build_schedule(cfg.parallel.schedule, p, m, v)[ctx.coords.pp]
+    if uses_split_backward(cfg.parallel.schedule):
+        ctx.tp.weight_grads = WeightGradStore()
+    seq = cfg.model.seq_len // (ctx.tp.size if ctx.tp.sequence_parallel else 1)
+    return PipelineStage(model, actions, stage=ctx.coords.pp, num_stages=p, chunks=v, pp=ctx.pp,
+                         activation_shape=(cfg.training.micro_batch_size, seq, cfg.model.d_model),
+                         activation_dtype=ctx.param_dtype, device=ctx.device,
+                         weight_grads=ctx.tp.weight_grads, forward_step=forward_step,
+                         trace=cfg.training.trace is not None, recompute=ctx.recompute)
+
+
+def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext):
+    """torch's AdamW on the parameters for fp32/fp64 without sharding; otherwise AdamW on
+    flat master weights, sharded over DP with ZeRO-1 (distributed_optimizer.py)."""
+    t = cfg.training
+    if t.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64):
+        return build_optimizer(model, t)
+    master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
+    return DistributedOptimizer(reducer, t, dp=ctx.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master)
+
+
+def gather_before_forwards(model: nn.Module, optimizer: DistributedOptimizer) -> None:
+    """ZeRO-1: each transformer block waits for its own parameters' gathers when its
+    forward starts, the stage's model for the rest (embedding, final norm, head), so the
+    gathers of later blocks overlap the forward of earlier ones. Waits sit on whole
+    blocks, outside what ``--compile`` compiles (``Block.layer``)."""
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    for block in blocks:
+        optimizer.gather_before(block, list(block.parameters()))
+    optimizer.gather_before(model, [p for p in model.parameters() if id(p) not in inside])
+
+
+def batch_shapes(cfg: Config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Each key of a micro-batch (data.collate) with its shape and dtype, known to every
+    rank from the configuration (so TP ranks need not be told them)."""
+    shape = (cfg.training.micro_batch_size, cfg.model.seq_len)
+    return {"tokens": (shape, torch.int64), "labels": (shape, torch.int64)}
+
+
+def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int, ctx: DistributedContext,
+                       shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> list[Batch] | None:
+    """This rank's micro-batches of ``step``, on the stages that embed tokens or compute
+    the loss (None elsewhere): read by the TP group's first rank and broadcast (``shapes``:
+    see :func:`batch_shapes`; None: they are broadcast too)."""
+    if not (ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
+        return None
+    ids = sampler.micro_batches(step)
+    batches = None
+    if ctx.tp.rank == 0:
+        batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in collate(dataset, i).items()} for i in ids]
+    return broadcast_batches(batches, len(ids), ctx.tp, ctx.device, shapes)
+
+
+def _global_token_count(batches: list[Batch], ctx: DistributedContext, every_label_counts: bool = False) -> int:
+    """Loss-bearing tokens in the whole global batch (all DP ranks), known before backward:
+    every label when the datasets say so (``Datasets.every_label_counts``: no collective,
+    no host read), else counted and summed over DP."""
+    every_label = ctx.grid.dp * sum(b["labels"].numel() for b in batches)  # also the dry run's stand-in
+    if every_label_counts:
+        return every_label
+    # summed on the device: one host read for the whole step, not one per micro-batch
+    local = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
+    count = local.reshape(1).to(device=ctx.device, dtype=torch.int64)
+    ctx.dp.all_reduce(count)
+    tokens = host_sync.read("token_count", count, int, stand_in=every_label)
+    if tokens == 0:
+        raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
+    return tokens

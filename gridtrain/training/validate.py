@@ -1,0 +1,456 @@
+"""Everything about a configuration that can be checked before a process starts.
+
+Why one module: a bad input found inside the workers costs a traceback per rank (or,
+for an output path, a whole run lost at its first save), while the same input found
+here costs one line on stderr and exit status 2. :func:`validate` is therefore the one
+gate that every entry point passes: ``gridtrain train`` calls it in the launching
+process before any worker is spawned, and :func:`gridtrain.training.loop.pretrain` calls it
+again at its start, so torchrun workers and the Python API are refused with the same
+line. It is idempotent, has no side effects (it creates nothing) and takes well under
+a second for the built-in corpus, so running it in every worker is cheap.
+
+What it checks, in order, each message naming the flag (or ``section.key`` for fields
+without one), the problem and the fix:
+
+* types: every field against its dataclass annotation (config.check_types);
+* ranges: every number within its meaning (steps >= 1, betas in [0, 1), ...);
+* sizes: the grid against the world, heads and MLP against tp, the pipeline split,
+  the batch against micro-batch x dp, recomputation settings;
+* data: the corpus exists, is readable, has a recognised format and holds a
+  validation window plus one global batch of training windows (gridtrain.data's
+  ``count_tokens`` and ``check_enough_tokens``, the same code that refuses at load);
+* the tokenizer exists, parses and fits the vocabulary;
+* outputs: ``--save``, ``--trace``, ``--tensorboard`` and ``--metrics-file`` can be
+  created (the nearest existing ancestor is a writable directory; nothing is made);
+* ``--load`` (or ``--auto-resume``'s checkpoint in ``--save``): complete, undamaged
+  and of the same model (gridtrain.checkpoint.check_loadable);
+* ``--init-from``: a Hugging Face directory checked whole (config, index, every tensor
+  and its shape) or a checkpoint as for ``--load``, holding the run's model
+  (gridtrain.checkpoint.huggingface.check_init_from);
+* host resources: local ``--nproc`` workers on CPU that this host cannot hold.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from gridtrain.checkpoint import CheckpointError, check_loadable, latest_step_dir
+from gridtrain.config import (ARCHS, ATTENTION, DEVICES, DTYPES, RECOMPUTE, RECOMPUTE_METHODS, ROPE_SCALINGS, Config,
+                              ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainingConfig, check_types,
+                              under_torchrun, world_size_of)
+from gridtrain.data import DataError, check_enough_tokens, count_tokens, load_tokenizer
+from gridtrain.runtime.devices import gpu_shortage
+from gridtrain.parallel.grid import GridError, ProcessGrid
+from gridtrain.checkpoint.huggingface import HFError, check_init_from
+from gridtrain.runtime.launch import resolve_device_type
+from gridtrain.training.metrics import require_tensorboard
+from gridtrain.models.decoder import count_parameters
+from gridtrain.parallel.pipeline.partition import METHODS, PartitionError, check_counts
+from gridtrain.parallel.pipeline.schedules import ORDERS, ScheduleError, check_sizes
+
+# How messages name a field: its `gridtrain train` flag; fields that have no flag are
+# named as a YAML file spells them (tests/test_validation.py keeps this in step with cli).
+FLAG_NAMES = {("training", "dist_timeout_s"): "--timeout", ("data", "path"): "--data",
+              ("training", "progress"): "--no-progress"}
+WITHOUT_FLAG = {("model", "vocab_pad_multiple"), ("model", "layernorm_eps"),
+                ("model", "tie_embeddings"), ("model", "rope_scaling"), ("model", "rope_factor"),
+                ("model", "rope_low_freq_factor"), ("model", "rope_high_freq_factor"),
+                ("model", "rope_original_max_positions"), ("model", "max_positions"),
+                ("training", "min_lr_ratio"), ("training", "beta1"),
+                ("training", "beta2"), ("training", "adam_eps"), ("training", "loss_scale_window"),
+                ("training", "temperature"), ("training", "top_k"),
+                ("data", "valid_every")}
+
+# Range of every number: (section, field) -> (rule, hint). Rules: ">= x", "> x",
+# "[a, b]", "[a, b)". None values (optional fields left unset) are not checked.
+RANGES: dict[tuple[str, str], tuple[str, str]] = {
+    ("model", "n_layer"): (">= 1", ""),
+    ("model", "n_head"): (">= 1", ""),
+    ("model", "d_model"): (">= 1", ""),
+    ("model", "seq_len"): (">= 1", ""),
+    ("model", "vocab_size"): (">= 1", ""),
+    ("model", "ffn_hidden"): (">= 1", ""),
+    ("model", "vocab_pad_multiple"): (">= 1", ""),
+    ("model", "layernorm_eps"): ("> 0", ""),
+    ("model", "dropout"): ("[0, 1)", ""),
+    ("model", "n_kv_head"): (">= 1", ""),
+    ("model", "rope_theta"): ("> 0", ""),
+    ("model", "rope_factor"): ("> 0", ""),
+    ("model", "rope_low_freq_factor"): ("> 0", ""),
+    ("model", "rope_high_freq_factor"): ("> 0", ""),
+    ("model", "rope_original_max_positions"): (">= 1", ""),
+    ("model", "max_positions"): (">= 1", ""),
+    ("parallel", "nproc"): (">= 1", ""),
+    ("parallel", "dp"): (">= 1", "; or leave it out to use world / (tp x pp)"),
+    ("parallel", "tp"): (">= 1", ""),
+    ("parallel", "pp"): (">= 1", ""),
+    ("parallel", "vpp"): (">= 1", ""),
+    ("parallel", "bucket_mb"): ("> 0", ""),
+    ("training", "steps"): (">= 1", ""),
+    ("training", "micro_batch_size"): (">= 1", ""),
+    ("training", "global_batch_size"): (">= 1", ""),
+    ("training", "lr"): ("> 0", ""),
+    ("training", "min_lr_ratio"): ("[0, 1]", ""),
+    ("training", "warmup_steps"): (">= 0", ""),
+    ("training", "weight_decay"): (">= 0", ""),
+    ("training", "beta1"): ("[0, 1)", ""),
+    ("training", "beta2"): ("[0, 1)", ""),
+    ("training", "adam_eps"): ("> 0", ""),
+    ("training", "grad_clip"): (">= 0", " (0 turns clipping off)"),
+    ("training", "seed"): (">= 0", ""),
+    ("training", "recompute_layers"): (">= 1", ""),
+    ("training", "loss_scale"): ("> 0", ""),
+    ("training", "loss_scale_window"): (">= 1", ""),
+    ("training", "min_loss_scale"): ("> 0", ""),
+    ("training", "eval_interval"): (">= 0", " (0 turns validation off)"),
+    ("training", "eval_iters"): (">= 1", "; use --eval-interval 0 to turn validation off"),
+    ("training", "save_interval"): (">= 0", " (0 saves at the end only)"),
+    ("training", "keep_last"): (">= 0", " (0 keeps every checkpoint)"),
+    ("training", "sample_tokens"): (">= 0", " (0: no sample)"),
+    ("training", "temperature"): ("> 0", ""),
+    ("training", "top_k"): (">= 1", "; or null for no top-k cut"),
+    ("training", "peak_tflops"): ("> 0", ""),
+    ("training", "dist_timeout_s"): ("> 0", ""),
+    ("data", "valid_every"): (">= 2", " (every Nth window is held out for validation)"),
+}
+
+WORKER_MEMORY = 250 << 20  # one worker's footprint before its model: python, torch, gloo
+CORES_PER_WORKER = 1 / 8  # more than 8 workers per core only thrash
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def field_name(section: str, key: str) -> str:
+    """How a message names a field: ``--flag`` where there is one, else ``section.key``."""
+    if (section, key) in WITHOUT_FLAG:
+        return f"{section}.{key}"
+    return FLAG_NAMES.get((section, key), "--" + key.replace("_", "-"))
+
+
+def _in_range(value: float, rule: str) -> bool:
+    if rule.startswith(">= "):
+        return value >= float(rule[3:])
+    if rule.startswith("> "):
+        return value > float(rule[2:])
+    low, high = (float(x) for x in rule[1:-1].split(","))
+    return low <= value and (value <= high if rule.endswith("]") else value < high)
+
+
+def _validate_ranges(cfg: Config) -> None:
+    for (section, key), (rule, hint) in RANGES.items():
+        value = getattr(getattr(cfg, section), key)
+        if value is not None:
+            within = f"in {rule}" if rule.startswith("[") else rule
+            _require(_in_range(value, rule), f"{field_name(section, key)} must be {within}, got {value}{hint}")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    _require(m.arch in ARCHS, f"--arch {m.arch!r} is not one of {', '.join(ARCHS)}")
+    _require(m.d_model % m.n_head == 0,
+             f"--n-head {m.n_head} does not divide --d-model {m.d_model}; "
+             "choose a head count that divides d_model")
+    _require(m.attention in ATTENTION, f"--attention {m.attention!r} is not one of {', '.join(ATTENTION)}")
+    if m.arch == "llama":
+        _validate_llama(m)
+    else:
+        _require(m.n_kv_head in (None, m.n_head),
+                 f"--n-kv-head {m.n_kv_head}: GPT-2 has one key/value head per query head; "
+                 "drop --n-kv-head or pass --arch llama")
+        _require(m.rope_scaling is None, "model.rope_scaling is for --arch llama (GPT-2 has learned positions); "
+                                         "drop it or pass --arch llama")
+
+
+def _validate_llama(m: ModelConfig) -> None:
+    """Grouped-query attention and rotary positions fit the shape."""
+    _require(m.n_head % m.kv_heads == 0,
+             f"--n-kv-head {m.kv_heads} does not divide --n-head {m.n_head}; "
+             "choose a key/value head count that divides the head count")
+    _require(m.head_dim % 2 == 0,
+             f"rotary embeddings turn pairs of dimensions, but the head size d_model / n_head = "
+             f"{m.d_model} / {m.n_head} = {m.head_dim} is odd; choose an even head size")
+    _require(m.rope_scaling in (None, *ROPE_SCALINGS),
+             f"model.rope_scaling {m.rope_scaling!r} is not one of {', '.join(ROPE_SCALINGS)} (or null)")
+    _require(m.rope_scaling is None or m.rope_high_freq_factor > m.rope_low_freq_factor,
+             f"model.rope_high_freq_factor {m.rope_high_freq_factor} must exceed model.rope_low_freq_factor "
+             f"{m.rope_low_freq_factor}")
+
+
+def _validate_training(t: TrainingConfig) -> None:
+    _require(t.dtype in DTYPES, f"--dtype {t.dtype!r} is not one of {', '.join(DTYPES)}")
+    _require(t.recompute in RECOMPUTE, f"--recompute {t.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    _require(t.zero in (0, 1), f"--zero {t.zero} is not supported; use 0 or 1 (ZeRO-1)")
+    _require(t.seed < 2 ** 63, f"--seed must be < 2**63, got {t.seed}; choose a smaller seed")
+    _validate_recompute(t)
+    _require(t.device in (None, *DEVICES), f"--device {t.device!r} is not one of cpu, cuda")
+
+
+def _validate_recompute(t: TrainingConfig) -> None:
+    _require(t.recompute_method in RECOMPUTE_METHODS,
+             f"--recompute-method {t.recompute_method!r} is not one of {', '.join(RECOMPUTE_METHODS)}")
+    _require(t.recompute == "full" or (t.recompute_method == "uniform" and t.recompute_layers == 1),
+             f"--recompute-method/--recompute-layers choose blocks for --recompute full, "
+             f"not --recompute {t.recompute}; pass --recompute full or drop them")
+    for flag, on in (("--recompute-keep-last", t.recompute_keep_last), ("--recompute-early", t.recompute_early)):
+        _require(not on or t.recompute != "none",
+                 f"{flag} needs recomputation; pass --recompute selective or full")
+    _require(not (t.compile and t.recompute == "selective"),
+             "--compile does not take --recompute selective yet (its recomputed attention core, inside a "
+             "block, breaks the compiled graph); use --recompute full or none with --compile")
+
+
+def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
+    _require(p.schedule in ORDERS, f"--schedule {p.schedule!r} is not one of {', '.join(ORDERS)}")
+    _require(p.nproc is None or not under_torchrun() or p.nproc == world_size,
+             f"--nproc {p.nproc} differs from torchrun's {world_size} workers; drop --nproc under torchrun")
+    try:
+        ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp)
+    except GridError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _validate_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    """Each TP rank must own whole heads, an equal MLP slice and (under SP) sequence slice."""
+    _require(m.n_head % p.tp == 0,
+             f"--tp {p.tp} does not divide --n-head {m.n_head}; choose a tp that divides the head count")
+    kv = m.kv_heads
+    fix = f"choose a tp that divides {kv} or is a multiple of it"
+    if p.tp <= kv:
+        _require(kv % p.tp == 0, f"--tp {p.tp} does not divide --n-kv-head {kv}; {fix}")
+    else:
+        _require(p.tp % kv == 0, f"--tp {p.tp} exceeds --n-kv-head {kv} but is not a multiple of it (each "
+                                 f"key/value head is replicated on tp / n_kv_head ranks); {fix}")
+    _require(m.ffn_size % p.tp == 0,
+             f"--tp {p.tp} does not divide the MLP width {m.ffn_size}; choose a tp that divides it")
+    _require(not p.sequence_parallel or m.seq_len % p.tp == 0,
+             f"--sequence-parallel: --tp {p.tp} does not divide --seq-len {m.seq_len}; "
+             "choose a sequence length that tp divides")
+
+
+def _validate_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainingConfig, dp: int) -> None:
+    """Schedule, chunk count and layer split fit the model and the micro-batch count."""
+    stages = p.pp * p.vpp
+    if t.global_batch_size % (t.micro_batch_size * dp) == 0:
+        try:
+            check_sizes(p.schedule, p.pp, t.global_batch_size // (t.micro_batch_size * dp), p.vpp)
+        except ScheduleError as e:
+            raise ConfigError(str(e)) from None
+    if p.pp_layers is not None:
+        try:
+            check_counts(p.pp_layers, stages, m.n_layer)
+        except PartitionError as e:
+            raise ConfigError(str(e)) from None
+    else:
+        _require(p.pp_partition in METHODS,
+                 f"--pp-partition {p.pp_partition!r} is not one of {', '.join(METHODS)}")
+        _require(m.n_layer >= stages, f"--n-layer {m.n_layer} is fewer than pp x vpp = {stages} stages; "
+                                      "lower --pp/--vpp or give --pp-layers")
+    _require(not t.recompute_early or p.pp > 1,
+             "--recompute-early overlaps recomputation with the wait for the next stage's gradient; "
+             "it needs --pp > 1")
+    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+             f"--global-batch-size {t.global_batch_size} is not divisible by "
+             f"--micro-batch-size {t.micro_batch_size} x dp {dp}; make it a multiple of "
+             f"{t.micro_batch_size * dp}")
+
+
+def _validate_data(d: DataConfig, m: ModelConfig, t: TrainingConfig) -> None:
+    """The tokenizer fits the vocabulary and the corpus holds enough windows.
+
+    The corpus is counted as gridtrain.data counts it at load, and refused with the
+    same message (see data.count_tokens for what is read and what is bounded).
+    """
+    if d.tokenizer is not None:
+        _require(Path(d.tokenizer).is_file(), f"--tokenizer {d.tokenizer}: no such file")
+    try:
+        tokenizer = load_tokenizer(d.tokenizer)
+        _require(tokenizer.vocab_size <= m.vocab_size,
+                 f"the tokenizer has {tokenizer.vocab_size} tokens but --vocab-size is "
+                 f"{m.vocab_size}; pass --vocab-size {tokenizer.vocab_size}")
+        count, exact = count_tokens(d.path, tokenizer)
+        check_enough_tokens(count, d.path, m.seq_len, t.global_batch_size, d.valid_every, exact)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:  # e.g. a folder on the way that may not be listed
+        raise ConfigError(f"--data {d.path}: cannot be read ({e.strerror or e}); fix its permissions") from None
+
+
+def _check_writable(flag: str, path: str, directory: bool) -> None:
+    """``path`` can be written as a directory (or a file) without creating anything now:
+    it is one already, or its nearest existing ancestor is a writable directory."""
+    target = Path(path)
+    if target.exists():
+        if directory:
+            _require(target.is_dir(), f"{flag} {path}: exists and is not a directory; "
+                                      "choose a directory path (or remove the file)")
+        else:
+            _require(not target.is_dir(), f"{flag} {path}: is a directory; give a file path")
+        _require(os.access(target, os.W_OK | (os.X_OK if directory else 0)),
+                 f"{flag} {path}: not writable; fix its permissions or choose another path")
+        return
+    ancestor = target.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    _require(ancestor.is_dir(), f"{flag} {path}: {ancestor} is a file, not a directory; choose another path")
+    _require(os.access(ancestor, os.W_OK | os.X_OK),
+             f"{flag} {path}: cannot be created, {ancestor} is not writable; choose a writable location")
+
+
+def _validate_outputs(t: TrainingConfig) -> None:
+    """Every output can be written, so that no run is lost at its first save; the
+    packages optional outputs need are installed."""
+    for flag, path, directory in (("--save", t.save, True), ("--trace", t.trace, True),
+                                  ("--tensorboard", t.tensorboard, True),
+                                  ("--metrics-file", t.metrics_file, False)):
+        if path is not None:
+            _require(path != "", f"{flag}: empty path; give a path or leave the flag out")
+            try:
+                _check_writable(flag, path, directory)
+            except OSError as e:  # a folder on the way that may not be searched
+                raise ConfigError(f"{flag} {path}: cannot be checked ({e.strerror or e}); "
+                                  "choose a writable location") from None
+    if t.tensorboard is not None:
+        try:
+            require_tensorboard()
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _validate_checkpoint(cfg: Config) -> None:
+    """The checkpoint the run would start from is complete, undamaged and of this model:
+    ``--load``, or with ``--auto-resume`` the newest one in ``--save`` (none: a fresh start)."""
+    t = cfg.training
+    try:
+        if t.load is not None:
+            check_loadable(t.load, cfg)
+        elif t.auto_resume and t.save is not None:
+            source = latest_step_dir(t.save)
+            if source is not None:
+                check_loadable(source, cfg)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    _require(not t.auto_resume or t.save is not None or t.load is not None,
+             "--auto-resume resumes from the --save directory; pass --save DIR")
+    _require(not t.save_async or t.save is not None, "--save-async writes checkpoints to --save; pass --save DIR")
+    _require(not t.keep_last or t.save is not None, "--keep-last prunes the --save directory; pass --save DIR")
+
+
+def _validate_init_from(cfg: Config) -> None:
+    """``--init-from``: not beside ``--load``; its source is whole (a Hugging Face
+    directory's config, index and tensors; a checkpoint's manifest) and holds this model."""
+    t = cfg.training
+    if t.init_from is None:
+        return
+    _require(t.load is None, "--init-from starts a new run from a model's weights and --load resumes a run; "
+                             "pass one of them")
+    try:
+        check_init_from(cfg)
+    except (HFError, CheckpointError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new processes (MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def worker_memory(cfg: Config) -> int:
+    """A rough lower bound on one CPU worker's memory: the interpreter with torch, plus its
+    share of weights, gradients and two Adam moments in fp32 (16 bytes a parameter)."""
+    p = cfg.parallel
+    return WORKER_MEMORY + 16 * count_parameters(cfg.model) // (p.tp * p.pp)
+
+
+def _validate_host(cfg: Config) -> None:
+    """Local workers on CPU that this host cannot hold are refused before forking them.
+
+    Only for ``--nproc`` in the launching process: under torchrun (or inside a worker,
+    where RANK is set) the world is the launcher's business.
+    """
+    p, t = cfg.parallel, cfg.training
+    if p.nproc is None or under_torchrun() or "RANK" in os.environ:
+        return
+    if resolve_device_type(t.device) != "cpu":
+        return
+    cores = os.cpu_count() or 1
+    limit = int(cores / CORES_PER_WORKER)
+    memory = available_memory()
+    need = worker_memory(cfg)
+    if memory is not None:
+        limit = min(limit, max(memory // need, 1))
+    if p.nproc > limit:
+        held = f"{cores} CPU cores" + (f", {memory / 2 ** 30:.1f} GiB available at about "
+                                       f"{math.ceil(need / 2 ** 20)} MiB a worker" if memory is not None else "")
+        raise ConfigError(f"--nproc {p.nproc} is more workers than this host can run ({held}); "
+                          f"lower --nproc to at most {limit}, or launch across hosts with torchrun")
+
+
+def local_workers(p: ParallelConfig) -> tuple[int, str]:
+    """How many workers of this run share this node's GPUs, and where that number comes
+    from (for the message): torchrun's LOCAL_WORLD_SIZE (``--nproc-per-node``), else
+    ``--nproc``, else one process."""
+    if under_torchrun() or (p.nproc is None and "LOCAL_WORLD_SIZE" in os.environ):
+        n = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return n, f"LOCAL_WORLD_SIZE={n} (torchrun --nproc-per-node)"
+    if p.nproc is not None:
+        return p.nproc, f"--nproc {p.nproc}"
+    return 1, "one process"
+
+
+def _validate_cuda(p: ParallelConfig, t: TrainingConfig) -> None:
+    """A run on cuda -- asked for, or the default where a GPU is visible -- needs one GPU
+    per worker on this node (NCCL refuses two ranks on one GPU); refused here, before any
+    worker is spawned, with the rule the workers themselves apply
+    (:func:`gridtrain.runtime.devices.gpu_shortage`)."""
+    if resolve_device_type(t.device) != "cuda":
+        return
+    _require(torch.cuda.is_available(), "--device cuda: no CUDA device is available; use --device cpu")
+    workers, source = local_workers(p)
+    problem = gpu_shortage(workers, torch.cuda.device_count(), source)
+    _require(problem is None, problem or "")
+
+
+def validate(cfg: Config, world_size: int | None = None, *, data: bool = True) -> Config:
+    """Check everything that can be checked without starting a process; raise ConfigError.
+
+    ``world_size`` defaults to the world the run will have (torchrun's WORLD_SIZE, else
+    ``--nproc``, else 1); callers that build a smaller grid inside a larger world pass it.
+    ``data=False`` skips the corpus and tokenizer (the ``data`` section and its fit to the
+    vocabulary), for Python-API runs whose own datasets provider ignores that section.
+    Returns ``cfg`` (numbers given as ints or numeric strings for float fields become
+    floats; nothing else changes), so calling it twice is the same as once.
+    """
+    check_types(cfg)
+    if world_size is None:
+        world_size = world_size_of(cfg)
+    p, t, m = cfg.parallel, cfg.training, cfg.model
+    _validate_ranges(cfg)
+    _validate_model(m)
+    _validate_training(t)
+    _validate_parallel(p, world_size)
+    _validate_host(cfg)
+    _validate_cuda(p, t)
+    _validate_tensor_parallel(m, p)
+    _validate_pipeline(m, p, t, world_size // (p.tp * p.pp))
+    if data:
+        _validate_data(cfg.data, m, t)
+    _validate_outputs(t)
+    _validate_checkpoint(cfg)
+    _validate_init_from(cfg)
+    return cfg
