@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.config import preset_config
-from gridtrain.training.loop import Datasets, pretrain
+from gridtrain import Datasets, pretrain
 
 VOCAB, SEQ = 32, 16
 

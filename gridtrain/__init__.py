@@ -1,13 +1,31 @@
-"""gridtrain: train GPT-style language models on a data x pipeline x tensor parallel grid."""
+"""gridtrain: train GPT-style language models on a data x pipeline x tensor parallel grid.
+
+The public Python API, importable from the package itself:
+
+* :func:`pretrain` (``gridtrain.training.loop``): the training loop with your providers;
+* :class:`Datasets` (``gridtrain.data``): what a datasets provider returns;
+* :func:`load_model` (``gridtrain.checkpoint.huggingface``): a trained model as an
+  ``nn.Module`` that returns logits.
+
+Where everything else lives is in the subpackages' docstrings and docs/design.md.
+"""
 
 __version__ = "0.1.0"
 
+# name -> module that defines it; imported on first use, so that ``import gridtrain``
+# does not import torch (spawned workers import the package before they may import torch)
+_PUBLIC = {
+    "pretrain": "gridtrain.training.loop",
+    "Datasets": "gridtrain.data",
+    "load_model": "gridtrain.checkpoint.huggingface",
+}
+
+__all__ = sorted(_PUBLIC)
+
 
 def __getattr__(name: str):
-    """``gridtrain.load_model`` without importing torch at ``import gridtrain`` (the
-    spawned workers import the package before they may import torch)."""
-    if name == "load_model":
-        from gridtrain.checkpoint.huggingface import load_model
+    if name in _PUBLIC:
+        import importlib
 
-        return load_model
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'gridtrain' has no attribute {name!r}")

@@ -137,3 +137,17 @@ def test_the_layering_check_finds_a_violation():
     graph = {"gridtrain.runtime.watchdog": {"gridtrain.parallel.comm"},
              "gridtrain.parallel.comm": {"gridtrain.runtime.watchdog"}}
     assert layering_violations(graph) == ["gridtrain.runtime.watchdog imports gridtrain.parallel.comm"]
+
+
+def test_the_public_api_imports_from_the_package_without_torch():
+    """``gridtrain.pretrain``, ``gridtrain.Datasets`` and ``gridtrain.load_model`` are the
+    names users and the examples import; ``import gridtrain`` alone must not import torch
+    (spawned workers import the package first)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gridtrain; assert 'torch' not in sys.modules; "
+            "from gridtrain import Datasets, load_model, pretrain; "
+            "from gridtrain.data import Datasets as D; assert D is Datasets; print(pretrain.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "pretrain"
