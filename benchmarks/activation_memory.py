@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import common  # benchmarks/common.py: the script's own folder is on sys.path
-from gridtrain.config import preset_config
+from gridtrain.config import preset_config, set_fields
 from gridtrain.training.validate import validate
 from gridtrain.memory.activations import dropout_mask_bytes, korthikanti_bytes
 from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
@@ -33,10 +33,8 @@ def _config(dtype: str, tp: int, sp: bool, mode: str, opts: argparse.Namespace):
     cfg = preset_config("small")
     cfg.model.attention, cfg.model.dropout = "math", opts.dropout
     cfg.parallel.nproc, cfg.parallel.tp, cfg.parallel.sequence_parallel = tp, tp, sp
-    t = cfg.training
-    t.dtype, t.recompute, t.steps = dtype, mode, 1
-    t.micro_batch_size, t.global_batch_size = opts.micro_batch_size, 2 * opts.micro_batch_size
-    t.eval_interval, t.eval_iters, t.progress = 0, 1, False
+    set_fields(cfg, dtype=dtype, recompute=mode, steps=1, micro_batch_size=opts.micro_batch_size,
+               global_batch_size=2 * opts.micro_batch_size, eval_interval=0, eval_iters=1, progress=False)
     return validate(cfg, world_size=tp)
 
 

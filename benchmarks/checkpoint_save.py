@@ -356,7 +356,7 @@ def parse_args(argv: list[str] | None = None) -> dict:
 
 def check(opts: dict, work: Path) -> None:
     """Validate the command as ``gridtrain train`` would (raises ConfigError)."""
-    from gridtrain.cli.main import build_parser, config_from_args
+    from gridtrain.cli.parser import build_parser, config_from_args
     from gridtrain.training.validate import validate
 
     args = build_parser().parse_args(command(opts, "async", work / "ckpt", work / "metrics.jsonl")[3:])

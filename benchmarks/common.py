@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.parallel.comm import single
-from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config
+from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config, set_fields
 from gridtrain.parallel.distributed import DistributedContext, setup_distributed, shutdown
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.runtime.launch import run_workers
@@ -104,8 +104,7 @@ def make_config(opts: dict, parallel: ParallelConfig, model: dict | None = None,
     cfg.parallel = parallel
     recipe = dict(steps=100, warmup_steps=1, seed=opts["seed"], dtype="fp32", device="cpu", grad_clip=0.0,
                   dist_timeout_s=opts.get("timeout", TrainingConfig.dist_timeout_s), progress=False)
-    cfg.training = TrainingConfig(**{**recipe, **training})
-    return cfg
+    return set_fields(cfg, **{**recipe, **training})
 
 
 def random_batches(cfg: Config, sequences: int) -> list[dict]:

@@ -141,7 +141,7 @@ def ddp_setup(cfg: Config, batches: list[dict], n_mb: int, bucket_mb: float, see
     gpt = Decoder(cfg.model)
     init_parameters(gpt, seed)
     ddp = DistributedDataParallel(gpt, bucket_cap_mb=bucket_mb)
-    opt = build_optimizer(gpt, cfg.training)
+    opt = build_optimizer(gpt, cfg.optim)
     local_tokens = sum(b["labels"].numel() for b in batches)
     global_tokens = DP * local_tokens
 
@@ -174,7 +174,7 @@ def ddp_buckets(ddp: DistributedDataParallel) -> list[int]:
 def floor_setup(cfg: Config, batches: list[dict], seed: int) -> Setup:
     gpt = Decoder(cfg.model)
     init_parameters(gpt, seed)
-    opt = build_optimizer(gpt, cfg.training)
+    opt = build_optimizer(gpt, cfg.optim)
     local_tokens = sum(b["labels"].numel() for b in batches)
 
     def step() -> tuple[None, dict]:

@@ -18,7 +18,7 @@ import time
 
 import common  # noqa: F401  benchmarks/common.py: the script's own folder is on sys.path
 from gridtrain import dryrun
-from gridtrain.config import preset_config
+from gridtrain.config import preset_config, set_fields
 from gridtrain.parallel.grid import ProcessGrid
 
 LAYOUTS = [  # (preset, world, tp, pp, extra training settings)
@@ -44,8 +44,7 @@ def main() -> None:
         cfg.parallel.tp, cfg.parallel.pp = tp, pp
         cfg.model.attention = "math"
         cfg.training.device, cfg.training.dtype, cfg.training.micro_batch_size = "cpu", "bf16", 1
-        for key, value in extra.items():
-            setattr(cfg.parallel if hasattr(cfg.parallel, key) else cfg.training, key, value)
+        set_fields(cfg, **extra)
         grid = ProcessGrid.build(world, tp=tp, pp=pp)
         cfg.training.global_batch_size = 8 * grid.dp
         began = time.perf_counter()
@@ -55,8 +54,8 @@ def main() -> None:
             assert {k: r[k] for k in dryrun.expected_bytes(cfg, grid, r["rank"])} == \
                 dryrun.expected_bytes(cfg, grid, r["rank"])
             formula = dryrun.expected_activation_peak(cfg, grid, r["rank"], "cpu")
-            print(f"| {preset} | {grid.dp} x {pp} x {tp} ({world}) | {cfg.training.zero} | "
-                  f"{cfg.training.recompute}{' + SP' if cfg.parallel.sequence_parallel else ''} | {r['pp']} | {r['parameters']:,} | {gib(r['parameter_bytes'])} | "
+            print(f"| {preset} | {grid.dp} x {pp} x {tp} ({world}) | {cfg.parallel.zero} | "
+                  f"{cfg.activations.recompute}{' + SP' if cfg.parallel.sequence_parallel else ''} | {r['pp']} | {r['parameters']:,} | {gib(r['parameter_bytes'])} | "
                   f"{gib(r['gradient_bytes'])} | {gib(r['optimizer_bytes'])} | "
                   f"{gib(r['activation_peak_bytes'])} | {gib(formula)} | "
                   f"{r['activation_peak_bytes'] / formula:.4f} | {gib(r['peak_bytes'])} | {seconds:.0f} |", flush=True)

@@ -83,7 +83,7 @@ def dry_run_bytes(job: Job, lay: Layout) -> float:
 
     cfg = config_of(job, lay)
     cfg.training.device = "cpu"
-    cfg.training.progress = False
+    cfg.metrics.progress = False
     data = dry_run(cfg, lay.gpus, "edges", None, out=lambda *a, **k: None)
     return max(r["parameter_bytes"] + r["gradient_bytes"] + r["optimizer_bytes"] + r["activation_peak_bytes"]
                for r in data["ranks"])

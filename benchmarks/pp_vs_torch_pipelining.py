@@ -212,7 +212,7 @@ def _worker(rank: int, world: int, opts: dict) -> dict:
         gpt = Decoder(m, chunks=[spec])
         init_parameters(gpt, opts["seed"])  # the last stage's head starts as the token table
         module = OneTensorStage(gpt)
-        opt = build_optimizer(module, cfg.training)
+        opt = build_optimizer(module, cfg.optim)
         stage = PipelineStage(module, rank, PP, torch.device("cpu"))
         clock = ActionClock()
         stage.forward_one_chunk = clock.wrap("F", stage.forward_one_chunk)

@@ -50,7 +50,7 @@ import torch
 import common  # benchmarks/common.py: the script's own folder is on sys.path
 from common import Side, med, mib
 from gridtrain.memory import activations as memory
-from gridtrain.config import Config, ParallelConfig, TrainingConfig
+from gridtrain.config import Config, OptimConfig, ParallelConfig
 from gridtrain.models.decoder import IGNORE_INDEX
 from gridtrain.parallel.rng import RNGState
 from gridtrain.training.trainer import Trainer
@@ -77,7 +77,7 @@ def make_config(opts: dict, mode: str) -> Config:
     model = {"dropout": opts["dropout"], "attention": opts["attention"]}
     return common.make_config(opts, ParallelConfig(nproc=1), model, micro_batch_size=opts["micro_batch_size"],
                               global_batch_size=opts["global_batch_size"], recompute=mode,
-                              grad_clip=TrainingConfig.grad_clip)
+                              grad_clip=OptimConfig.grad_clip)
 
 
 def run_steps(s: Setup, batches: list[dict], steps: int) -> float:

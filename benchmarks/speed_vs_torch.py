@@ -96,7 +96,7 @@ import torch.nn.functional as F
 
 import common  # benchmarks/common.py: the script's own folder is on sys.path
 from common import med
-from gridtrain.config import Config, ParallelConfig, TrainingConfig
+from gridtrain.config import Config, OptimConfig, ParallelConfig
 from gridtrain.models.decoder import Decoder, ChunkSpec, init_parameters
 from gridtrain.optim.optimizer import lr_at, param_groups
 from gridtrain.parallel.pipeline.partition import uniform
@@ -187,10 +187,10 @@ Step = Callable[[list[dict]], float]  # one optimizer step on this rank's micro-
 def recipe(opts: dict, parallel: ParallelConfig) -> Config:
     """The model and recipe of ``gridtrain train`` with the flags above: default grad clip,
     warm-up and cosine over --steps, the seed."""
-    t = TrainingConfig()
+    o = OptimConfig()
     return common.make_config(opts, parallel, {"vocab_size": VOCAB}, micro_batch_size=MICRO_BATCH,
-                              global_batch_size=GLOBAL_BATCH, steps=opts["steps"], warmup_steps=t.warmup_steps,
-                              grad_clip=t.grad_clip)
+                              global_batch_size=GLOBAL_BATCH, steps=opts["steps"], warmup_steps=o.warmup_steps,
+                              grad_clip=o.grad_clip)
 
 
 def finish_step(opt: torch.optim.Optimizer, sched, clip: Callable[[], object], loss: torch.Tensor,
@@ -203,11 +203,12 @@ def finish_step(opt: torch.optim.Optimizer, sched, clip: Callable[[], object], l
     return read(loss)
 
 
-def optimizer(model: torch.nn.Module, t: TrainingConfig):
+def optimizer(model: torch.nn.Module, cfg: Config):
     """torch's AdamW as a user writes it (its default implementation) with gridtrain's
     hyper-parameters and parameter groups, and gridtrain's learning-rate schedule."""
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, t) / t.lr)
+    o, steps = cfg.optim, cfg.training.steps
+    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.adam_eps)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_at(step, o, steps) / o.lr)
 
 
 def gpt(cfg: Config, chunk: ChunkSpec | None = None) -> Decoder:
@@ -240,13 +241,13 @@ def whole_model(cfg: Config, plain: bool) -> tuple[torch.nn.Module, Callable[[to
 
 
 def accumulation_step(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module, dict], torch.Tensor],
-                      t: TrainingConfig, tokens_per_rank: int, global_tokens: int,
+                      cfg: Config, tokens_per_rank: int, global_tokens: int,
                       no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                       reduce_loss: Callable[[torch.Tensor], None] = lambda loss: None) -> Step:
     """Gradient accumulation over the micro-batches (``no_sync`` around all but the last),
     each micro-batch's summed token loss scaled by 1 / ``tokens_per_rank``; the loss read is
     the sum over ``reduce_loss``'s ranks / ``global_tokens``."""
-    opt, sched = optimizer(model, t)
+    opt, sched = optimizer(model, cfg)
     params = list(model.parameters())
 
     def step(batches: list[dict]) -> float:
@@ -257,7 +258,7 @@ def accumulation_step(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module
                 (summed * (1.0 / tokens_per_rank)).backward()
             loss += summed.detach().double()
         reduce_loss(loss)
-        return finish_step(opt, sched, lambda: torch.nn.utils.clip_grad_norm_(params, t.grad_clip), loss,
+        return finish_step(opt, sched, lambda: torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip), loss,
                            lambda x: float(x) / global_tokens)
 
     return step
@@ -265,7 +266,7 @@ def accumulation_step(model: torch.nn.Module, loss_of: Callable[[torch.nn.Module
 
 def plain_peer(cfg: Config, rank: int, world: int, plain_model: bool) -> Step:
     tokens = GLOBAL_BATCH * cfg.model.seq_len
-    return accumulation_step(*whole_model(cfg, plain_model), cfg.training, tokens, tokens)
+    return accumulation_step(*whole_model(cfg, plain_model), cfg, tokens, tokens)
 
 
 def ddp_peer(cfg: Config, rank: int, world: int, plain_model: bool) -> Step:
@@ -274,7 +275,7 @@ def ddp_peer(cfg: Config, rank: int, world: int, plain_model: bool) -> Step:
     model, loss_of = whole_model(cfg, plain_model)
     ddp = DistributedDataParallel(model)
     tokens = GLOBAL_BATCH * cfg.model.seq_len
-    return accumulation_step(ddp, loss_of, cfg.training, tokens // world, tokens, ddp.no_sync, dist.all_reduce)
+    return accumulation_step(ddp, loss_of, cfg, tokens // world, tokens, ddp.no_sync, dist.all_reduce)
 
 
 def pp_peer(cfg: Config, rank: int, world: int, plain_model: bool) -> Step:
@@ -282,12 +283,11 @@ def pp_peer(cfg: Config, rank: int, world: int, plain_model: bool) -> Step:
 
     from pp_vs_torch_pipelining import OneTensorStage, mean_token_cross_entropy
 
-    t = cfg.training
     counts = uniform(cfg.model.n_layer, world)
     first, last = rank == 0, rank == world - 1
     model = gpt(cfg, ChunkSpec(tuple(range(sum(counts[:rank]), sum(counts[:rank + 1]))), first, last))
     module = OneTensorStage(model)
-    opt, sched = optimizer(module, t)
+    opt, sched = optimizer(module, cfg)
     schedule = Schedule1F1B(PipelineStage(module, rank, world, torch.device("cpu")), GLOBAL_BATCH // MICRO_BATCH,
                             loss_fn=mean_token_cross_entropy)
     tied = model.embedding.word.weight if first else model.head
@@ -297,7 +297,7 @@ def pp_peer(cfg: Config, rank: int, world: int, plain_model: bool) -> Step:
     def clip() -> None:
         norm_sq = torch.nn.utils.get_total_norm([p.grad for p in counted]).square()
         dist.all_reduce(norm_sq)
-        torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip, norm_sq.sqrt())
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.optim.grad_clip, norm_sq.sqrt())
 
     def step(batches: list[dict]) -> float:
         losses: list[torch.Tensor] = []
@@ -322,7 +322,7 @@ def tp_peer(cfg: Config, rank: int, world: int, plain_model: bool) -> Step:
     model = plain_gpt(cfg, world)
     mesh = init_device_mesh("cpu", (world,))
     parallelize_dtensor(model, mesh, loss_parallel=True, prepare_attn_input=False)
-    opt, sched = optimizer(model, cfg.training)
+    opt, sched = optimizer(model, cfg)
     # the plan turns the linears and the embedding into DTensors; the norms and the position
     # table stay plain replicated tensors, and clip_grad_norm_ refuses the mix: clip each
     # kind with the norm over both
@@ -332,8 +332,8 @@ def tp_peer(cfg: Config, rank: int, world: int, plain_model: bool) -> Step:
     def clip() -> None:
         norm = torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor().hypot(
             torch.nn.utils.get_total_norm([p.grad for p in replicated]))
-        torch.nn.utils.clip_grads_with_norm_(replicated, cfg.training.grad_clip, norm)
-        torch.nn.utils.clip_grads_with_norm_(sharded, cfg.training.grad_clip,
+        torch.nn.utils.clip_grads_with_norm_(replicated, cfg.optim.grad_clip, norm)
+        torch.nn.utils.clip_grads_with_norm_(sharded, cfg.optim.grad_clip,
                                              DTensor.from_local(norm, mesh, [Replicate()]))
 
     def step(batches: list[dict]) -> float:

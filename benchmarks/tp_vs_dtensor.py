@@ -67,7 +67,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import common  # benchmarks/common.py: the script's own folder is on sys.path
 from common import Side, med, mib
-from gridtrain.config import Config, ParallelConfig, TrainingConfig
+from gridtrain.config import Config, OptimConfig, ParallelConfig
 from gridtrain.models.decoder import Decoder, init_parameters
 from gridtrain.optim.optimizer import build_optimizer
 from gridtrain.training.trainer import Trainer
@@ -252,7 +252,7 @@ def plain_step(model: nn.Module, loss_fn: Callable[[], torch.Tensor],
                context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Step:
     """The peers' step: zero grads, forward and loss (inside ``context``), backward, AdamW
     with gridtrain's parameter groups and defaults."""
-    opt = build_optimizer(model, TrainingConfig())
+    opt = build_optimizer(model, OptimConfig())
 
     def step():
         t0 = time.perf_counter()

@@ -60,7 +60,7 @@ def forward_step(model: nn.Module, batch: dict) -> torch.Tensor:
 
 if __name__ == "__main__":
     cfg = preset_config("tiny")
-    cfg.training.steps, cfg.training.lr, cfg.training.eval_interval = 60, 0.05, 30
-    cfg.training.progress = False
+    cfg.training.steps, cfg.optim.lr, cfg.eval.eval_interval = 60, 0.05, 30
+    cfg.metrics.progress = False
     result = pretrain(model_provider, datasets_provider, forward_step, cfg)
     print(f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, valid {result.valid_loss:.3f}")

@@ -3,6 +3,6 @@
 if __name__ == "__main__":
     import sys
 
-    from gridtrain.cli.main import main
+    from gridtrain.cli.parser import main
 
     sys.exit(main())

@@ -16,7 +16,6 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -34,34 +33,83 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line naming problem and fix."""
 
 
+# ------------------------------------------------------------------- declarations
+#
+# Each field is declared once, here, with everything the rest of the package needs to
+# know about it: its `gridtrain train` flag, the help line, its README row, the range or
+# the choices that validation enforces, and the section it lived in before the sections
+# were split by topic. The parser (gridtrain.cli.parser), the checks
+# (gridtrain.training.validate) and the README's flag table (:func:`flag_table`) read
+# these declarations; adding a field is adding one ``option(...)`` line.
+
+DERIVED = "derived"  # the flag of a field is --its-name unless the declaration says otherwise
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = DERIVED, doc: str | None = None,
+           metavar: str | None = None, range: str | None = None, hint: str = "",
+           choices: tuple[str, ...] | None = None, was: str | None = None) -> Any:
+    """A dataclass field with its declaration in ``metadata``.
+
+    ``flag``: the `gridtrain train` flag (default ``--field-name``; None: set in a config
+    file only). A bool field's flag is a switch that sets the opposite of its default.
+    ``help``: the flag's help line; ``doc``: its README meaning (default: ``help``).
+    ``range``: ">= x", "> x", "[a, b]" or "[a, b)", with ``hint`` appended to the message;
+    ``choices``: the values a string field may take. ``was``: the section that held the
+    field before the split by topic, so that old config files and checkpoints that spell it
+    there still load.
+    """
+    meta = dict(flag=flag, help=help, doc=doc or help, metavar=metavar, range=range, hint=hint, choices=choices,
+                was=was)
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def flag_of(f: dataclasses.Field) -> str | None:
+    """The field's `gridtrain train` flag, or None when only a config file sets it."""
+    flag = f.metadata.get("flag", None)
+    return "--" + f.name.replace("_", "-") if flag == DERIVED else flag
+
+
 @dataclass
 class ModelConfig:
     """Shape of a decoder: GPT-2 (pre-LayerNorm, GELU MLP, learned positions, biases) or
     Llama (RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no biases)."""
 
-    n_layer: int = 2
-    n_head: int = 4
-    d_model: int = 64
-    seq_len: int = 64
-    vocab_size: int = 257
-    ffn_hidden: int | None = None  # defaults: 4 * d_model (gpt2); 8/3 * d_model rounded up to 256 (llama)
-    dropout: float = 0.0
-    attention: str = "sdpa"  # sdpa: torch's fused kernel | math: unfused ops (Megatron's core attention)
-    vocab_pad_multiple: int = 64  # padded vocab is a multiple of this times tp
-    layernorm_eps: float = 1e-5  # epsilon of the block norms: LayerNorm (gpt2) or RMSNorm (llama)
-    tie_embeddings: bool = True
-    arch: str = "gpt2"  # gpt2 | llama
+    n_layer: int = option(2, help="transformer blocks", range=">= 1")
+    n_head: int = option(4, help="attention heads", range=">= 1")
+    d_model: int = option(64, help="hidden size", range=">= 1")
+    seq_len: int = option(64, help="sequence length", range=">= 1")
+    vocab_size: int = option(257, help="vocabulary size (before padding)", range=">= 1")
+    ffn_hidden: int | None = option(None, help="MLP width (default: 4 d_model for gpt2, 8/3 d_model for llama)",
+                                    range=">= 1", metavar="F")
+    dropout: float = option(0.0, help="dropout probability", range="[0, 1)", metavar="P")
+    attention: str = option("sdpa", choices=ATTENTION, metavar="A",
+                            help="sdpa | math (math: op by op, as the memory formula)",
+                            doc="`sdpa` (default: torch's fused kernel) or `math` (op by op, what the memory "
+                                "formula counts)")
+    vocab_pad_multiple: int = option(64, flag=None, range=">= 1", help="the padded vocabulary is a multiple of "
+                                     "this times tp")
+    layernorm_eps: float = option(1e-5, flag=None, range="> 0",
+                                  help="epsilon of the block norms: LayerNorm (gpt2) or RMSNorm (llama)")
+    tie_embeddings: bool = option(True, flag=None, help="the output head shares the token embedding's weights")
+    arch: str = option("gpt2", choices=ARCHS, metavar="A", help="gpt2 | llama (default: the preset's)",
+                       doc="`gpt2` or `llama` (default: the preset's)")
     # llama only (docs/llama.md): key/value heads (grouped-query attention; None = n_head),
     # rotary base, Llama 3's rope scaling ("llama3" or None) and its parameters, and the
     # context the model was published for (Hugging Face's max_position_embeddings; None = seq_len)
-    n_kv_head: int | None = None
-    rope_theta: float = 10000.0
-    rope_scaling: str | None = None
-    rope_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_positions: int = 8192
-    max_positions: int | None = None
+    n_kv_head: int | None = option(None, range=">= 1", metavar="K",
+                                   help="key/value heads (llama: grouped-query attention; default n_head)")
+    rope_theta: float = option(10000.0, range="> 0", help="rotary base (llama)")
+    rope_scaling: str | None = option(None, flag=None, help="llama: Llama 3's rope scaling (`llama3`) or null")
+    rope_factor: float = option(8.0, flag=None, range="> 0", help="llama3 rope scaling: factor")
+    rope_low_freq_factor: float = option(1.0, flag=None, range="> 0", help="llama3 rope scaling: low-frequency factor")
+    rope_high_freq_factor: float = option(4.0, flag=None, range="> 0",
+                                          help="llama3 rope scaling: high-frequency factor")
+    rope_original_max_positions: int = option(8192, flag=None, range=">= 1",
+                                              help="llama3 rope scaling: the context before scaling")
+    max_positions: int | None = option(None, flag=None, range=">= 1",
+                                       help="the context the model was published for (default: seq_len)")
 
     @property
     def ffn_size(self) -> int:
@@ -92,91 +140,256 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Sizes of the device grid and how the work is scheduled on it."""
+    """Sizes of the device grid, how the work is scheduled on it, and how the data-parallel
+    ranks share gradients and optimizer state.
 
-    nproc: int | None = None  # local workers to spawn; None = one, or torchrun's world
-    dp: int | None = None  # inferred from the world size when None
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    schedule: str = "1f1b"
-    sequence_parallel: bool = False  # LayerNorm/dropout on sequence shards (needs tp > 1)
-    pp_layers: list[int] | None = None  # blocks per virtual stage, e.g. [3, 4, 4, 3]
-    pp_partition: str = "uniform"  # uniform | parameters | time, when pp_layers is not given
-    bucket_mb: float = 25.0  # gradient bucket size (DDP's default): all-reduce, or ZeRO-1 reduce-scatter + gather
+    ``zero`` and ``bucket_mb`` live here rather than with the optimizer: both decide what
+    the data-parallel axis communicates (all-reduce, or reduce-scatter + gather) and what
+    each of its ranks holds, as the grid sizes do; the planner searches them with the
+    layout and a checkpoint records them as part of the layout that wrote it.
+    """
+
+    nproc: int | None = option(None, range=">= 1", help="spawn N local worker processes (not under torchrun)",
+                               doc="spawn N local worker processes; under `torchrun`, WORLD_SIZE/RANK come from "
+                                   "the environment")
+    dp: int | None = option(None, range=">= 1", hint="; or leave it out to use world / (tp x pp)", metavar="D",
+                            help="data-parallel size (default: world / (tp * pp))",
+                            doc="data-parallel size; dp x tp x pp must equal the world size (default: "
+                                "world / (tp x pp))")
+    tp: int = option(1, range=">= 1", metavar="T", help="tensor-parallel size")
+    pp: int = option(1, range=">= 1", metavar="P", help="pipeline-parallel size")
+    vpp: int = option(1, range=">= 1", metavar="V", help="model chunks per pipeline rank (interleaved schedule)")
+    schedule: str = option("1f1b", metavar="S", help="gpipe | 1f1b | interleaved-1f1b | zb-h1",
+                           doc="`gpipe`, `1f1b` (default), `interleaved-1f1b` (needs micro-batches a multiple "
+                               "of pp), `zb-h1`")
+    sequence_parallel: bool = option(False, help="with --tp > 1: LayerNorm and dropout on sequence shards",
+                                     doc="with `--tp` > 1: LayerNorm and dropout on sequence shards (all-gather / "
+                                         "reduce-scatter instead of all-reduce)")
+    pp_layers: list[int] | None = option(None, metavar="3,4,4,3", help="blocks per virtual stage, e.g. 3,4,4,3",
+                                         doc="blocks per virtual stage (pp x vpp entries; the embedding opens the "
+                                             "first, the head closes the last)")
+    pp_partition: str = option("uniform", metavar="M", help="uniform | parameters | time",
+                               doc="`uniform` (default), `parameters` or `time` (profiles each unit first) when "
+                                   "`--pp-layers` is not given")
+    zero: int = option(0, was="training", metavar="1", help="1: shard optimizer state over data parallel (ZeRO-1)",
+                       doc="shard master weights and Adam state over data parallel (ZeRO-1)")
+    bucket_mb: float = option(25.0, range="> 0",
+                              help="gradient bucket size in MiB (all-reduce; ZeRO-1: reduce-scatter and parameter "
+                                   "gather)",
+                              doc="gradient bucket size: all-reduce, or under ZeRO-1 reduce-scatter and parameter "
+                                  "gather (default 25, as DDP)")
 
 
 @dataclass
 class TrainingConfig:
-    """The optimisation recipe and the run's bookkeeping."""
+    """The run: how long, how large a batch, in which precision, on which device."""
 
-    steps: int = 100
-    micro_batch_size: int = 4
-    global_batch_size: int = 8
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int | None = None  # default: 5% of steps, at least 1
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    seed: int = 1234
-    dtype: str = "fp32"
-    recompute: str = "none"  # none | selective (attention core) | full (whole blocks)
-    recompute_method: str = "uniform"  # full: uniform (groups of N blocks) | block (first N per chunk)
-    recompute_layers: int = 1  # the N of recompute_method
-    recompute_keep_last: bool = False  # the last micro-batch of a step is not recomputed (GPipe)
-    recompute_early: bool = False  # recompute while the output gradient is on its way (pp > 1)
-    offload_activations: bool = False  # saved activations to host memory and back (GPU only)
-    memory_report: bool = False  # print saved-activation bytes per layer and stage
-    compile: bool = False  # torch.compile each transformer block (model.compile_blocks)
-    zero: int = 0  # 1: shard master weights and Adam state over data parallel (ZeRO-1)
-    loss_scale: float = 2.0 ** 16  # fp16: initial dynamic loss scale
-    loss_scale_window: int = 1000  # fp16: good steps before the scale doubles
-    min_loss_scale: float = 1.0  # fp16: still overflowing at this scale stops the run (diverged)
-    device: str | None = None  # cuda when available, else cpu
-    eval_interval: int = 50
-    eval_iters: int = 4
-    metrics_file: str | None = None
-    save: str | None = None
-    save_interval: int = 0  # 0: save only at the end (when --save is given)
-    keep_last: int = 0  # keep only the newest K complete checkpoints in --save (0: keep all)
-    save_async: bool = False  # write checkpoints in the background; the step waits only for staging
-    load: str | None = None
-    init_from: str | None = None  # weights only, step 0: a gridtrain checkpoint or a Hugging Face directory
-    auto_resume: bool = False  # resume from --save's latest checkpoint when there is one
-    sample_tokens: int = 0  # print this many sampled tokens after training
-    prompt: str = ""
-    temperature: float = 0.8
-    top_k: int | None = 40
-    peak_tflops: float | None = None  # per device, for MFU; known GPUs are looked up
-    dist_timeout_s: float = 300.0
-    progress: bool = True
-    trace: str | None = None  # directory for per-rank Chrome traces of pipeline actions
-    tensorboard: str | None = None  # directory for TensorBoard event files (per-step metrics)
+    steps: int = option(100, range=">= 1", help="optimizer steps")
+    micro_batch_size: int = option(4, range=">= 1", metavar="M", help="sequences per micro-batch")
+    global_batch_size: int = option(8, range=">= 1", metavar="G", help="sequences per optimizer step",
+                                    doc="sequences per optimizer step; a multiple of micro-batch size x dp")
+    seed: int = option(1234, range=">= 0", metavar="S", help="seed for init, data order and dropout")
+    dtype: str = option("fp32", choices=DTYPES, metavar="T", help="fp32 | bf16 | fp16 | fp64",
+                        doc="`fp32`, `bf16`, `fp16`, `fp64` (16-bit: fp32 master weights; fp16 adds "
+                            "`--loss-scale`)")
+    loss_scale: float = option(2.0 ** 16, range="> 0", help="fp16: initial dynamic loss scale")
+    loss_scale_window: int = option(1000, flag=None, range=">= 1",
+                                    help="fp16: good steps before the loss scale doubles")
+    min_loss_scale: float = option(1.0, range="> 0", help="fp16: overflowing at this loss scale stops the run (exit 3)",
+                                   doc="fp16: gradients that still overflow at this dynamic loss scale stop the "
+                                       "run (default 1)")
+    device: str | None = option(None, choices=DEVICES, metavar="cpu|cuda",
+                                help="cpu | cuda (default: cuda when available)",
+                                doc="default: cuda when available, else cpu (gloo on cpu, nccl on cuda); on cuda "
+                                    "(given or the default) each node needs one GPU per worker: `--nproc N` (or "
+                                    "torchrun `--nproc-per-node N`) with fewer GPUs is refused before start, in "
+                                    "one line")
+    compile: bool = option(False, help="torch.compile each transformer block (forward and backward; the first step "
+                                       "compiles)",
+                           doc="`torch.compile` each transformer block (forward and its backward; the embedding, "
+                               "head, pipeline, hooks and optimizer stay eager); the first step compiles (tens of "
+                               "seconds on CPU). Trains the eager model (fp64 1e-9, tested on DP + ZeRO-1 + full "
+                               "recomputation, TP + SP, ZB-H1); not with `--recompute selective` or `--dry-run` yet "
+                               "(refused)")
+    dist_timeout_s: float = option(300.0, flag="--timeout", range="> 0", metavar="S",
+                                   help="collective timeout in seconds",
+                                   doc="seconds any rank may wait in one collective or point-to-point transfer "
+                                       "before the watchdog stops the job with a hang report (default 300)")
 
-    @property
-    def warmup(self) -> int:
+    def __getattr__(self, name: str) -> Any:
+        """A field that moved out of this section names its new home (``cfg.optim.lr``)."""
+        home = MOVED.get(("training", name))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}"
+                             + (f"; it is cfg.{home}.{name} now" if home else ""))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Setting a moved field here would be silently ignored: refused, naming its home."""
+        home = None if name in self.__dataclass_fields__ else MOVED.get(("training", name))
+        if home is not None:
+            raise AttributeError(f"training.{name} is cfg.{home}.{name} now; set it there")
+        object.__setattr__(self, name, value)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule: linear warm-up, then cosine decay."""
+
+    lr: float = option(1e-3, range="> 0", was="training", help="peak learning rate")
+    min_lr_ratio: float = option(0.1, flag=None, range="[0, 1]", was="training",
+                                 help="the cosine decay ends at lr times this")
+    warmup_steps: int | None = option(None, range=">= 0", was="training",
+                                      help="linear warm-up steps (default 5% of steps)")
+    weight_decay: float = option(0.1, range=">= 0", was="training", help="AdamW weight decay")
+    beta1: float = option(0.9, flag=None, range="[0, 1)", was="training", help="AdamW's first-moment decay")
+    beta2: float = option(0.95, flag=None, range="[0, 1)", was="training", help="AdamW's second-moment decay")
+    adam_eps: float = option(1e-8, flag=None, range="> 0", was="training", help="AdamW's epsilon")
+    grad_clip: float = option(1.0, range=">= 0", hint=" (0 turns clipping off)", was="training",
+                              help="global gradient-norm clip (0: off)")
+
+    def warmup(self, steps: int) -> int:
+        """Warm-up steps of a run of ``steps``: warmup_steps, else 5% of them (at least 1)."""
         if self.warmup_steps is not None:
             return self.warmup_steps
-        return max(1, self.steps // 20)
+        return max(1, steps // 20)
+
+
+@dataclass
+class ActivationsConfig:
+    """What the forward pass keeps for backward, and where (docs/memory.md)."""
+
+    recompute: str = option("none", choices=RECOMPUTE, was="training", metavar="R",
+                            help="none | selective | full",
+                            doc="`none`, `selective` (recompute the attention core), `full` (recompute whole "
+                                "blocks)")
+    recompute_method: str = option("uniform", choices=RECOMPUTE_METHODS, was="training", metavar="M",
+                                   help="uniform | block (full: groups of N blocks | the first N blocks of each "
+                                        "chunk)",
+                                   doc="with `full`: `uniform` (default; groups of N blocks, each group keeps only "
+                                       "its input) or `block` (the first N blocks of each model chunk, the rest "
+                                       "keep everything)")
+    recompute_layers: int = option(1, range=">= 1", was="training",
+                                   help="the N of --recompute-method (default 1)")
+    recompute_keep_last: bool = option(False, was="training",
+                                       help="the last micro-batch of a step keeps its activations (GPipe)",
+                                       doc="the last micro-batch of each step keeps its activations (GPipe: its "
+                                           "backward comes next)")
+    recompute_early: bool = option(False, was="training",
+                                   help="with --pp > 1: recompute while the output gradient is on its way",
+                                   doc="with `--pp` > 1: rebuild a micro-batch's activations right after posting "
+                                       "the receive of its gradient, overlapping the wait")
+    offload_activations: bool = option(False, was="training",
+                                       help="keep saved activations in host memory until backward (GPU)",
+                                       doc="on a GPU, keep saved activations in pinned host memory until backward; "
+                                           "on CPU a no-op (says so)")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go, how often, and what a run starts from."""
+
+    save: str | None = option(None, was="training", metavar="DIR", help="checkpoint directory")
+    save_interval: int = option(0, range=">= 0", hint=" (0 saves at the end only)", was="training", metavar="K",
+                                help="steps between checkpoints (0: at end)")
+    keep_last: int = option(0, range=">= 0", hint=" (0 keeps every checkpoint)", was="training", metavar="K",
+                            help="keep only the newest K checkpoints in --save (0: all)")
+    save_async: bool = option(False, was="training",
+                              help="write checkpoints in the background: training waits only while the state is "
+                                   "copied to host memory",
+                              doc="write checkpoints in the background: the step waits only while this rank's "
+                                  "state is copied to host memory; the run summary reports the blocking time "
+                                  "per save")
+    load: str | None = option(None, was="training", metavar="DIR", help="resume from this checkpoint directory")
+    init_from: str | None = option(None, was="training", metavar="PATH",
+                                   help="start from these weights (a checkpoint or a Hugging Face directory; step "
+                                        "0, fresh optimizer)",
+                                   doc="start from the weights of a gridtrain checkpoint or a Hugging Face "
+                                       "directory: step 0, a fresh optimizer, any layout (fine-tuning); the "
+                                       "model's shape and tokenizer come from the source (see "
+                                       "[Hugging Face](#hugging-face))")
+    auto_resume: bool = option(False, was="training",
+                               help="resume from the --save directory's latest checkpoint when there is one, else "
+                                    "start fresh (the same command restarts a preempted job)")
+
+
+@dataclass
+class EvalConfig:
+    """Validation passes on the held-out windows."""
+
+    eval_interval: int = option(50, range=">= 0", hint=" (0 turns validation off)", was="training", metavar="K",
+                                help="steps between validation passes")
+    eval_iters: int = option(4, range=">= 1", hint="; use --eval-interval 0 to turn validation off", was="training",
+                             help="global batches per validation pass")
+
+
+@dataclass
+class SampleConfig:
+    """The text sampled from the model at the end of a run."""
+
+    sample_tokens: int = option(0, range=">= 0", hint=" (0: no sample)", was="training",
+                                help="print a sample this long after training")
+    prompt: str = option("", was="training", metavar="TEXT", help="prompt for the closing sample")
+    temperature: float = option(0.8, flag=None, range="> 0", was="training", help="sampling temperature")
+    top_k: int | None = option(40, flag=None, range=">= 1", hint="; or null for no top-k cut", was="training",
+                               help="sample among the K likeliest tokens (null: all)")
+
+
+@dataclass
+class MetricsConfig:
+    """What the run reports besides its log: metrics, traces, memory, progress."""
+
+    metrics_file: str | None = option(None, was="training", metavar="F", help="JSON lines, one per optimizer step",
+                                      doc="JSON lines, one per optimizer step (below)")
+    tensorboard: str | None = option(None, was="training", metavar="DIR",
+                                     help="write per-step metrics as TensorBoard events here",
+                                     doc="also write each step's metrics as TensorBoard events (`tensorboard "
+                                         "--logdir DIR`); needs the `tensorboard` extra")
+    trace: str | None = option(None, was="training", metavar="DIR",
+                               help="write a Chrome trace of pipeline actions per rank here",
+                               doc="write `DIR/rankNNN.json`, a Chrome trace of the pipeline actions each rank ran")
+    memory_report: bool = option(False, was="training",
+                                 help="print saved-activation bytes per layer and stage, beside the formula",
+                                 doc="print bytes saved for backward per stage and layer (measured at step 1) "
+                                     "beside the formula")
+    peak_tflops: float | None = option(None, range="> 0", was="training", help="device peak for MFU",
+                                       doc="device peak for MFU where it is not known (CPUs)")
+    progress: bool = option(True, flag="--no-progress", was="training", help="no progress bar")
 
 
 @dataclass
 class DataConfig:
     """Where tokens come from: None means the built-in corpus (Python's stdlib sources)."""
 
-    path: str | None = None
-    tokenizer: str | None = None  # a Hugging Face tokenizer.json; default: bytes
-    valid_every: int = 100  # every Nth window of the corpus is held out
+    path: str | None = option(None, flag="--data", metavar="PATH",
+                              help="text file, folder of text, or token file (default: built-in corpus)",
+                              doc="a text file, a folder of text files, JSON lines (`.jsonl`: one "
+                                  "`{\"text\": ...}` document per line), or a token file from `gridtrain "
+                                  "prepare`; default: built-in corpus")
+    tokenizer: str | None = option(None, metavar="FILE", help="Hugging Face tokenizer.json (default: bytes)",
+                                   doc="a Hugging Face `tokenizer.json`; default: bytes (vocabulary 257 with an "
+                                       "end-of-text token)")
+    valid_every: int = option(100, flag=None, range=">= 2", hint=" (every Nth window is held out for validation)",
+                              help="every Nth window of the corpus is held out for validation")
 
 
 @dataclass
 class Config:
+    """A run's whole configuration, one section per topic.
+
+    Before the sections were split by topic, ``training`` held the optimizer, recomputation,
+    checkpoint, validation, sampling and metrics fields, and ``zero`` too. Old config files
+    and checkpoints that spell a field there still load (see ``was`` in :func:`option`); Python
+    code that reads or sets ``cfg.training.lr`` gets an error naming ``cfg.optim.lr``.
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     data: DataConfig = field(default_factory=DataConfig)
     preset: str = "tiny"
 
@@ -185,14 +398,46 @@ class Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Config":
+        """The config a checkpoint's meta.json holds, in this layout or the one before the
+        split by topic."""
         cfg = cls(preset=_preset_name(raw.get("preset", "tiny"), ""))
         for section in SECTIONS:
             _update_section(cfg, section, raw.get(section))
         unknown = set(raw) - {*SECTIONS, "preset"}
         if unknown:
-            raise ConfigError(f"unknown config section(s) {sorted(map(str, unknown))}; "
-                              "use model, parallel, training, data")
+            raise ConfigError(f"unknown config section(s) {sorted(map(str, unknown))}; use {', '.join(SECTIONS)}")
         return cfg
+
+
+SECTION_CLASSES: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)
+                                     if f.name != "preset"}
+SECTIONS = tuple(SECTION_CLASSES)
+
+
+def declared_fields() -> list[tuple[str, dataclasses.Field]]:
+    """Every field of every section, in declaration order, with its section's name."""
+    return [(section, f) for section, cls in SECTION_CLASSES.items() for f in dataclasses.fields(cls)]
+
+
+def section_of(name: str) -> str:
+    """The section that declares field ``name`` (field names are unique across sections)."""
+    for section, f in declared_fields():
+        if f.name == name:
+            return section
+    raise AttributeError(f"no config section has a field {name!r}")
+
+
+def set_fields(cfg: "Config", **values: Any) -> "Config":
+    """Set fields by name wherever they live (``set_fields(cfg, lr=1e-3, recompute="full")``)."""
+    for name, value in values.items():
+        setattr(getattr(cfg, section_of(name)), name, value)
+    return cfg
+
+
+# (old section, field) -> the section the field lives in now
+MOVED: dict[tuple[str, str], str] = {(f.metadata["was"], f.name): section for section, f in declared_fields()
+                                     if f.metadata.get("was")}
+
 
 
 # Model shapes. `tiny` is for tests, `small` is what `make train` trains in a few minutes
@@ -233,9 +478,6 @@ def preset_config(name: str) -> Config:
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     return Config(model=ModelConfig(**PRESETS[name]), preset=name)
-
-
-SECTIONS = ("model", "parallel", "training", "data")
 
 
 def _preset_name(name: Any, source: str) -> str:
@@ -321,19 +563,48 @@ def check_types(cfg: Config) -> Config:
     return cfg
 
 
-def _update_section(cfg: Config, section: str, values: Any, source: str = "") -> None:
+def in_range(value: float, rule: str) -> bool:
+    """Whether ``value`` satisfies a declared range: ">= x", "> x", "[a, b]" or "[a, b)"."""
+    if rule.startswith(">= "):
+        return value >= float(rule[3:])
+    if rule.startswith("> "):
+        return value > float(rule[2:])
+    low, high = (float(x) for x in rule[1:-1].split(","))
+    return low <= value and (value <= high if rule.endswith("]") else value < high)
+
+
+def range_problem(name: str, value: Any, f: dataclasses.Field) -> str | None:
+    """The message for a value outside its field's declared range (None: within it, unset,
+    or no range declared); ``name`` is how the message names the field."""
+    rule = f.metadata.get("range")
+    if rule is None or value is None or in_range(value, rule):
+        return None
+    within = f"in {rule}" if rule.startswith("[") else rule
+    return f"{name} must be {within}, got {value}{f.metadata['hint']}"
+
+
+def _update_section(cfg: Config, section: str, values: Any, source: str = "", check_ranges: bool = False) -> None:
+    """Set the keys of one section as a file (or a checkpoint, or flags) spells them; a key
+    of the layout before the split by topic (``training: {zero: 1}``) reaches its new
+    home. Messages name the key as it was written."""
     if values is None:
         return
     if not isinstance(values, dict):
         raise ConfigError(f"{source}section {section} must be a mapping of keys to values, got {values!r}; "
                           f"write it as {section}: {{key: value, ...}}")
-    target = getattr(cfg, section)
-    annotations = field_types(type(target))
+    own = {f.name: f for f in dataclasses.fields(getattr(cfg, section))}
     for key, value in values.items():
         key = str(key).replace("-", "_")
-        if key not in annotations:
-            raise ConfigError(f"{source}unknown key {section}.{key}; known keys: {', '.join(sorted(annotations))}")
-        setattr(target, key, typed_value(section, key, value, annotations[key], source))
+        home = section if key in own else MOVED.get((section, key))
+        if home is None:
+            raise ConfigError(f"{source}unknown key {section}.{key}; known keys: {', '.join(sorted(own))}")
+        target = getattr(cfg, home)
+        f = target.__dataclass_fields__[key]
+        value = typed_value(section, key, value, field_types(type(target))[key], source)
+        problem = range_problem(f"{section}.{key}", value, f) if check_ranges else None
+        if problem:
+            raise ConfigError(f"{source}{problem}")
+        setattr(target, key, value)
 
 
 def _read_yaml(path: str) -> dict[str, Any]:
@@ -359,8 +630,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"--config {path}: expected a mapping with sections model, "
-                          "parallel, training, data")
+        raise ConfigError(f"--config {path}: expected a mapping with sections {', '.join(SECTIONS)}")
     return raw
 
 
@@ -376,10 +646,10 @@ def load_config(path: str | None, overrides: dict[str, dict[str, Any]] | None = 
     cfg = preset_config(preset or file_preset)
     file_cfg = {k: v for k, v in raw.items() if k != "preset"}
     for section in SECTIONS:
-        _update_section(cfg, section, file_cfg.pop(section, None), source)
+        _update_section(cfg, section, file_cfg.pop(section, None), source, check_ranges=True)
     if file_cfg:
         raise ConfigError(f"--config {path}: unknown section(s) {sorted(map(str, file_cfg))}; "
-                          "use model, parallel, training, data")
+                          f"use {', '.join(SECTIONS)}")
     for section, values in (overrides or {}).items():
         _update_section(cfg, section, {k: v for k, v in values.items() if v is not None})
     return cfg

@@ -302,12 +302,6 @@ def _storages(tensors) -> dict[int, int]:
     return out
 
 
-def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return [optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq]
-
-
 def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
     """One ``train_step`` of ``trainer`` under the meters, and what the rank holds after
     it. The same for fake tensors (the dry run) and real ones (tests compare the two;
@@ -316,7 +310,7 @@ def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
     meter = memory.ActivationMeter.for_model(model)
     tracker = LiveBytes(ctx.device.type)
     tracker.track(list(model.parameters()), list(model.buffers()), trainer.reducer.buffer,
-                  _optimizer_tensors(trainer.optimizer))
+                  trainer.optimizer.state_tensors())
     trainer.set_lr(0)
     syncs = host_sync.allowing() if fake else contextlib.nullcontext([])
     with tracker, _CollectiveDevices(ctx.device), memory.saved_activations(meter), syncs as hits:
@@ -327,7 +321,7 @@ def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
                       + [p.grad for p in params if p.grad is not None])
     for key in param_storages:
         grads.pop(key, None)
-    optim = _storages(_optimizer_tensors(trainer.optimizer))
+    optim = _storages(trainer.optimizer.state_tensors())
     c = ctx.coords
     return RankMemory(rank=ctx.rank, dp=c.dp, pp=c.pp, tp=c.tp, parameters=sum(p.numel() for p in params),
                       parameter_bytes=sum(param_storages.values()), gradient_bytes=sum(grads.values()),
@@ -431,13 +425,13 @@ def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
     dtype = TORCH_DTYPES[t.dtype]
     e = dtype.itemsize
     wide = 8 if dtype == torch.float64 else 4  # gradient buffer and master weights
-    padded = _padded_buffer(cfg, grid, rank, n) if t.zero == 1 else n
-    grads = padded * wide + (padded // grid.dp * wide if t.zero == 1 else 0)
-    if t.zero == 0 and dtype in (torch.float32, torch.float64):
+    padded = _padded_buffer(cfg, grid, rank, n) if cfg.parallel.zero == 1 else n
+    grads = padded * wide + (padded // grid.dp * wide if cfg.parallel.zero == 1 else 0)
+    if cfg.parallel.zero == 0 and dtype in (torch.float32, torch.float64):
         tensors = _parameter_tensors(cfg, grid, rank)
         optim = 2 * n * e + 4 * tensors
     else:
-        owned = padded // grid.dp if t.zero == 1 else n
+        owned = padded // grid.dp if cfg.parallel.zero == 1 else n
         optim = 3 * owned * wide
     return {"parameters": n, "parameter_bytes": n * e, "gradient_bytes": grads, "optimizer_bytes": optim}
 
@@ -493,7 +487,7 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     stage = grid.coords(rank).pp
     micro_batches = t.global_batch_size // (t.micro_batch_size * grid.dp)
     actions = build_schedule(cfg.parallel.schedule, grid.pp, micro_batches, cfg.parallel.vpp)[stage]
-    policy = policy_from(t)
+    policy = policy_from(cfg.activations)
     chunks = stage_layers(cfg, grid, stage)
     tokens = m.seq_len * t.micro_batch_size
     # the loss: the softmax over this rank's vocabulary slice in fp32 (kept by the cross

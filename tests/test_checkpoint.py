@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from gridtrain import checkpoint
-from gridtrain.cli import main as cli
+from gridtrain.cli import parser as cli
 from gridtrain.checkpoint import CheckpointError, check_loadable, integrity, latest_step_dir, load_checkpoint, sharded
 from gridtrain.config import preset_config
 from gridtrain.models.decoder import Decoder, init_parameters
@@ -135,11 +135,11 @@ def test_trained_checkpoint_resumes_through_the_loop(tmp_path):
     """A save from the real loop passes check_loadable and resumes (test_train checks
     that resuming is bit-exact)."""
     cfg = tiny_config(steps=3, warmup_steps=1)
-    cfg.training.save = str(tmp_path)
+    cfg.checkpoint.save = str(tmp_path)
     train_in_process(cfg)
     assert check_loadable(tmp_path, cfg).name == "step_0000003"
     resumed = tiny_config(steps=4, warmup_steps=1)
-    resumed.training.load = str(tmp_path)
+    resumed.checkpoint.load = str(tmp_path)
     assert len(train_in_process(resumed)["losses"]) == 1
 
 

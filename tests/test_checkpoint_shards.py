@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from gridtrain import checkpoint
 from gridtrain.checkpoint.shards import Placement, Slab, flat_boxes
-from gridtrain.config import preset_config
+from gridtrain.config import preset_config, set_fields
 from gridtrain.parallel.distributed import shutdown
 from gridtrain.models.decoder import Decoder, init_parameters
 from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
@@ -133,8 +133,8 @@ def test_save_and_load_need_little_more_host_memory_than_the_state(tmp_path):
     peak resident set of this process (VmHWM, reset before each)."""
     cfg = preset_config("tiny")
     cfg.model = dataclasses.replace(cfg.model, n_layer=6, d_model=512, n_head=8, vocab_size=8192)
-    cfg.training = dataclasses.replace(cfg.training, dtype="bf16", steps=1, global_batch_size=2,
-                                       micro_batch_size=2, progress=False, save=str(tmp_path / "run"))
+    set_fields(cfg, dtype="bf16", steps=1, global_batch_size=2, micro_batch_size=2, progress=False,
+               save=str(tmp_path / "run"))
     try:
         trainer = build(cfg, decoder_model_provider, decoder_forward_step, text_datasets_provider)
         largest = max(p.numel() for p in trainer.model.parameters()) * 4  # in fp32 (the masters)
@@ -217,7 +217,7 @@ def test_background_write_uses_the_state_as_it_was_when_staged(tmp_path):
 
 
 def test_checkpoint_info_describes_a_checkpoint_and_refuses_a_damaged_one(tmp_path, capsys):
-    from gridtrain.cli import main as cli
+    from gridtrain.cli import parser as cli
 
     cfg = preset_config("tiny")
     model = Decoder(cfg.model)

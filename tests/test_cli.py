@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gridtrain.cli import main as cli
+from gridtrain.cli import parser as cli
 from gridtrain.config import ConfigError, load_config
 
 BAD_CONFIGS = {
@@ -56,7 +56,7 @@ def test_yaml_file_then_flags(tmp_path):
     path.write_text("preset: small\nmodel:\n  n_layer: 3\ntraining:\n  steps: 7\n  lr: 0.01\n")
     cfg = load_config(str(path), {"training": {"steps": 9}})
     assert (cfg.preset, cfg.model.n_layer, cfg.model.d_model) == ("small", 3, 128)
-    assert (cfg.training.steps, cfg.training.lr) == (9, 0.01)
+    assert (cfg.training.steps, cfg.optim.lr) == (9, 0.01)
     path.write_text("model:\n  n_layers: 3\n")
     with pytest.raises(ConfigError, match="unknown key model.n_layers"):
         load_config(str(path))
@@ -69,16 +69,17 @@ def test_flags_map_onto_config_fields():
     cfg = cli.config_from_args(args)
     assert (cfg.parallel.dp, cfg.model.n_layer, cfg.training.dtype) == (2, 3, "fp64")
     assert (cfg.data.path, cfg.training.micro_batch_size) == ("x.txt", 2)
-    assert cfg.training.metrics_file == "m.jsonl" and cfg.training.progress is False
+    assert cfg.metrics.metrics_file == "m.jsonl" and cfg.metrics.progress is False
 
 
 def test_recompute_and_memory_flags_reach_the_config():
     args = cli.build_parser().parse_args(
         ["train", "--recompute", "full", "--recompute-method", "block", "--recompute-layers", "2",
          "--recompute-keep-last", "--offload-activations", "--memory-report", "--attention", "math"])
-    t = cli.config_from_args(args).training
-    assert (t.recompute, t.recompute_method, t.recompute_layers) == ("full", "block", 2)
-    assert t.recompute_keep_last and t.offload_activations and t.memory_report and not t.recompute_early
+    cfg = cli.config_from_args(args)
+    a = cfg.activations
+    assert (a.recompute, a.recompute_method, a.recompute_layers) == ("full", "block", 2)
+    assert a.recompute_keep_last and a.offload_activations and cfg.metrics.memory_report and not a.recompute_early
     assert cli.config_from_args(args).model.attention == "math"
 
 

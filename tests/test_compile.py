@@ -87,7 +87,7 @@ def test_compile_says_so_when_a_users_model_has_no_gridtrain_blocks():
 def test_compile_refuses_selective_recomputation_and_the_dry_run(capsys):
     with pytest.raises(ConfigError, match="--compile does not take --recompute selective"):
         validate(tiny_config(compile=True, recompute="selective"), 1, data=False)
-    from gridtrain.cli.main import main
+    from gridtrain.cli.parser import main
 
     assert main(["train", "--model", "tiny", "--dry-run", "--world-size", "2", "--compile"]) == 2
     assert "--dry-run measures the eager blocks" in capsys.readouterr().err

@@ -90,7 +90,7 @@ def test_3d_layout_trains_the_single_process_model(dp, pp, tp, schedule):
     without interleaving)."""
     vpp = 2 if schedule == "interleaved-1f1b" and pp > 1 and 4 % (2 * pp) == 0 else 1
     cfg = _config(dp=dp, pp=pp, tp=tp, vpp=vpp, schedule=schedule, sequence_parallel=tp > 1)
-    cfg.training.recompute = _recompute_mode((dp, pp, tp), schedule)
+    cfg.activations.recompute = _recompute_mode((dp, pp, tp), schedule)
     for run in train_layout(cfg, dp * pp * tp):
         assert_matches_reference(run)
 
@@ -253,7 +253,7 @@ def test_zero1_trains_the_single_process_model(dp, pp, tp):
     small buckets, so that many reduce-scatters run during backward (and under pp the
     tied table's bucket of its own is summed slice by slice)."""
     cfg = _config(dp=dp, pp=pp, tp=tp, sequence_parallel=tp > 1)
-    cfg.training.zero = 1
+    cfg.parallel.zero = 1
     cfg.parallel.bucket_mb = 0.01
     for run in train_layout(cfg, dp * pp * tp):
         assert_matches_reference(run)
@@ -267,7 +267,7 @@ def test_zero1_moves_gradients_and_weights_once_each():
     """Per step: a reduce-scatter of the (padded) gradient buffer and an all-gather of the
     updated weights, instead of an all-reduce: the same bytes, split in two."""
     cfg = _config(dp=2)
-    cfg.training.zero, cfg.training.steps = 1, 2
+    cfg.parallel.zero, cfg.training.steps = 1, 2
     params = sum(p.numel() for p in Decoder(cfg.model).parameters())
     padded = -(-params // 2) * 2
     for run in train_layout(cfg, 2):
@@ -281,18 +281,18 @@ def test_zero1_moves_gradients_and_weights_once_each():
 def test_zero1_checkpoint_resumes_without_sharding(tmp_path):
     """Adam state saved from 2 shards resumes on one process exactly."""
     cfg = _config(dp=2)
-    cfg.training.zero = 1
-    cfg.training.save, cfg.training.save_interval = str(tmp_path), 5
+    cfg.parallel.zero = 1
+    cfg.checkpoint.save, cfg.checkpoint.save_interval = str(tmp_path), 5
     train_layout(cfg, 2)
     resumed = _config()
-    resumed.training.load = str(tmp_path / "step_0000005")
+    resumed.checkpoint.load = str(tmp_path / "step_0000005")
     run = train_in_process(resumed)
     assert relative_difference(run["losses"], reference()["losses"][5:]) <= 1e-9
 
 
 def test_bf16_parameters_with_fp32_master_follow_fp32_under_zero1():
     cfg = _config(dp=2)
-    cfg.training.dtype, cfg.training.zero = "bf16", 1
+    cfg.training.dtype, cfg.parallel.zero = "bf16", 1
     fp32 = train_in_process(_fp32_reference())
     for run in train_layout(cfg, 2):
         for a, b in zip(fp32["losses"], run["losses"]):
@@ -310,7 +310,7 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps():
     rank skips the step (weights untouched) and the scale halves until gradients fit;
     training then goes on (the following test compares fp16 with fp32 step by step)."""
     cfg = _config(dp=2)
-    cfg.training.dtype, cfg.training.zero, cfg.training.loss_scale = "fp16", 1, 2.0 ** 40
+    cfg.training.dtype, cfg.parallel.zero, cfg.training.loss_scale = "fp16", 1, 2.0 ** 40
     cfg.training.steps = 30
     runs = train_layout(cfg, 2)
     norms = runs[0]["grad_norms"]
@@ -449,7 +449,7 @@ def test_zero1_parameter_gathers_overlap_the_next_forward_block_by_block():
     init_parameters(model, 0)
     log: list = []
     reducer = GradientReducer(model, _Gathers(log), accumulations=1, bucket_mb=0.02, shard=True)
-    opt = DistributedOptimizer(reducer, cfg.training, dp=reducer.dp, mp=CommGroup("mp"), tp_rank=0,
+    opt = DistributedOptimizer(reducer, cfg.optim, dp=reducer.dp, mp=CommGroup("mp"), tp_rank=0,
                                master_dtype=torch.float32)
     gather_before_forwards(model, opt)
     for name, block in model.blocks.items():

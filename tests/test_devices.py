@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gridtrain.cli import main as cli
+from gridtrain.cli import parser as cli
 from gridtrain.parallel import comm
 from gridtrain.parallel import distributed
 from gridtrain.runtime import launch
@@ -39,7 +39,7 @@ from gridtrain.parallel.comm import ByteCounter, CommGroup, DeviceMismatch, same
 from gridtrain.config import ConfigError, load_config
 from gridtrain.parallel.data_parallel import GradientReducer
 from gridtrain.runtime.devices import DeviceError, cuda_device_from_env, local_device_index
-from gridtrain.optim.optimizer import clip_grad_norm
+from gridtrain.optim.optimizer import AdamW
 from gridtrain.training.validate import _validate_cuda
 from gridtrain.runtime.watchdog import FlightRecorder
 from tests.harness import run_on_ranks
@@ -92,30 +92,13 @@ def test_reducer_buffer_of_a_stage_without_parameters_is_on_the_groups_device():
     assert explicit.buffer.device == META  # the device passed wins over "cpu"
 
 
-def test_gradient_norm_of_a_stage_without_parameters_is_on_the_groups_device():
-    """The zero a parameter-less stage adds to the model-parallel norm sum is created on
-    the group's device (or the one passed), and that is the tensor the all-reduce gets."""
-    group = _Recording("mp", size=2, device=META)
-    with pytest.raises(_Sent):
-        clip_grad_norm([], 1.0, group)
-    assert group.sent.device == META and group.sent.dtype == torch.float64 and group.sent.shape == ()
-    other = _Recording("mp", size=2)
-    with pytest.raises(_Sent):
-        clip_grad_norm([], 1.0, other, device=META)
-    assert other.sent.device == META
-    # parameters whose norm is counted elsewhere (TP duplicates): same rule
-    param = nn.Parameter(torch.ones(3))
-    param.grad = torch.ones(3)
-    with pytest.raises(_Sent):
-        clip_grad_norm([param], 1.0, _Recording("mp", size=2, device=META), norm_params=[])
-
-
-def test_one_process_without_a_group_device_keeps_working():
-    """No group, no device: the norm of CPU parameters, as before."""
-    param = nn.Parameter(torch.zeros(4))
-    param.grad = torch.full((4,), 2.0)
-    assert clip_grad_norm([param], 0.0) == pytest.approx(4.0)
-    assert clip_grad_norm([], 0.0) == 0.0
+def test_gradient_norm_of_a_stage_without_parameters_is_on_the_ranks_device():
+    """The zero a parameter-less stage (or a DP replica that counts nothing) adds to the
+    norm sum is an fp64 scalar on the rank's device, the tensor the all-reduce gets."""
+    inner = torch.optim.AdamW([nn.Parameter(torch.ones(3))])
+    for optimizer in (AdamW(inner, [], META), AdamW(torch.optim.AdamW([torch.zeros(0, requires_grad=True)]), [], META)):
+        share = optimizer.grad_norm_squared()
+        assert share.device == META and share.dtype == torch.float64 and share.shape == ()
 
 
 # ---- the check every collective makes ---------------------------------------------------

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from gridtrain import dryrun
 from gridtrain.runtime import host_sync
-from gridtrain.config import ConfigError, preset_config
+from gridtrain.config import ConfigError, preset_config, set_fields
 from gridtrain.parallel.grid import ProcessGrid
 from tests.harness import run_on_ranks
 
@@ -26,10 +26,7 @@ def _cfg(preset="tiny", *, tp=1, pp=1, **changes):
     cfg = preset_config(preset)
     cfg.parallel.tp, cfg.parallel.pp = tp, pp
     cfg.training.device = "cpu"
-    for key, value in changes.items():
-        section = next(s for s in ("model", "parallel", "training") if hasattr(getattr(cfg, s), key))
-        setattr(getattr(cfg, section), key, value)
-    return cfg
+    return set_fields(cfg, **changes)
 
 
 def test_choose_ranks():
@@ -113,13 +110,13 @@ def test_an_unnamed_host_read_fails_the_dry_run(monkeypatch):
     """A ``float()`` of device data inside the step that is not a named point is found."""
     import gridtrain.training.trainer as trainer_module
 
-    real = trainer_module.clip_gradients
+    real = trainer_module.step_scalars
 
-    def reads_the_norm(model, optimizer, norm, max_norm):
-        float(next(model.parameters()).sum())  # the kind of read the dry run exists to find
-        return real(model, optimizer, norm, max_norm)
+    def reads_the_norm(optimizer, *args, **kwargs):
+        float(optimizer.grad_norm_squared())  # the kind of read the dry run exists to find
+        return real(optimizer, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "clip_gradients", reads_the_norm)
+    monkeypatch.setattr(trainer_module, "step_scalars", reads_the_norm)
     with pytest.raises(dryrun.UnnamedHostSync, match="test_dryrun.py"):
         dryrun.dry_run(_cfg(), 1, "all", out=lambda *_: None)
 
@@ -160,7 +157,7 @@ def test_cuda_is_refused_without_a_cuda_build():
 
 
 def test_command_line_writes_the_report(tmp_path, capsys):
-    from gridtrain.cli.main import main
+    from gridtrain.cli.parser import main
 
     out = tmp_path / "report.json"
     assert main(["train", "--model", "tiny", "--tp", "2", "--pp", "2", "--device", "cpu", "--dry-run",

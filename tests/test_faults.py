@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gridtrain import checkpoint
-from gridtrain.cli import main as cli
+from gridtrain.cli import parser as cli
 from gridtrain.training.metrics import open_metrics_file
 from gridtrain.models.decoder import Decoder, init_parameters
 from gridtrain.runtime.stops import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, Diverged, Health
@@ -68,17 +68,43 @@ def test_huge_lr_stops_and_keeps_the_last_finite_checkpoint(dtype, message, tmp_
 
 
 def test_fp16_stops_when_the_loss_scale_cannot_help():
+    """Overflows with a finite loss skip steps while the scale halves; one at the minimum
+    scale stops the run, as do too many skips in a row."""
     health = Health("fp16", min_loss_scale=1.0, max_skipped=5)
     for step, scale in enumerate([8.0, 4.0, 2.0], 1):  # skipped steps while the scale halves: fine
-        health.check(step, float("nan"), float("inf"), scale)
-    health.check(4, 3.0, 1.5, 1.0)  # a good step resets the count
-    health.check(5, float("nan"), float("inf"), 1.0)  # one overflow at the floor: halving is over, but
-    with pytest.raises(Diverged, match="step 6: fp16 gradients still overflow at the minimum loss scale 1"):
-        health.check(6, float("nan"), float("inf"), 1.0)  # a second one in a row stops the run
+        health.check(step, 3.0, float("inf"), scale)
+    health.check(4, 3.0, 1.5, 1.0)  # a good step at the floor is fine
+    with pytest.raises(Diverged, match="step 5: fp16 gradients overflow at the minimum loss scale 1 "):
+        health.check(5, 3.0, float("inf"), 1.0)  # an overflow at the floor: nothing left to halve
     many = Health("fp16", max_skipped=3)
     with pytest.raises(Diverged, match="4 fp16 steps in a row skipped"):
         for step in range(1, 5):
             many.check(step, 1.0, float("inf"), 2.0 ** 20)
+
+
+def test_fp16_non_finite_loss_stops_as_other_dtypes_do():
+    with pytest.raises(Diverged, match="step 2: loss nan; the run diverged"):
+        Health("fp16").check(2, float("nan"), float("inf"), 2.0 ** 15)
+
+
+def test_diverged_fp16_run_exits_3_with_one_line(capsys):
+    """The run of the issue: fp16 at a learning rate of 1e6 once trained on with a NaN
+    loss and exited 0; now the first non-finite loss stops it, in one line."""
+    code = cli.main(["train", "--model", "tiny", "--lr", "1e6", "--dtype", "fp16", "--steps", "8",
+                     "--no-progress", "--eval-interval", "0"])
+    err = capsys.readouterr().err
+    assert code == EXIT_DIVERGED, err
+    assert err.count("\n") == 1 and "loss nan" in err and "Traceback" not in err
+
+
+def test_fp16_at_the_minimum_loss_scale_exits_3_with_one_line(capsys):
+    """A loss scale already at --min-loss-scale that still overflows stops the run
+    (a huge initial scale with its minimum as high: the first step overflows there)."""
+    code = cli.main(["train", "--model", "tiny", "--dtype", "fp16", "--loss-scale", "1e30", "--min-loss-scale",
+                     "1e30", "--steps", "3", "--no-progress", "--eval-interval", "0"])
+    err = capsys.readouterr().err
+    assert code == EXIT_DIVERGED, err
+    assert err.count("\n") == 1 and "fp16 gradients overflow at the minimum loss scale 1e+30" in err
 
 
 def test_finite_steps_pass_and_fp32_names_the_bad_number():

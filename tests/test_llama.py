@@ -23,7 +23,7 @@ from gridtrain import dryrun
 from gridtrain.models import llama
 from gridtrain.memory import activations as memory
 from gridtrain.parallel.comm import CommGroup
-from gridtrain.config import ModelConfig, preset_config
+from gridtrain.config import ModelConfig, preset_config, set_fields
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.models.decoder import Decoder, block_parameters, count_parameters, init_parameters, training_flops_per_token
 from gridtrain.parallel.recompute import Recomputation, policy_from
@@ -234,11 +234,11 @@ def test_saved_bytes_follow_the_formula(recompute):
     """One process, op-by-op attention, dropout 0.1: the meter's bytes per block are the
     formula's (memory.korthikanti_bytes for llama) within 0.5% (the norms' per-token
     statistics are left out of it)."""
-    from gridtrain.config import TrainingConfig
+    from gridtrain.config import ActivationsConfig
 
     cfg = dataclasses.replace(TINY, attention="math", dropout=0.1, n_kv_head=2)
     tp = TensorParallel()
-    model = build(cfg, tp=tp, recompute=Recomputation(policy_from(TrainingConfig(recompute=recompute)), tp.rng))
+    model = build(cfg, tp=tp, recompute=Recomputation(policy_from(ActivationsConfig(recompute=recompute)), tp.rng))
     model.double()
     meter = memory.ActivationMeter.for_model(model)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
@@ -268,10 +268,7 @@ def test_checkpoints_compare_the_architecture_and_resolved_kv_heads():
 def _dry_cfg(preset="llama-tiny", **changes):
     cfg = preset_config(preset)
     cfg.training.device = "cpu"
-    for key, value in changes.items():
-        section = next(s for s in ("model", "parallel", "training") if hasattr(getattr(cfg, s), key))
-        setattr(getattr(cfg, section), key, value)
-    return cfg
+    return set_fields(cfg, **changes)
 
 
 DRY = {  # world, ranks to run (the replicated kv-head copies among them), changes
@@ -311,11 +308,8 @@ def _config(n_kv_head: int = 2, n_layer: int = 4, **changes):
     4 micro-batches of 2, no dropout) and ``changes`` to any section."""
     cfg = preset_config("llama-tiny")
     cfg.model.n_layer, cfg.model.seq_len, cfg.model.n_kv_head = n_layer, SEQ, n_kv_head
-    cfg.training = dataclasses.replace(cfg.training, dtype="fp64", steps=10, global_batch_size=8, micro_batch_size=2,
-                                       eval_interval=0, eval_iters=1, progress=False, lr=3e-3, warmup_steps=2)
-    for key, value in changes.items():
-        section = next(s for s in ("model", "parallel", "training") if hasattr(getattr(cfg, s), key))
-        setattr(getattr(cfg, section), key, value)
+    set_fields(cfg, dtype="fp64", steps=10, global_batch_size=8, micro_batch_size=2, eval_interval=0, eval_iters=1,
+               progress=False, lr=3e-3, warmup_steps=2, **changes)
     return cfg
 
 
@@ -380,7 +374,7 @@ def expected_tp_bytes(cfg) -> dict[str, int]:
     b, s, h, L, e = t.micro_batch_size, m.seq_len, m.d_model, m.n_layer, 8
     n_micro = t.global_batch_size // b
     activation = (2 * L + 1) * b * s * h * e
-    again = 2 * L * b * s * h * e if t.recompute == "full" else 0
+    again = 2 * L * b * s * h * e if cfg.activations.recompute == "full" else 0
     ce = 3 * b * s * e
     replicated = L * 2 * m.kv_heads * m.head_dim * h * e if tp > m.kv_heads else 0
     out = {"broadcast/tp": n_micro * 2 * b * s * 8}
@@ -401,14 +395,14 @@ def test_every_layout_trains_the_single_process_model(world, tmp_path):
     tensors) move both ways between one process and tp 4 with replicated kv heads."""
     cfgs = [_config(kv, **changes) for kv, changes in CELLS[world]]
     if world == 4:
-        cfgs[0].training.save, cfgs[0].training.save_interval = str(tmp_path / "tp4"), 5
+        cfgs[0].checkpoint.save, cfgs[0].checkpoint.save_interval = str(tmp_path / "tp4"), 5
         one = _config(2, save=str(tmp_path / "one"), save_interval=5)
         train_in_process(one)
         cfgs.append(_config(2, tp=4, load=str(tmp_path / "one" / "step_0000005")))
     results = train_layouts(cfgs, world, timeout_s=600)
     for cfg, runs in zip(cfgs, results):
         reference = _reference(cfg)
-        if cfg.training.load is not None:  # resumed after step 5
+        if cfg.checkpoint.load is not None:  # resumed after step 5
             reference = dict(reference, losses=reference["losses"][5:], grad_norms=reference["grad_norms"][5:])
         for rank, run in enumerate(runs):
             try:

@@ -55,10 +55,10 @@ def _pair(root, dtype: str, **parallel) -> tuple[Config, Config]:
             cfg.training.loss_scale_window = FP16_WINDOW
         for key, value in parallel.items():
             setattr(cfg.parallel, key, value)
-        cfg.training.zero = 1 if parallel else 0
-        cfg.training.save, cfg.training.save_interval = str(root / f"{dtype}-{name}"), K
+        cfg.parallel.zero = 1 if parallel else 0
+        cfg.checkpoint.save, cfg.checkpoint.save_interval = str(root / f"{dtype}-{name}"), K
         configs.append(cfg)
-    configs[1].training.load = str(checkpoint.step_dir(configs[0].training.save, K))
+    configs[1].checkpoint.load = str(checkpoint.step_dir(configs[0].checkpoint.save, K))
     return configs[0], configs[1]
 
 
@@ -66,7 +66,7 @@ def _saved(cfg: Config, step: int) -> dict:
     """What the checkpoint after ``step`` holds beyond the weights: ``state``, each
     parameter's whole optimizer tensors by name (``optim/<name>/<what>`` read through
     DCP, whatever layout wrote them), and meta.json's ``optimizer`` and ``scaler``."""
-    path = checkpoint.step_dir(cfg.training.save, step)
+    path = checkpoint.step_dir(cfg.checkpoint.save, step)
     index = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     tensors = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
                for key, md in index.items() if key.startswith("optim/")}
@@ -149,7 +149,7 @@ def test_16bit_zero1_runs_resume_bit_for_bit_on_dp2_and_load_on_one_process(tmp_
 
     # the dp 2 ZeRO-1 checkpoint on one process, without sharding: masters intact
     one = tiny_config(dtype="bf16", steps=N)
-    one.training.load = bf16[1].training.load
+    one.checkpoint.load = bf16[1].checkpoint.load
     saved = _saved(bf16[0], K)["state"]
     try:
         trainer = build(one, decoder_model_provider, decoder_forward_step)
@@ -192,7 +192,7 @@ def test_optimizer_bytes_per_rank_are_the_closed_form(dtype, dp, zero):
     for rank in range(dp):
         group = CommGroup("dp", size=dp, rank=rank)
         reducer = GradientReducer(model, group, accumulations=1, shard=zero == 1)
-        opt = DistributedOptimizer(reducer, cfg.training, dp=group, mp=single("mp"), tp_rank=0,
+        opt = DistributedOptimizer(reducer, cfg.optim, dp=group, mp=single("mp"), tp_rank=0,
                                    master_dtype=master_dtype)
         padded = -(-numel // dp) * dp if zero else numel
         assert reducer.padded == padded

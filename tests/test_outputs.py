@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gridtrain.cli import main as cli
+from gridtrain.cli import parser as cli
 from gridtrain.training.metrics import MISSING_TENSORBOARD, MetricsLogger, StepRecord, require_tensorboard
 from gridtrain.cli.plot import PlotError, plot_runs, read_metrics, run_labels, series
 

@@ -164,10 +164,10 @@ def test_pipeline_checkpoint_resumes_in_another_layout_and_generates(tmp_path):
     and `gridtrain generate` samples from it."""
     straight = _reference(4)
     cfg = _config(4, pp=2, tp=2, schedule="1f1b")
-    cfg.training.save, cfg.training.save_interval = str(tmp_path), 5
+    cfg.checkpoint.save, cfg.checkpoint.save_interval = str(tmp_path), 5
     train_layout(cfg, 4)
     resumed = _config(4)
-    resumed.training.load = str(tmp_path / "step_0000005")
+    resumed.checkpoint.load = str(tmp_path / "step_0000005")
     run = train_in_process(resumed)
     assert relative_difference(run["losses"], straight["losses"][5:]) <= 1e-9
     gen = subprocess.run([sys.executable, "-m", "gridtrain", "generate", "--load", str(tmp_path),

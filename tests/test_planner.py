@@ -14,7 +14,7 @@ from fractions import Fraction
 
 import pytest
 
-from gridtrain.cli import main as cli
+from gridtrain.cli import parser as cli
 from gridtrain.config import ModelConfig, preset_config
 from gridtrain.dryrun import expected_activation_peak, expected_bytes
 from gridtrain.parallel.grid import ProcessGrid

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gridtrain.cli import main as cli
+from gridtrain.cli import parser as cli
 from gridtrain.config import ModelConfig
 from gridtrain.planner.cost import Job, Layout, predict
 from gridtrain.planner.machine import machine_from_profile
@@ -76,6 +76,6 @@ def test_measure_runs_exactly_the_predicted_layout(lay):
     par, t = cfg.parallel, cfg.training
     assert (par.nproc, par.tp, par.pp, par.vpp, par.schedule, par.sequence_parallel) == \
         (lay.gpus, lay.tp, lay.pp, lay.vpp, lay.schedule, lay.sequence_parallel)
-    assert (t.micro_batch_size, t.global_batch_size, t.recompute, t.zero, t.dtype, t.steps) == \
+    assert (t.micro_batch_size, t.global_batch_size, cfg.activations.recompute, par.zero, t.dtype, t.steps) == \
         (lay.micro_batch_size, 8, lay.recompute, lay.zero, "fp32", 3)
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.seq_len) == (4, 64, 32)

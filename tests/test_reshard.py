@@ -42,11 +42,11 @@ def _config(model: str, layout: dict, *, save: str | None = None, load: str | No
     cfg = tiny_config()
     cfg.model = dataclasses.replace(preset_config(model).model, n_layer=4)  # 4 layers: pp 4, pp 2 x vpp 2
     layout = dict(layout)
-    cfg.training.zero = layout.pop("zero", 0)
+    cfg.parallel.zero = layout.pop("zero", 0)
     schedule = "interleaved-1f1b" if layout.get("vpp", 1) > 1 else cfg.parallel.schedule
     cfg.parallel = dataclasses.replace(cfg.parallel, schedule=schedule, **layout)
-    cfg.training.save, cfg.training.load = save, load
-    cfg.training.save_interval = SAVE_STEP if save and not load else 0  # B saves only at the end
+    cfg.checkpoint.save, cfg.checkpoint.load = save, load
+    cfg.checkpoint.save_interval = SAVE_STEP if save and not load else 0  # B saves only at the end
     return cfg
 
 

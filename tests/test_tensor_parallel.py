@@ -175,10 +175,10 @@ def test_checkpoint_written_under_tp_resumes_on_one_process(tmp_path):
     process exactly as the one-process run continues (fp64 1e-9), Adam state included."""
     straight = train_in_process(tiny_config())
     cfg = _parity_config(2, True, "fp64")
-    cfg.training.save, cfg.training.save_interval = str(tmp_path), 5
+    cfg.checkpoint.save, cfg.checkpoint.save_interval = str(tmp_path), 5
     train_layout(cfg, 2)
     resumed_cfg = tiny_config()
-    resumed_cfg.training.load = str(tmp_path / "step_0000005")
+    resumed_cfg.checkpoint.load = str(tmp_path / "step_0000005")
     resumed = train_in_process(resumed_cfg)
     assert_same_training(resumed, dict(straight, losses=straight["losses"][5:],
                                        grad_norms=straight["grad_norms"][5:]), rtol=1e-9)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from gridtrain import checkpoint
-from gridtrain.config import TrainingConfig
-from gridtrain.optim.optimizer import clip_grad_norm, lr_at
+from gridtrain.config import OptimConfig
+from gridtrain.optim.optimizer import AdamW, lr_at
 from tests.training import tiny_config, train_in_process
 
 
@@ -19,9 +19,9 @@ def test_fp64_training_is_deterministic(tmp_path):
     rows = []
     for name in ("a", "b"):
         cfg = tiny_config()
-        cfg.training.metrics_file = str(tmp_path / f"{name}.jsonl")
+        cfg.metrics.metrics_file = str(tmp_path / f"{name}.jsonl")
         train_in_process(cfg)
-        rows.append([json.loads(line) for line in open(cfg.training.metrics_file)])
+        rows.append([json.loads(line) for line in open(cfg.metrics.metrics_file)])
     assert len(rows[0]) == 10
     for a, b in zip(*rows):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
@@ -29,9 +29,9 @@ def test_fp64_training_is_deterministic(tmp_path):
 
 def test_metrics_file_has_the_contract_keys(tmp_path):
     cfg = tiny_config(steps=3)
-    cfg.training.metrics_file = str(tmp_path / "m.jsonl")
+    cfg.metrics.metrics_file = str(tmp_path / "m.jsonl")
     train_in_process(cfg)
-    rows = [json.loads(line) for line in open(cfg.training.metrics_file)]
+    rows = [json.loads(line) for line in open(cfg.metrics.metrics_file)]
     required = {"step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s"}
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(required <= r.keys() for r in rows)
@@ -48,11 +48,11 @@ def test_loss_goes_down():
 def test_resume_continues_exactly(tmp_path):
     """Resuming from step 5 of a 10-step run reproduces steps 6-10 (weights, Adam, data order)."""
     cfg = tiny_config()
-    cfg.training.save, cfg.training.save_interval = str(tmp_path), 5
+    cfg.checkpoint.save, cfg.checkpoint.save_interval = str(tmp_path), 5
     straight = train_in_process(cfg)
     assert checkpoint.resolve(tmp_path).name == "step_0000010"
     resumed_cfg = tiny_config()
-    resumed_cfg.training.load = str(checkpoint.step_dir(tmp_path, 5))
+    resumed_cfg.checkpoint.load = str(checkpoint.step_dir(tmp_path, 5))
     resumed = train_in_process(resumed_cfg)
     assert resumed["losses"] == straight["losses"][5:]
     for name, value in straight["state"].items():
@@ -60,14 +60,15 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_lr_schedule_warms_up_then_decays_to_floor():
-    t = TrainingConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
-    lrs = [lr_at(k, t) for k in range(100)]
+    o = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [lr_at(k, o, 100) for k in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
 
 
-def test_clip_grad_norm_matches_torch():
+def test_adamw_norm_and_clipping_match_torch():
+    """The optimizer interface's norm share and clip on one rank are torch's clip_grad_norm_."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
     for p in params:
@@ -76,7 +77,9 @@ def test_clip_grad_norm_matches_torch():
     for c, p in zip(copies, params):
         c.grad = p.grad.clone()
     expected = torch.nn.utils.clip_grad_norm_(copies, 1.0)
-    norm = clip_grad_norm(params, 1.0)
+    optimizer = AdamW(torch.optim.AdamW(params))
+    norm = float(optimizer.grad_norm_squared()) ** 0.5
+    optimizer.clip_to(norm, 1.0)
     assert norm == pytest.approx(float(expected), rel=1e-6)
     for c, p in zip(copies, params):
         torch.testing.assert_close(p.grad, c.grad)

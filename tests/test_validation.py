@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from gridtrain import checkpoint
-from gridtrain.cli import main as cli
+from gridtrain.cli import parser as cli
 from gridtrain.training import validate as validate_config
 from gridtrain.config import Config, ConfigError, load_config, preset_config
 from gridtrain.data import prepare
@@ -312,15 +312,16 @@ def test_example_configs_validate(path, monkeypatch):
 def test_yaml_numbers_as_strings_and_ints_are_floats(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("training:\n  lr: 1e-3\n  weight_decay: 0\n  dist_timeout_s: '30'\n")
-    t = validate(load_config(str(path)), world_size=1).training
-    assert (t.lr, t.weight_decay, t.dist_timeout_s) == (0.001, 0.0, 30.0)
-    assert all(isinstance(x, float) for x in (t.lr, t.weight_decay, t.dist_timeout_s))
+    cfg = validate(load_config(str(path)), world_size=1)
+    o, t = cfg.optim, cfg.training
+    assert (o.lr, o.weight_decay, t.dist_timeout_s) == (0.001, 0.0, 30.0)
+    assert all(isinstance(x, float) for x in (o.lr, o.weight_decay, t.dist_timeout_s))
 
 
 def test_python_api_configs_are_checked_and_normalised():
     cfg = preset_config("tiny")
-    cfg.training.lr = 1  # an int where a float is wanted: fine, and made a float
-    assert validate(cfg, world_size=1).training.lr == 1.0 and isinstance(cfg.training.lr, float)
+    cfg.optim.lr = 1  # an int where a float is wanted: fine, and made a float
+    assert validate(cfg, world_size=1).optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
     cfg.training.steps = 2.5
     with pytest.raises(ConfigError, match="training.steps must be an integer, got 2.5"):
         validate(cfg, world_size=1)

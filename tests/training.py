@@ -6,23 +6,21 @@ one process with the same config, and :func:`assert_same_training` on the two.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 
-from gridtrain.config import Config, preset_config
+from gridtrain.config import Config, preset_config, set_fields
 from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
 from gridtrain.training.loop import TrainResult, pretrain
 from tests.harness import run_on_ranks
 
 
-def tiny_config(**training) -> Config:
+def tiny_config(**fields) -> Config:
     """The tiny preset with a parity-friendly recipe: fp64, 10 steps, no dropout, quiet."""
     cfg = preset_config("tiny")
     recipe = dict(dtype="fp64", steps=10, global_batch_size=8, micro_batch_size=2,
                   eval_interval=0, eval_iters=1, progress=False, lr=3e-3, warmup_steps=2)
-    cfg.training = dataclasses.replace(cfg.training, **{**recipe, **training})
-    return cfg
+    return set_fields(cfg, **{**recipe, **fields})
 
 
 def summarize(result: TrainResult) -> dict:

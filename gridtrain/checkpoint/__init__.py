@@ -29,14 +29,17 @@ from gridtrain.checkpoint.sharded import SaveReport, load_sharded, meta_of, stat
 from gridtrain.checkpoint.reader import weight_tensors  # noqa: F401
 from gridtrain.checkpoint.whole import copy_weights, gather_model, init_weights, load_whole  # noqa: F401
 from gridtrain.config import Config, ModelConfig
+from gridtrain.optim.optimizer import as_optimizer
 
 
 def save_checkpoint(directory: str | Path, step: int, model: nn.Module, optimizer, cfg: Config, ctx=None, *,
                     scaler=None, keep_last: int | None = None) -> Path:
     """Write the state after ``step`` completed steps in the sharded format, each rank
-    its own pieces; collective over the world. Returns the step directory.
-    ``keep_last``: default ``cfg.training.keep_last`` (0 keeps every checkpoint)."""
-    keep = cfg.training.keep_last if keep_last is None else keep_last
+    its own pieces; collective over the world. Returns the step directory. ``optimizer``:
+    gridtrain's (gridtrain.optim.interface) or a torch optimizer of a loop of your own.
+    ``keep_last``: default ``cfg.checkpoint.keep_last`` (0 keeps every checkpoint)."""
+    keep = cfg.checkpoint.keep_last if keep_last is None else keep_last
+    optimizer = as_optimizer(optimizer)
     return write_state(directory, step, state_to_save(model, optimizer, ctx),
                        meta_of(step, cfg, ctx, optimizer, scaler), keep_last=keep)
 
@@ -47,6 +50,7 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer=None, ctx
     part of the model this rank holds, in whatever layout; returns the completed step
     count. Either format; checked first through :func:`check_loadable` (the manifest,
     every file hashed once per process; the model config when ``model.cfg`` is one)."""
+    optimizer = as_optimizer(optimizer)
     run_model = getattr(model, "cfg", None)
     path = check_loadable(directory, run_model if isinstance(run_model, ModelConfig) else None)
     meta = _read_meta_file(path, "--load")

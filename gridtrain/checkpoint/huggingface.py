@@ -408,7 +408,7 @@ def apply_init_from(cfg: Config, given: set[str] | frozenset[str] = frozenset())
     padding stay the run's), and its tokenizer the source's when the run names none.
     ``given`` are the model fields the user set (flags, config file, preset): each must
     equal the source's, else one line says which."""
-    path = cfg.training.init_from
+    path = cfg.checkpoint.init_from
     source = open_source(path, "--init-from", verify_data=False)
     own = _RUN_FIELDS + (("seq_len",) if _rotary(source.model) else ())
     differ = [name for name in sorted(given) if name not in own
@@ -429,7 +429,7 @@ def apply_init_from(cfg: Config, given: set[str] | frozenset[str] = frozenset())
 
 def check_init_from(cfg: Config) -> None:
     """The ``--init-from`` source is whole and holds the run's model (one line if not)."""
-    source = open_source(cfg.training.init_from, "--init-from")
+    source = open_source(cfg.checkpoint.init_from, "--init-from")
     saved = dataclasses.replace(source.model, seq_len=cfg.model.seq_len) if _rotary(source.model) else source.model
     checkpoint.compare_models(saved, cfg.model, source.where, "run")
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import shutil
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -57,11 +58,11 @@ from gridtrain.checkpoint.integrity import (DCP_METADATA, META, CheckpointError,
                                             step_dir)
 from gridtrain.checkpoint.shards import LoadPlanner, Placement, SavePlanner, Slab, Writer, single_process
 from gridtrain.config import Config
+from gridtrain.optim.interface import Optimizer, StatePiece
 from gridtrain.parallel.tensor_parallel import TensorParallel, shard_spec
 
 FORMAT = "gridtrain-checkpoint"
 VERSION = 2
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def model_key(name: str) -> str:
@@ -93,17 +94,12 @@ def placement(param: torch.Tensor, tp: TensorParallel) -> Placement:
     return Placement.of(tuple(param.shape), shard_spec(param), tp.rank, tp.size, getattr(param, "vocab_rows", None))
 
 
-def keeps_masters(optimizer) -> bool:
-    """The flat-buffer optimizer (distributed_optimizer.py), as opposed to torch's AdamW."""
-    return optimizer is not None and hasattr(optimizer, "pieces")
-
-
 def layout_of(cfg: Config, ctx) -> dict[str, Any]:
     """The layout a checkpoint was written by (meta.json; ``checkpoint info``)."""
     grid = getattr(ctx, "grid", None)
     return {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "dp": grid.dp if grid else 1, "tp": grid.tp if grid else 1, "pp": grid.pp if grid else 1,
-            "vpp": cfg.parallel.vpp, "schedule": cfg.parallel.schedule, "zero": cfg.training.zero,
+            "vpp": cfg.parallel.vpp, "schedule": cfg.parallel.schedule, "zero": cfg.parallel.zero,
             "sequence_parallel": cfg.parallel.sequence_parallel, "dtype": cfg.training.dtype}
 
 
@@ -126,50 +122,38 @@ def writes(key: str, param: torch.Tensor, ctx, dp_copies: bool = True) -> bool:
     return zlib.crc32(key.encode()) % (dp * tp_copies) == index
 
 
-def state_to_save(model: nn.Module, optimizer, ctx) -> dict[str, Any]:
+def state_to_save(model: nn.Module, optimizer: Optimizer | None, ctx) -> dict[str, Any]:
     """The pieces this rank writes (:func:`writes`), by global key, as :class:`Slab` views
-    of the memory that holds them (nothing is copied), plus its RNG states."""
+    of the memory that holds them (nothing is copied), plus its RNG states. Optimizer
+    state is written per parameter whatever the optimizer holds it as: each DP rank its
+    own part under ZeRO-1, one of the DP replicas otherwise."""
     tp = _tp_of(ctx)
     names = {p: name for name, p in model.named_parameters()}
     state: dict[str, Any] = {}
     for name, p in model.named_parameters():
         if not getattr(p, "tied_copy", False) and writes(model_key(name), p, ctx):
             state[model_key(name)] = Slab.of(p.detach(), placement(p, tp))
-    if keeps_masters(optimizer):
-        masters = optimizer.master.dtype != optimizer.params[0].dtype if optimizer.params else False
-        sharded = optimizer.reducer.shard  # ZeRO-1: each DP rank its own range; else DP replicas
-        for q in optimizer.pieces:
-            name = names[q.param]
-            if getattr(q.param, "tied_copy", False):
-                continue
-            where = placement(q.param, tp)
-            flats = [(m, getattr(optimizer, m)) for m in MOMENTS] + ([("master", optimizer.master)] if masters else [])
-            for what, flat in flats:
-                if writes(optim_key(name, what), q.param, ctx, dp_copies=not sharded):
-                    state[optim_key(name, what)] = Slab.of_flat(flat[q.at:q.end], q.lo, tuple(q.param.shape), where)
-    elif optimizer is not None:
-        for name, p in model.named_parameters():
-            saved = optimizer.state.get(p) or {}
-            if getattr(p, "tied_copy", False) or not saved:
-                continue
-            for what in MOMENTS:
-                if writes(optim_key(name, what), p, ctx):
-                    state[optim_key(name, what)] = Slab.of(saved[what], placement(p, tp))
+    for piece in optimizer.state_pieces() if optimizer is not None else []:
+        if getattr(piece.param, "tied_copy", False):
+            continue
+        for what, flat in piece.tensors.items():
+            key = optim_key(names[piece.param], what)
+            if writes(key, piece.param, ctx, dp_copies=not optimizer.shards_over_dp):
+                state[key] = _piece_slab(piece, flat, tp)
     state[rng_key(_rank())] = _rng_state(ctx)
     return state
 
 
-def optimizer_meta(optimizer) -> dict[str, Any] | None:
+def _piece_slab(piece: StatePiece, flat: torch.Tensor, tp: TensorParallel) -> Slab:
+    return Slab.of_flat(flat, piece.lo, tuple(piece.param.shape), placement(piece.param, tp))
+
+
+def optimizer_meta(optimizer: Optimizer | None) -> dict[str, Any] | None:
     """The optimizer's step count and hyper-parameters (the same on every rank)."""
     if optimizer is None:
         return None
-    if keeps_masters(optimizer):
-        steps = optimizer.steps
-    else:
-        counts = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
-        steps = max(counts, default=0)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"step": steps, "param_groups": json.loads(json.dumps(groups, default=list))}
+    return {"step": optimizer.steps, "param_groups": json.loads(json.dumps(groups, default=list))}
 
 
 def meta_of(step: int, cfg: Config, ctx, optimizer, scaler) -> dict[str, Any]:
@@ -314,97 +298,123 @@ class _Request:
 
 
 @torch.no_grad()
-def load_sharded(path: Path, meta: dict[str, Any], model: nn.Module, optimizer=None, ctx=None, *,
+def load_sharded(path: Path, meta: dict[str, Any], model: nn.Module, optimizer: Optimizer | None = None, ctx=None, *,
                  scaler=None, group=None) -> None:
     """Load a checked format-2 step directory into this rank's part of the model (and
-    its optimizer and RNG state when given), in whatever layout; collective over
-    ``group`` (default: the world).
+    its optimizer, loss scaler and RNG state when given), in whatever layout; collective
+    over ``group`` (default: the world).
 
-    Where each tensor comes from, so that no precision is lost on any change of dtype:
-
-    * parameters in the master weights' dtype (fp32/fp64 runs) take ``optim/<n>/master``
-      where it is stored (a bf16 or fp16 checkpoint resumed in fp32 continues from its
-      fp32 weights), else ``model/<n>``; 16-bit parameters take ``model/<n>``;
-    * a flat-buffer optimizer's masters: in the parameters' dtype, the parameters as
-      loaded; in fp32 beside 16-bit parameters, ``optim/<n>/master``, else (a checkpoint
-      without masters: an fp32 run's) ``model/<n>`` at its stored precision, in a second
-      read (one rank never reads one key into two places in one read);
-    * moments from the checkpoint, else zero; RNG states only on the layout that wrote them.
+    Each part says where its tensors come from (:func:`_request_weights`,
+    :func:`_request_optimizer`), so that no precision is lost on any change of dtype;
+    every rank checks its requests against the stored index and learns of any rank's
+    problem before the collective read; then each part takes what was read
+    (:func:`_take_optimizer`, :func:`_take_rng`, the scaler).
     """
-    tp = _tp_of(ctx)
     where = f"--load {path}"
     stored = stored_index(path)
     request, second = _Request(stored, where), _Request(stored, where)
-    saved_opt = meta.get("optimizer") or None
-    flat = keeps_masters(optimizer)
-    sixteen = flat and bool(optimizer.params) and optimizer.master.dtype != optimizer.params[0].dtype
-    masters_stored = any(k.startswith("optim/") and k.endswith("/master") for k in stored)
-    fresh: list[tuple[nn.Parameter, dict]] = []
-    rank = _rank()
-    restore_rng = optimizer is not None and saved_opt is not None and _same_layout(meta, model, ctx)
+    saved_opt = (meta.get("optimizer") or None) if optimizer is not None else None
+    filled: list[StatePiece] = []
+    rng = None
+
+    def plan() -> bool:
+        nonlocal filled, rng
+        _request_weights(request, model, _tp_of(ctx))
+        if optimizer is not None:
+            filled = _request_optimizer(request, second, model, optimizer, _tp_of(ctx), moments=bool(saved_opt))
+        rng = _request_rng(request, meta, model, ctx) if saved_opt else None
+        return bool(second.state)
+
+    second_read = _agreed(plan, group)
+    _zero_vocabulary_padding(model)
+    _read(path, request.state, group, where)
+    if second_read:
+        _read(path, second.state, group, where)
+    if optimizer is not None:
+        _take_optimizer(optimizer, saved_opt, filled)
+    if rng is not None:
+        _restore_rng(request.state[rng], ctx)
+    if scaler is not None and meta.get("scaler"):
+        scaler.load_state_dict(meta["scaler"])
+
+
+def _agreed(plan: Callable[[], bool], group) -> bool:
+    """Run ``plan``, which builds this rank's requests and says whether it needs a second
+    read. Every rank learns of any rank's problem before any rank starts the collective
+    read (which would otherwise wait for it), and whether any rank needs a second one."""
     problem: BaseException | None = None
+    second = False
     try:
-        names = {p: name for name, p in model.named_parameters()}
-        for name, p in model.named_parameters():
-            src = _source_name(name, p)
-            from_master = request.has(optim_key(src, "master")) and p.dtype in (torch.float32, torch.float64)
-            request.add(optim_key(src, "master") if from_master else model_key(src),
-                        Slab.of(p.detach(), placement(p, tp)), f"weights for {name}")
-        if flat:
-            optimizer.exp_avg.zero_()
-            optimizer.exp_avg_sq.zero_()
-            for q in optimizer.pieces:
-                src, at, shape = _source_name(names[q.param], q.param), placement(q.param, tp), tuple(q.param.shape)
-                if sixteen:
-                    into = request if masters_stored else second
-                    key = optim_key(src, "master") if masters_stored else model_key(src)
-                    into.add(key, Slab.of_flat(optimizer.master[q.at:q.end], q.lo, shape, at),
-                             f"master weights for {names[q.param]}")
-                for what in MOMENTS:
-                    if saved_opt and request.has(optim_key(src, what)):
-                        request.add(optim_key(src, what), Slab.of_flat(getattr(optimizer, what)[q.at:q.end], q.lo,
-                                                                       shape, at), f"{what} of {names[q.param]}")
-        elif optimizer is not None and saved_opt:
-            for name, p in model.named_parameters():
-                src = _source_name(name, p)
-                if not request.has(optim_key(src, "exp_avg")):
-                    continue
-                state = {"step": torch.tensor(float(saved_opt["step"])),
-                         **{what: torch.zeros_like(p, memory_format=torch.preserve_format) for what in MOMENTS}}
-                for what in MOMENTS:
-                    request.add(optim_key(src, what), Slab.of(state[what], placement(p, tp)), f"{what} of {name}")
-                fresh.append((p, state))
-        restore_rng = restore_rng and request.has(rng_key(rank))
-        if restore_rng:
-            request.state[rng_key(rank)] = None  # bytes: DCP puts the loaded object here
+        second = plan()
     except Exception as exc:
         problem = exc
-    # every rank learns of any rank's problem before any rank starts the collective read
-    failed = [(r, e) for r, e in enumerate(_all_gather(None if problem is None else _first_line(problem), group)) if e]
+    results = _all_gather((None if problem is None else _first_line(problem), second), group)
+    failed = [(r, e) for r, (e, _) in enumerate(results) if e]
     if problem is not None:
         raise problem
     if failed:
         raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]}")
+    return any(wants for _, wants in results)
+
+
+def _request_weights(request: _Request, model: nn.Module, tp: TensorParallel) -> None:
+    """Parameters in a master weights' dtype (fp32/fp64 runs) take ``optim/<n>/master``
+    where it is stored (a bf16 or fp16 checkpoint resumed in fp32 continues from its
+    fp32 weights), else ``model/<n>``; 16-bit parameters take ``model/<n>``."""
+    for name, p in model.named_parameters():
+        src = _source_name(name, p)
+        from_master = request.has(optim_key(src, "master")) and p.dtype in (torch.float32, torch.float64)
+        request.add(optim_key(src, "master") if from_master else model_key(src),
+                    Slab.of(p.detach(), placement(p, tp)), f"weights for {name}")
+
+
+def _request_optimizer(request: _Request, second: _Request, model: nn.Module, optimizer: Optimizer,
+                       tp: TensorParallel, moments: bool) -> list[StatePiece]:
+    """The optimizer's state, piece by piece (its :meth:`load_targets`); returns the
+    pieces that take moments. Moments come from the checkpoint where it has them
+    (``moments``: it has optimizer state), else stay zero. Master weights of their own
+    (beside 16-bit parameters) come from ``optim/<n>/master``, else (a checkpoint
+    without masters: an fp32 run's) from ``model/<n>`` at its stored precision, in the
+    ``second`` read (one rank never reads one key into two places in one read)."""
+    names = {p: name for name, p in model.named_parameters()}
+    masters_stored = any(k.startswith("optim/") and k.endswith("/master") for k in request.stored)
+    filled = []
+    for piece in optimizer.load_targets():
+        name = names[piece.param]
+        src = _source_name(name, piece.param)
+        if "master" in piece.tensors:
+            into, key = (request, optim_key(src, "master")) if masters_stored else (second, model_key(src))
+            into.add(key, _piece_slab(piece, piece.tensors["master"], tp), f"master weights for {name}")
+        if not (moments and request.has(optim_key(src, "exp_avg"))):
+            continue
+        for what in ("exp_avg", "exp_avg_sq"):
+            request.add(optim_key(src, what), _piece_slab(piece, piece.tensors[what], tp), f"{what} of {name}")
+        filled.append(piece)
+    return filled
+
+
+def _take_optimizer(optimizer: Optimizer, saved: dict[str, Any] | None, filled: list[StatePiece]) -> None:
+    """The optimizer takes the state read into ``filled``, the saved step count and
+    hyper-parameters (``saved``: meta.json's, None when the checkpoint has none)."""
+    optimizer.loaded(int(saved["step"]) if saved else None, filled)
+    for group_, saved_group in zip(optimizer.param_groups, saved["param_groups"] if saved else []):
+        group_.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved_group.items()})
+
+
+def _request_rng(request: _Request, meta: dict[str, Any], model: nn.Module, ctx) -> str | None:
+    """This rank's RNG states, only on the layout that wrote them: their key, or None."""
+    key = rng_key(_rank())
+    if not (_same_layout(meta, model, ctx) and request.has(key)):
+        return None
+    request.state[key] = None  # bytes: DCP puts the loaded object here
+    return key
+
+
+def _zero_vocabulary_padding(model: nn.Module) -> None:
+    """Vocabulary padding is never stored and is zero; the read fills the real rows."""
     for p in model.parameters():
         if hasattr(p, "vocab_rows"):
-            p.zero_()  # vocabulary padding is never stored and is zero; the read fills the real rows
-    _read(path, request.state, group, where)
-    if sixteen and not masters_stored:
-        _read(path, second.state, group, where)
-    if flat:
-        if not sixteen:
-            optimizer._master_from_params()
-        if saved_opt:
-            optimizer.steps = int(saved_opt["step"])
-    for p, state in fresh:
-        optimizer.state[p] = state
-    if optimizer is not None and saved_opt:
-        for group_, saved in zip(optimizer.param_groups, saved_opt["param_groups"]):
-            group_.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-    if restore_rng:
-        _restore_rng(request.state[rng_key(rank)], ctx)
-    if scaler is not None and meta.get("scaler"):
-        scaler.load_state_dict(meta["scaler"])
+            p.zero_()
 
 
 class _Unreadable(Exception):

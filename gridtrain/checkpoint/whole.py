@@ -13,7 +13,6 @@ this reader so that old checkpoints still load.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from torch import nn
 from gridtrain.checkpoint.integrity import (CheckpointError, _first_line, _is_trainer, _is_weights, _read_manifest,
                                             _REDO)
 from gridtrain.parallel.tensor_parallel import TensorParallel, shard, shard_spec, unshard
+from gridtrain.optim.interface import Optimizer
 
 
 
@@ -125,21 +125,20 @@ def init_weights(weights, model: nn.Module, optimizer=None, ctx=None, *, where: 
     :func:`copy_weights`); an optimizer that keeps master weights takes them at the
     source's precision, not rounded to this run's dtype. Optimizer state stays fresh."""
     saved_local = copy_weights(weights, model, _tp_of(ctx), where)
-    if optimizer is not None and hasattr(optimizer, "load_state_by_param"):
+    if optimizer is not None:
         optimizer.load_state_by_param({p: {"master": local.to(p.device)} for p, local in saved_local.items()})
 
 
 @torch.no_grad()
-def load_whole(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ctx=None, *,
+def load_whole(path: Path, model: nn.Module, optimizer: Optimizer | None = None, ctx=None, *,
                scaler=None) -> None:
     """Load a checked format-1 step directory into whatever part of the model this rank
     holds, in whatever layout (every rank reads every file and slices its shard).
 
-    Master weights: an optimizer that keeps them (``load_state_by_param``) takes the
-    saved ``master`` tensors, or, from a checkpoint without them (an fp32 run's), the
-    saved weights at their full precision rather than the parameters already rounded to
-    this run's dtype. A plain optimizer's parameters take the saved masters where there
-    are some. ``scaler`` takes the saved scale and counters when the checkpoint has them."""
+    Master weights: the optimizer (``load_state_by_param``) takes the saved ``master``
+    tensors, or, from a checkpoint without them (an fp32 run's), the saved weights at
+    their full precision rather than the parameters already rounded to this run's dtype
+    (AdamW on the parameters copies them into the parameters). ``scaler`` takes the saved scale and counters when the checkpoint has them."""
     tp = _tp_of(ctx)
     files = sorted(_read_manifest(path, "--load"))
     weights: dict[str, torch.Tensor] = {}
@@ -157,21 +156,13 @@ def load_whole(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         except (KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"--load {path}: a trainer-pp*.pt file lacks optimizer state "
                                   f"({_first_line(exc)}); {_REDO}") from None
-        keeps_masters = hasattr(optimizer, "load_state_by_param")
         states = {}
         for name, p in params.items():
             state = {k: _local(v, p, tp).to(p.device) if torch.is_tensor(v) and v.dim() else v
                      for k, v in (state_by_name.get(_source_name(name, p)) or {}).items()}
-            if keeps_masters and "master" not in state:
-                state["master"] = saved_local[p].to(p.device)
-            elif not keeps_masters and "master" in state:
-                p.copy_(state.pop("master"))
-            if state:
-                states[p] = state
-        if keeps_masters:
-            optimizer.load_state_by_param(states)
-        else:
-            optimizer.state.update(states)
+            state.setdefault("master", saved_local[p].to(p.device))  # an fp32 run saved no masters
+            states[p] = state
+        optimizer.load_state_by_param(states)
         if trainers:
             for group, saved_group in zip(optimizer.param_groups, groups):
                 group.update(saved_group)

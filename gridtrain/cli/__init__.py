@@ -1,9 +1,9 @@
-"""The ``gridtrain`` command line: the parser (``main``), what ``train`` and ``generate``
+"""The ``gridtrain`` command line: the parser and ``main`` (``parser``), what ``train`` and ``generate``
 do once their flags are valid (``commands``), and ``gridtrain plot`` (``plot``).
 
 The top of the package: it may import anything; nothing imports it.
 """
 
-from gridtrain.cli.main import main
+from gridtrain.cli.parser import main
 
 __all__ = ["main"]

@@ -27,7 +27,7 @@ from gridtrain.runtime.watchdog import backstop_timeout_s
 def train_worker(rank: int, world_size: int, cfg: Config) -> dict:
     """One rank's whole run; returns what the parent reports (picklable)."""
     result = pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg)
-    if cfg.training.sample_tokens > 0:
+    if cfg.sample.sample_tokens > 0:
         weights = checkpoint.gather_model(result.model, result.ctx)  # whatever the layout
         if result.ctx.rank == 0:
             print_sample(whole_model(cfg, weights), cfg)
@@ -64,9 +64,9 @@ def sampling_dtype(cfg: Config) -> torch.dtype:
 
 def print_sample(model: Decoder, cfg: Config) -> None:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    text = sample_text(model, tokenizer, cfg.training.prompt, cfg.training.sample_tokens,
-                       cfg.training.temperature, cfg.training.top_k, cfg.training.seed)
-    print(f"\n--- sample ({cfg.training.sample_tokens} tokens, prompt {cfg.training.prompt!r}) ---")
+    text = sample_text(model, tokenizer, cfg.sample.prompt, cfg.sample.sample_tokens,
+                       cfg.sample.temperature, cfg.sample.top_k, cfg.training.seed)
+    print(f"\n--- sample ({cfg.sample.sample_tokens} tokens, prompt {cfg.sample.prompt!r}) ---")
     print(text)
     print("--- end of sample ---", flush=True)
 

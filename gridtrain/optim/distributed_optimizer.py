@@ -56,10 +56,10 @@ import torch
 from torch import nn
 
 from gridtrain.parallel.comm import CommGroup
-from gridtrain.config import TrainingConfig
+from gridtrain.config import OptimConfig
 from gridtrain.parallel.data_parallel import GradientReducer, Piece
-from gridtrain.optim.optimizer import clip_coefficient
-from gridtrain.parallel.tensor_parallel import is_tp_duplicate
+from gridtrain.optim.interface import StatePiece
+from gridtrain.optim.optimizer import MOMENTS, clip_coefficient, counts_towards_norm, squared_norm
 
 
 def _runs(pieces: list[Piece]) -> list[tuple[int, int]]:
@@ -74,9 +74,13 @@ def _runs(pieces: list[Piece]) -> list[tuple[int, int]]:
 
 
 class DistributedOptimizer:
-    def __init__(self, reducer: GradientReducer, t: TrainingConfig, *, dp: CommGroup, mp: CommGroup,
+    """AdamW on flat master weights, sharded over DP with ZeRO-1 (the module docstring),
+    behind the optimizer interface (interface.py)."""
+
+    def __init__(self, reducer: GradientReducer, o: OptimConfig, *, dp: CommGroup, mp: CommGroup,
                  tp_rank: int, master_dtype: torch.dtype):
-        self.reducer, self.t, self.dp, self.mp = reducer, t, dp, mp
+        self.reducer, self.o, self.dp, self.mp = reducer, o, dp, mp
+        self.shards_over_dp = reducer.shard
         self.params = reducer.params
         self.offsets = [reducer.offsets[p] for p in self.params]  # where each starts in the buffer
         size = reducer.padded // (dp.size if reducer.shard else 1)
@@ -86,17 +90,19 @@ class DistributedOptimizer:
         self._master_from_params()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
+        # masters of their own (fp32 beside 16-bit parameters), not just the parameters' values
+        self.separate_masters = bool(self.params) and master_dtype != self.params[0].dtype
         # views of the master weights (no memory of their own): the decayed elements
         self._decayed = [self.master[a:b] for a, b in _runs([q for q in self.pieces if q.param.ndim >= 2])]
-        # ranges of the shard that count towards the gradient norm: not a TP-replicated copy
-        # held by a TP rank other than the first, nor the last stage's tied head copy
-        self._counted = _runs([q for q in self.pieces if not is_tp_duplicate(q.param, tp_rank)
-                               and not getattr(q.param, "tied_copy", False)])
+        # ranges of the shard that count towards the gradient norm; none on DP replicas other
+        # than the first, which hold the same whole gradient when ZeRO-1 does not split it
+        counts = reducer.shard or dp.rank == 0
+        self._counted = _runs([q for q in self.pieces if counts and counts_towards_norm(q.param, tp_rank)])
         self.steps = 0
         self._gathering: dict[int, tuple] = {}  # bucket id -> (bucket, its gathered buffer, Pending)
         self._waits_in_forward = False  # gather_before was called: step leaves gathers in flight
-        self.lr = t.lr
-        self.param_groups = [{"lr": t.lr}]  # read by set_lr
+        self.lr = o.lr
+        self.param_groups = [{"lr": o.lr}]  # read by set_lr
 
     @torch.no_grad()
     def _master_from_params(self) -> None:
@@ -107,9 +113,12 @@ class DistributedOptimizer:
         """Bytes of every tensor storage this optimizer keeps alive between steps, each
         counted once and whole (a view of a larger tensor counts that tensor's storage):
         ``3 x padded / dp`` elements of the master dtype, nothing else."""
-        held = [self.master, self.exp_avg, self.exp_avg_sq, *self._decayed]
+        held = [*self.state_tensors(), *self._decayed]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
         return sum(storages.values())
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [self.master, self.exp_avg, self.exp_avg_sq]
 
     def _grad(self) -> torch.Tensor:
         return self.reducer.shard_grad if self.reducer.shard else self.reducer.buffer
@@ -128,11 +137,8 @@ class DistributedOptimizer:
         """This rank's share of the squared global norm (fp64, on the device): its slice,
         without TP-replicated copies held by a TP rank other than the first and the last
         stage's tied head copy. Under ZeRO-1 the DP ranks' slices add up; otherwise every
-        DP replica holds the same whole gradient."""
-        views = [self._grad()[a:b].to(self.master.dtype) for a, b in self._counted]
-        if not views:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        return torch.stack([n.double() for n in torch._foreach_norm(views)]).square().sum()
+        DP replica holds the same whole gradient, counted on the first."""
+        return squared_norm([self._grad()[a:b].to(self.master.dtype) for a, b in self._counted], self.device)
 
     def clip_to(self, norm: float, max_norm: float) -> None:
         """Scale this rank's gradient slice, of global norm ``norm``, to at most ``max_norm``."""
@@ -142,15 +148,15 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        t, lr = self.t, self.param_groups[0]["lr"]
+        o, lr = self.o, self.param_groups[0]["lr"]
         self.steps += 1
         grad = self._grad().to(self.master.dtype)
-        if self._decayed and lr * t.weight_decay != 0:
-            torch._foreach_mul_(self._decayed, 1 - lr * t.weight_decay)
-        self.exp_avg.lerp_(grad, 1 - t.beta1)
-        self.exp_avg_sq.mul_(t.beta2).addcmul_(grad, grad, value=1 - t.beta2)
-        step_size = lr / (1 - t.beta1 ** self.steps)
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - t.beta2 ** self.steps)).add_(t.adam_eps)
+        if self._decayed and lr * o.weight_decay != 0:
+            torch._foreach_mul_(self._decayed, 1 - lr * o.weight_decay)
+        self.exp_avg.lerp_(grad, 1 - o.beta1)
+        self.exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)
+        step_size = lr / (1 - o.beta1 ** self.steps)
+        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - o.beta2 ** self.steps)).add_(o.adam_eps)
         self.master.addcdiv_(self.exp_avg, denom, value=-step_size)
         self._publish()
 
@@ -208,6 +214,29 @@ class DistributedOptimizer:
         module.register_forward_pre_hook(lambda _module, _args: self.parameters_ready(params))
         self._waits_in_forward = True
 
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def state_pieces(self) -> list[StatePiece]:
+        """Each piece of the shard: its moments, and its master weights where they are
+        not the parameters' values (16-bit parameters)."""
+        flats = [(what, getattr(self, what)) for what in MOMENTS]
+        flats += [("master", self.master)] if self.separate_masters else []
+        return [StatePiece(q.param, q.lo, {what: flat[q.at:q.end] for what, flat in flats}) for q in self.pieces]
+
+    def load_targets(self) -> list[StatePiece]:
+        """The shard's own memory, the moments zeroed (a checkpoint without them starts there)."""
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+        return self.state_pieces()
+
+    def loaded(self, step: int | None, filled: list[StatePiece]) -> None:
+        """Master weights that are the parameters' values are taken from the parameters
+        as loaded; ``filled`` is the shard's memory already."""
+        if not self.separate_masters:
+            self._master_from_params()
+        if step is not None:
+            self.steps = step
+
     # ---- whole per-parameter state (format-1 checkpoints, --init-from) --------------------
 
     @torch.no_grad()
@@ -227,8 +256,6 @@ class DistributedOptimizer:
             for key, flat in (("master", self.master), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
                 if key in state:
                     flat[q.at:q.end] = state[key].reshape(-1)[q.lo:q.hi].to(flat.dtype)
-
-
 
 
 class LossScaler:

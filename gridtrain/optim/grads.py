@@ -20,7 +20,8 @@ it still has to be combined with its copies and partial sums elsewhere on the gr
 4. **the step's scalars and clipping**: one norm over every parameter of the whole model
    (TP-replicated parameters and the tied head copy counted once), the mean loss and the
    fp16 overflow flag, each rank's shares summed as one vector over the model-parallel
-   group and DP and read once (:func:`step_scalars`); then each rank clips its own.
+   group and DP and read once (:func:`step_scalars`); then each rank clips what it holds
+   (the optimizer's ``clip_to``).
 
 Why this order: the sums of 1 and 2 and the average of 3 are linear, so they commute, and
 the DP average comes first because most of its buckets are already in flight when
@@ -45,9 +46,8 @@ from gridtrain.runtime import host_sync
 from gridtrain.parallel.comm import CommGroup
 from gridtrain.parallel.data_parallel import GradientReducer
 from gridtrain.parallel.distributed import DistributedContext
-from gridtrain.optim.distributed_optimizer import DistributedOptimizer
-from gridtrain.optim.optimizer import clip_to, grad_norm_squared
-from gridtrain.parallel.tensor_parallel import TensorParallel, is_tp_duplicate, shard_spec
+from gridtrain.optim.interface import Optimizer
+from gridtrain.parallel.tensor_parallel import TensorParallel, shard_spec
 
 
 def reduce_gradients(model: nn.Module, reducer: GradientReducer, ctx: DistributedContext) -> None:
@@ -71,7 +71,7 @@ class StepScalars:
     finite: bool  # every rank's gradients finite (checked for fp16 only; else True)
 
 
-def step_scalars(model: nn.Module, optimizer, ctx: DistributedContext, loss: torch.Tensor | None, *,
+def step_scalars(optimizer: Optimizer, ctx: DistributedContext, loss: torch.Tensor | None, *,
                  check_finite: bool, max_norm: float) -> StepScalars:
     """Step 4's numbers in one reduction and one host read, instead of a collective (or
     two) and a read for each: this rank's share of the squared global norm, of the mean
@@ -79,25 +79,17 @@ def step_scalars(model: nn.Module, optimizer, ctx: DistributedContext, loss: tor
     stage; None elsewhere) and of the non-finite flags, as one fp64 vector summed over
     the model-parallel group, then over DP.
 
-    Each share is counted once: the norm skips TP-replicated copies beyond the first TP
-    rank and the tied head copy, and is taken on the first DP replica only unless ZeRO-1
-    shards the gradients over DP; the loss comes from the first TP rank of the last
-    stage of every DP replica. An fp16 overflow anywhere makes the flag sum positive.
+    Each share is counted once: the optimizer says which gradients this rank counts in
+    the norm (interface.py: TP-replicated copies beyond the first TP rank, the tied head
+    copy and DP replicas beyond the first are not); the loss comes from the first TP rank
+    of the last stage of every DP replica. An fp16 overflow anywhere makes the flag sum
+    positive.
     """
     device = ctx.device
-    distributed = isinstance(optimizer, DistributedOptimizer)
-    if distributed:
-        norm_sq = optimizer.grad_norm_squared()
-        sharded = optimizer.reducer.shard
-    else:
-        params = [p for p in model.parameters() if p.requires_grad]
-        norm_sq = grad_norm_squared([p for p in params if not is_tp_duplicate(p, ctx.tp.rank)
-                                     and not getattr(p, "tied_copy", False)], device)
-        sharded = False
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    parts = [norm_sq.to(device=device, dtype=torch.float64) if sharded or ctx.coords.dp == 0 else zero,
+    parts = [optimizer.grad_norm_squared().to(device=device, dtype=torch.float64),
              loss.to(device=device, dtype=torch.float64) if loss is not None and ctx.tp.rank == 0 else zero,
-             optimizer.nonfinite() if check_finite and distributed else zero]
+             optimizer.nonfinite().to(device=device) if check_finite else zero]
     sums = torch.stack(parts)
     ctx.mp.all_reduce(sums)
     ctx.dp.all_reduce(sums)
@@ -105,14 +97,6 @@ def step_scalars(model: nn.Module, optimizer, ctx: DistributedContext, loss: tor
     stand_in = [(2.0 * max_norm if max_norm > 0 else 1.0) ** 2, 0.0, 0.0]
     norm_sq, mean_loss, bad = host_sync.read("step_scalars", sums, lambda t: t.tolist(), stand_in=stand_in)
     return StepScalars(mean_loss, math.sqrt(norm_sq) if norm_sq >= 0 else float("nan"), bad == 0.0)
-
-
-def clip_gradients(model: nn.Module, optimizer, norm: float, max_norm: float) -> None:
-    """Step 4's end: scale this rank's gradients, of global norm ``norm``, to ``max_norm``."""
-    if isinstance(optimizer, DistributedOptimizer):
-        optimizer.clip_to(norm, max_norm)
-    else:
-        clip_to([p for p in model.parameters() if p.requires_grad], norm, max_norm)
 
 
 Parts = Callable[[nn.Parameter], list[torch.Tensor]]

@@ -1,21 +1,22 @@
-"""Optimizer, learning-rate schedule and gradient clipping.
+"""AdamW on the parameters, the learning-rate schedule and the clipping factor.
 
-Clipping needs one norm for the whole model even when its parameters are spread over
-devices, so :func:`clip_grad_norm` takes the group over which the squared norms of the
-local shards are summed; each parameter must be counted exactly once in that sum.
+:class:`AdamW` puts torch's AdamW behind the optimizer interface (interface.py) that the
+trainer, the gradient path and checkpoints use: fp32/fp64 runs without ZeRO step with
+it, the others with the flat master weights of distributed_optimizer.py.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from gridtrain.runtime import host_sync
-from gridtrain.parallel.comm import CommGroup
-from gridtrain.config import TrainingConfig
+from gridtrain.config import OptimConfig
+from gridtrain.optim.interface import Optimizer, StatePiece
+from gridtrain.parallel.tensor_parallel import is_tp_duplicate
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter, as torch names it
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -28,65 +29,32 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, t: TrainingConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
     """torch's AdamW, fused (one kernel over all parameters) where torch has it for the
     parameters' device: a per-parameter Python loop costs more than the update on small
     models (on 2 CPU cores, 50 fp32 tensors of 256 x 256: ~14x)."""
-    groups = param_groups(model, t.weight_decay)
+    groups = param_groups(model, o.weight_decay)
     params = [p for g in groups for p in g["params"]]
     # plain tensors only: torch's fused kernel takes no DTensor (nor the dry run's fake tensors)
     fused = bool(params) and all(type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda")
                                  and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.adam_eps, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.adam_eps, fused=fused or None)
 
 
-def lr_at(step: int, t: TrainingConfig) -> float:
-    """Linear warm-up from lr/warmup to lr, then cosine decay to lr * min_lr_ratio."""
-    if step < t.warmup:
-        return t.lr * (step + 1) / t.warmup
-    progress = (step - t.warmup) / max(1, t.steps - t.warmup)
-    floor = t.lr * t.min_lr_ratio
-    return floor + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (t.lr - floor)
+def lr_at(step: int, o: OptimConfig, steps: int) -> float:
+    """Linear warm-up from lr/warmup to lr, then cosine decay to lr * min_lr_ratio at the
+    end of a run of ``steps``."""
+    warmup = o.warmup(steps)
+    if step < warmup:
+        return o.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    floor = o.lr * o.min_lr_ratio
+    return floor + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (o.lr - floor)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def grad_norm_squared(params: Iterable[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Sum of squared gradient entries as an fp64 scalar (the same dtype on every rank, so
-    it can be summed across ranks; a rank with no gradients contributes 0)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm([g.to(torch.promote_types(g.dtype, torch.float32)) for g in grads])
-    return torch.stack([n.double() for n in norms]).square().sum()
-
-
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, group: CommGroup | None = None,
-                   norm_params: list[torch.Tensor] | None = None,
-                   device: torch.device | str | None = None) -> float:
-    """Clip ``params`` to a global norm; returns the norm before clipping.
-
-    The norm is taken over ``norm_params`` (default: ``params``) and ``group`` sums the
-    squared norms of this rank's parameters with its peers' (the model-parallel group
-    once the model is split). A parameter replicated over that group must appear in
-    ``norm_params`` on one rank only, so that nothing is counted twice.
-
-    A rank whose stage holds no parameters still takes part in that sum with a zero, and
-    the zero must be on the rank's device (NCCL refuses a CPU tensor): ``device`` when
-    given, else ``group.device``; the parameters' device is used only when neither is
-    known (no group, or a group without a device), and CPU only when nothing says.
-    """
-    total_sq = grad_norm_squared(params if norm_params is None else norm_params,
-                                 _norm_device(device, group, params))
-    if group is not None:
-        group.all_reduce(total_sq)
-    # the dry run's stand-in is above the limit, so that the clipping path runs too
-    norm = host_sync.read("grad_norm", total_sq.sqrt(), float, stand_in=2.0 * max_norm if max_norm > 0 else 1.0)
-    clip_to(params, norm, max_norm)
-    return norm
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float | None:
@@ -97,18 +65,110 @@ def clip_coefficient(norm: float, max_norm: float) -> float | None:
     return None
 
 
-def clip_to(params: list[torch.Tensor], norm: float, max_norm: float) -> None:
-    """Scale ``params``' gradients, whose global norm is ``norm``, to at most ``max_norm``."""
-    coef = clip_coefficient(norm, max_norm)
-    grads = [p.grad for p in params if p.grad is not None]
-    if coef is not None and grads:
-        torch._foreach_mul_(grads, coef)
+def counts_towards_norm(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this rank counts ``param`` in the global gradient norm: not a TP-replicated
+    copy held by a TP rank other than the first, nor the last stage's tied head copy."""
+    return not is_tp_duplicate(param, tp_rank) and not getattr(param, "tied_copy", False)
 
 
-def _norm_device(device: torch.device | str | None, group: CommGroup | None,
-                 params: list[torch.Tensor]) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    if group is not None and group.device is not None:
-        return group.device
-    return params[0].device if params else torch.device("cpu")
+def squared_norm(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squared entries as an fp64 scalar on ``device`` (the same dtype on every
+    rank, so that it can be summed across ranks; nothing to count contributes 0)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm([t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors])
+    return torch.stack([n.double() for n in norms]).square().sum()
+
+
+class AdamW:
+    """torch's AdamW on the parameters behind the optimizer interface (interface.py).
+
+    Every DP rank holds every parameter's whole gradient and state, so the norm is
+    counted on one DP rank only: ``counted`` are the parameters this rank counts (none
+    on DP ranks other than the first; default: all). The parameters are updated in
+    place by :meth:`step`, so they are always ready for the next forward."""
+
+    shards_over_dp = False
+
+    def __init__(self, inner: torch.optim.Optimizer, counted: list[nn.Parameter] | None = None,
+                 device: torch.device | str | None = None):
+        self.inner = inner
+        self.params = [p for group in inner.param_groups for p in group["params"]]
+        self.counted = self.params if counted is None else counted
+        default = self.params[0].device if self.params else "cpu"
+        self.device = torch.device(device if device is not None else default)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def steps(self) -> int:
+        return max((int(s["step"]) for s in self.inner.state.values() if "step" in s), default=0)
+
+    def _grads(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        return [p.grad for p in params if p.grad is not None]
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        return squared_norm(self._grads(self.counted), self.device)
+
+    def nonfinite(self) -> torch.Tensor:
+        flags = [torch.isfinite(g).all() for g in self._grads(self.params)]
+        finite = torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=self.device)
+        return finite.logical_not().to(torch.float64)
+
+    def unscale(self, scale: float) -> None:
+        grads = self._grads(self.params)
+        if scale != 1.0 and grads:
+            torch._foreach_div_(grads, scale)
+
+    def clip_to(self, norm: float, max_norm: float) -> None:
+        coef, grads = clip_coefficient(norm, max_norm), self._grads(self.params)
+        if coef is not None and grads:
+            torch._foreach_mul_(grads, coef)
+
+    def gather_before(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        """Nothing to wait for: :meth:`step` updates the parameters themselves."""
+
+    def parameters_ready(self) -> None:
+        """Nothing to wait for: :meth:`step` updates the parameters themselves."""
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [v for state in self.inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+    def state_pieces(self) -> list[StatePiece]:
+        """The moments of every parameter that has taken a step (AdamW makes its state at
+        a parameter's first update)."""
+        return [StatePiece(p, 0, {what: self.inner.state[p][what].view(-1) for what in MOMENTS})
+                for p in self.params if self.inner.state.get(p)]
+
+    def load_targets(self) -> list[StatePiece]:
+        """Fresh zero moments for every parameter; :meth:`loaded` keeps those filled."""
+        return [StatePiece(p, 0, {what: torch.zeros(p.numel(), dtype=p.dtype, device=p.device) for what in MOMENTS})
+                for p in self.params]
+
+    def loaded(self, step: int | None, filled: list[StatePiece]) -> None:
+        for piece in filled:
+            p = piece.param
+            self.inner.state[p] = {"step": torch.tensor(float(step or 0)),
+                                   **{what: flat.view_as(p) for what, flat in piece.tensors.items()}}
+
+    @torch.no_grad()
+    def load_state_by_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Master weights (``master``) are copied into the parameters, the rest is AdamW's."""
+        for p, state in states.items():
+            state = dict(state)
+            master = state.pop("master", None)
+            if master is not None:
+                p.copy_(master)
+            if state:
+                self.inner.state[p] = state
+
+
+def as_optimizer(optimizer: torch.optim.Optimizer | Optimizer | None) -> Optimizer | None:
+    """The optimizer interface over what a caller of the checkpoint API hands it: a bare
+    torch optimizer (a loop of the user's own) is wrapped, gridtrain's pass as they are."""
+    return AdamW(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else optimizer

@@ -124,7 +124,7 @@ def setup_distributed(cfg: Config) -> DistributedContext:
                         sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng)
     return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
                               dtype=cfg.training.dtype, tp=tp,
-                              recompute=Recomputation(policy_from(cfg.training), rng),
+                              recompute=Recomputation(policy_from(cfg.activations), rng),
                               dp=CommGroup.of("dp", groups.dp, counter, device=device),
                               mp=CommGroup.of("mp", groups.mp, counter, device=device),
                               pp=CommGroup.of("pp", groups.pp, counter, device=device),

@@ -111,10 +111,10 @@ class RecomputePolicy:
         return [(ids[i:i + self.layers], True) for i in range(0, len(ids), self.layers)]
 
 
-def policy_from(training) -> RecomputePolicy:
-    """The policy of a run's TrainingConfig."""
-    return RecomputePolicy(training.recompute, training.recompute_method, training.recompute_layers,
-                           training.recompute_keep_last, training.recompute_early)
+def policy_from(a) -> RecomputePolicy:
+    """The policy of a run's ActivationsConfig."""
+    return RecomputePolicy(a.recompute, a.recompute_method, a.recompute_layers, a.recompute_keep_last,
+                           a.recompute_early)
 
 
 def _device_of(inputs: Sequence[torch.Tensor], default: torch.device) -> torch.device:

@@ -330,10 +330,10 @@ def p2p_seconds(job: Job, lay: Layout) -> float:
 def config_of(job: Job, lay: Layout) -> Config:
     cfg = Config(model=job.model, preset="")
     cfg.parallel = replace(cfg.parallel, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, schedule=lay.schedule,
-                           sequence_parallel=lay.sequence_parallel)
+                           sequence_parallel=lay.sequence_parallel, zero=lay.zero)
     cfg.training = replace(cfg.training, micro_batch_size=lay.micro_batch_size,
-                           global_batch_size=job.global_batch_size, recompute=lay.recompute, zero=lay.zero,
-                           dtype=job.dtype)
+                           global_batch_size=job.global_batch_size, dtype=job.dtype)
+    cfg.activations = replace(cfg.activations, recompute=lay.recompute)
     return cfg
 
 

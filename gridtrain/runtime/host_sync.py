@@ -12,8 +12,7 @@ name:
   gradient norm (compared with ``--grad-clip``) and whether any rank's fp16 gradients
   overflowed (skip the step), reduced together as one vector (grads.step_scalars).
 
-Outside the step, one read each where a whole pass would otherwise read per tensor
-(and ``grad_norm`` in ``optim.clip_grad_norm``, a helper the step no longer uses):
+Outside the step, one read each where a whole pass would otherwise read per tensor:
 
 * ``valid_loss``: the validation loss, summed and token-counted on the device over all
   of its micro-batches first;

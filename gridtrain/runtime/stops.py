@@ -88,8 +88,13 @@ class Hang(RunStopped):
 
 
 class Health:
-    """Stops the run on a non-finite loss or gradient norm (fp32/bf16/fp64), or on an fp16
-    loss scale that no longer helps."""
+    """Stops the run when it has diverged: a non-finite loss (every dtype) or gradient norm
+    (fp32/bf16/fp64), or an fp16 loss scale that can no longer help.
+
+    fp16 gradients that overflow while the loss is finite only skip the step (the loss
+    scaler halves its scale); but an overflow at the minimum loss scale, where there is
+    nothing left to halve, stops the run, as do more than ``max_skipped`` skips in a row.
+    """
 
     def __init__(self, dtype: str, min_loss_scale: float = 1.0, max_skipped: int = MAX_SKIPPED_IN_A_ROW):
         self.fp16 = dtype == "fp16"
@@ -98,28 +103,28 @@ class Health:
         self.skipped_in_a_row = 0
 
     def check(self, step: int, loss: float, grad_norm: float, loss_scale: float | None = None) -> None:
-        """Raise :class:`Diverged` naming ``step`` (1-based, as the metrics file counts)."""
-        if self.fp16:
-            self._check_fp16(step, loss_scale, skipped=not math.isfinite(grad_norm))
-            return
+        """Raise :class:`Diverged` naming ``step`` (1-based, as the metrics file counts);
+        ``loss_scale``: the fp16 scale this step ran with."""
         bad = [f"{name} {value}" for name, value in (("loss", loss), ("gradient norm", grad_norm))
-               if not math.isfinite(value)]
+               if not math.isfinite(value) and (name == "loss" or not self.fp16)]
         if bad:
             raise Diverged(f"step {step}: {' and '.join(bad)}; the run diverged and was stopped before "
                            "the optimizer applied it (the latest checkpoint is from before this step); "
                            "lower --lr, raise --warmup-steps or clip with --grad-clip", step)
+        if self.fp16:
+            self._check_overflow(step, loss_scale, skipped=not math.isfinite(grad_norm))
 
-    def _check_fp16(self, step: int, loss_scale: float | None, skipped: bool) -> None:
+    def _check_overflow(self, step: int, loss_scale: float | None, skipped: bool) -> None:
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         if not skipped:
             return
-        if loss_scale is not None and loss_scale <= self.min_loss_scale and self.skipped_in_a_row > 1:
-            raise Diverged(f"step {step}: fp16 gradients still overflow at the minimum loss scale "
-                           f"{self.min_loss_scale:g}; the run diverged and was stopped; lower --lr or "
-                           "train in bf16", step)
+        if loss_scale is not None and loss_scale <= self.min_loss_scale:
+            raise Diverged(f"step {step}: fp16 gradients overflow at the minimum loss scale "
+                           f"{self.min_loss_scale:g} (--min-loss-scale); the run diverged and was stopped; lower "
+                           "--lr or train in bf16", step)
         if self.skipped_in_a_row > self.max_skipped:
             raise Diverged(f"step {step}: {self.skipped_in_a_row} fp16 steps in a row skipped on overflow "
-                           f"(loss scale now {loss_scale:g}); the run diverged and was stopped; lower --lr "
+                           f"(loss scale {loss_scale:g}); the run diverged and was stopped; lower --lr "
                            "or train in bf16", step)
 
 

@@ -49,10 +49,10 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
 
 def _train(cfg: Config, trainer: Trainer) -> TrainResult:
     report = RunReport(trainer)
-    t, validates = cfg.training, trainer.data.valid is not None
+    t, c, validates = cfg.training, cfg.checkpoint, trainer.data.valid is not None
     health = Health(t.dtype, t.min_loss_scale)
     world = CommGroup.of("world", dist.group.WORLD, trainer.ctx.bytes, device=trainer.ctx.device)
-    preemption = Preemption(world) if t.save else None
+    preemption = Preemption(world) if c.save else None
     try:
         for step in range(trainer.start_step, t.steps):
             done = step + 1  # steps count from 1, as in the metrics file and the hang report
@@ -60,23 +60,23 @@ def _train(cfg: Config, trainer: Trainer) -> TrainResult:
             lr = trainer.set_lr(step)
             with report.step_window(first=step == trainer.start_step):
                 out = trainer.train_step(trainer.read_batches(step))
-            health.check(done, out.loss, out.grad_norm, trainer.loss_scale)
-            valid_loss = trainer.evaluate() if validates and _due(done, t.eval_interval) else None
+            health.check(done, out.loss, out.grad_norm, out.loss_scale)
+            valid_loss = trainer.evaluate() if validates and _due(done, cfg.eval.eval_interval) else None
             report.step(done, lr, out, valid_loss)
             preempted = preemption is not None and preemption.agreed(trainer.ctx.device)
-            if t.save and (_due(done, t.save_interval) or (preempted and done < t.steps)):
+            if c.save and (_due(done, c.save_interval) or (preempted and done < t.steps)):
                 trainer.save(done)
             if preempted and done < t.steps:
                 raise Preempted(f"stopped by SIGTERM after step {done} of {t.steps}; checkpoint saved in "
-                                f"{t.save}; rerun the same command with --auto-resume to continue", done)
+                                f"{c.save}; rerun the same command with --auto-resume to continue", done)
     finally:
         trainer.parameters_ready()  # ZeRO-1's last gathers: the weights are read from here on
         report.end_of_steps()
         if preemption is not None:
             preemption.close()
         trainer.finish_saves()  # a background write ends (or reports its failure) before anything exits
-    final_valid = trainer.evaluate() if validates and not _due(t.steps, t.eval_interval) else None
-    if t.save and not _due(t.steps, t.save_interval):
+    final_valid = trainer.evaluate() if validates and not _due(t.steps, cfg.eval.eval_interval) else None
+    if c.save and not _due(t.steps, c.save_interval):
         trainer.save(t.steps)
     trainer.finish_saves()
     return report.finish(final_valid)

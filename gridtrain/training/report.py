@@ -51,20 +51,20 @@ class TrainResult:
 class RunReport:
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
-        cfg, ctx, t = trainer.cfg, trainer.ctx, trainer.cfg.training
+        cfg, ctx, t, r = trainer.cfg, trainer.ctx, trainer.cfg.training, trainer.cfg.metrics
         model = trainer.model
-        self.log = MetricsLogger(ctx.is_logging_rank, t.metrics_file, t.steps, trainer.start_step, t.progress,
-                                 tensorboard=t.tensorboard)
+        self.log = MetricsLogger(ctx.is_logging_rank, r.metrics_file, t.steps, trainer.start_step, r.progress,
+                                 tensorboard=r.tensorboard)
         self.stats = RunStats(flops_per_token=_flops_per_token(model), world_size=ctx.grid.world_size)
         self.result = TrainResult(ctx=ctx, model=model)
         self.step_tokens = trainer.step_tokens
         self.tokens_seen = trainer.start_step * self.step_tokens
-        self.offload = t.offload_activations and ctx.device.type == "cuda"
+        self.offload = cfg.activations.offload_activations and ctx.device.type == "cuda"
         self.stage_memory: memory.StageMemory | None = None  # this stage's, from the first step
         self._bytes_before: dict = {}  # the byte and call counters when the current step began ...
         self._calls_before: dict = {}
         self._elapsed = 0.0  # ... and the seconds it took
-        if t.offload_activations and not self.offload:
+        if cfg.activations.offload_activations and not self.offload:
             self.log.print("--offload-activations: activations already live in host memory on the CPU; "
                            "nothing to offload")
         self.log.print(f"gridtrain: {ctx.grid.describe()}, {_count(model):,} parameters per rank, "
@@ -72,8 +72,8 @@ class RunReport:
                        f"device {ctx.device.type}, dtype {t.dtype}")
         if trainer.resumed_from is not None:
             self.log.print(f"resuming from {trainer.resumed_from} after step {trainer.start_step}")
-        elif t.auto_resume and t.save:
-            self.log.print(f"--auto-resume: no checkpoint in {t.save} yet; starting from step 0")
+        elif cfg.checkpoint.auto_resume and cfg.checkpoint.save:
+            self.log.print(f"--auto-resume: no checkpoint in {cfg.checkpoint.save} yet; starting from step 0")
 
     # ---- per step --------------------------------------------------------------------------
 
@@ -124,13 +124,13 @@ class RunReport:
     def finish(self, valid_loss: float | None) -> TrainResult:
         """The run's result; writes traces and prints the summary (collective over PP)."""
         trainer, result = self.trainer, self.result
-        ctx, t = trainer.ctx, trainer.cfg.training
+        ctx, r = trainer.ctx, trainer.cfg.metrics
         if valid_loss is not None:
             result.valid_loss = valid_loss
         result.tokens_per_s = self.stats.tokens_per_s()
-        if t.trace:
-            Path(t.trace).mkdir(parents=True, exist_ok=True)
-            write_chrome_trace(Path(t.trace) / f"rank{ctx.rank:03d}.json", result.trace_events, ctx.rank,
+        if r.trace:
+            Path(r.trace).mkdir(parents=True, exist_ok=True)
+            write_chrome_trace(Path(r.trace) / f"rank{ctx.rank:03d}.json", result.trace_events, ctx.rank,
                                ctx.coords.pp)
         idle = _stage_idle_fractions(result, ctx)
         if self.stage_memory is not None:
@@ -138,7 +138,7 @@ class RunReport:
         self._print_summary()
         if result.memory:
             self.log.print(memory.summary_line(result.memory))
-            if t.memory_report:
+            if r.memory_report:
                 for line in memory.report_lines(result.memory, _memory_note(trainer.cfg, ctx)):
                     self.log.print(line)
         if ctx.grid.pp > 1:
@@ -153,7 +153,7 @@ class RunReport:
         if not stats.records:
             return
         tflops = stats.tflops_per_device()
-        peak = peak_tflops(ctx.device, self.trainer.cfg.training.peak_tflops)
+        peak = peak_tflops(ctx.device, self.trainer.cfg.metrics.peak_tflops)
         mfu = f"MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s" if peak else \
             f"MFU n/a (no known peak for {ctx.device.type}; pass --peak-tflops)"
         log.print(f"throughput: {stats.tokens_per_s():,.0f} tokens/s, {tflops:.4f} TFLOP/s per device "
@@ -281,7 +281,7 @@ def _memory_note(cfg: Config, ctx: DistributedContext) -> str:
     mask = memory.dropout_mask_bytes(ctx.device, e)
     formula = ("formula: Korthikanti et al. adapted, docs/memory.md" if m.attention == "math"
                else "no formula for --attention sdpa (fused kernel); use --attention math to compare")
-    return (f"recompute {t.recompute}, {e}-byte activations, dropout {m.dropout} "
+    return (f"recompute {cfg.activations.recompute}, {e}-byte activations, dropout {m.dropout} "
             f"({mask}-byte masks), micro-batch {t.micro_batch_size}, tp {ctx.tp.size}"
             f"{' + SP' if ctx.tp.sequence_parallel else ''}; {formula}")
 

@@ -40,10 +40,11 @@ from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
 from gridtrain.parallel.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.parallel.distributed import DistributedContext, setup_distributed
 from gridtrain.optim.distributed_optimizer import DistributedOptimizer, LossScaler
-from gridtrain.optim.grads import clip_gradients, reduce_gradients, step_scalars, tied_parameter
+from gridtrain.optim.grads import reduce_gradients, step_scalars, tied_parameter
+from gridtrain.optim.interface import Optimizer
 from gridtrain.checkpoint.huggingface import open_source
 from gridtrain.models.decoder import IGNORE_INDEX, Block, compile_blocks
-from gridtrain.optim.optimizer import build_optimizer, lr_at, set_lr
+from gridtrain.optim.optimizer import AdamW, build_optimizer, counts_towards_norm, lr_at, set_lr
 from gridtrain.parallel.pipeline.runtime import PipelineStage, StageStats
 from gridtrain.parallel.pipeline.schedules import build_schedule, uses_split_backward
 from gridtrain.parallel.split_backward import WeightGradStore
@@ -62,6 +63,7 @@ class StepOutput:
     loss: float  # mean token loss of the global batch (the same on every rank)
     grad_norm: float  # global norm before clipping; inf for an fp16 step skipped on overflow
     stage: StageStats  # what this rank's pipeline stage did
+    loss_scale: float | None = None  # fp16: the loss scale this step ran with
 
 
 @dataclass
@@ -71,7 +73,7 @@ class Trainer:
     model: nn.Module
     pipeline: PipelineStage
     reducer: GradientReducer
-    optimizer: torch.optim.Optimizer | DistributedOptimizer
+    optimizer: Optimizer
     scaler: LossScaler | None
     num_micro_batches: int  # per step on this DP rank
     data: Datasets | None = None
@@ -92,7 +94,7 @@ class Trainer:
         return self.scaler.scale if self.scaler is not None else None
 
     def set_lr(self, step: int) -> float:
-        lr = lr_at(step, self.cfg.training)
+        lr = lr_at(step, self.cfg.optim, self.cfg.training.steps)
         set_lr(self.optimizer, lr)
         return lr
 
@@ -113,17 +115,18 @@ class Trainer:
                                             lambda: reduce_gradients(self.model, self.reducer, ctx))
         if self.scaler is not None:
             self.optimizer.unscale(scale)
-        max_norm = self.cfg.training.grad_clip
-        s = step_scalars(self.model, self.optimizer, ctx, loss_sum / global_tokens if holds_loss else None,
+        max_norm = self.cfg.optim.grad_clip
+        s = step_scalars(self.optimizer, ctx, loss_sum / global_tokens if holds_loss else None,
                          check_finite=self.scaler is not None, max_norm=max_norm)
+        used_scale = self.loss_scale
         if self.scaler is not None:
             self.scaler.update(s.finite)
             if not s.finite:
-                return StepOutput(s.loss, float("inf"), stats)
-        clip_gradients(self.model, self.optimizer, s.grad_norm, max_norm)
+                return StepOutput(s.loss, float("inf"), stats, used_scale)
+        self.optimizer.clip_to(s.grad_norm, max_norm)
         if math.isfinite(s.loss) and math.isfinite(s.grad_norm):  # never apply a NaN (stops.py stops the run)
             self.optimizer.step()
-        return StepOutput(s.loss, s.grad_norm, stats)
+        return StepOutput(s.loss, s.grad_norm, stats, used_scale)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -137,7 +140,7 @@ class Trainer:
                                      ctx.grid.dp, ctx.coords.dp, t.seed, shuffle=False)
         holds_loss = ctx.grid.is_last_stage(ctx.rank)
         totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-        for step in range(min(t.eval_iters, max(1, len(dataset) // t.global_batch_size))):
+        for step in range(min(self.cfg.eval.eval_iters, max(1, len(dataset) // t.global_batch_size))):
             batches = read_micro_batches(dataset, sampler, step, ctx, batch_shapes(self.cfg))
             loss_sum = self.pipeline.forward_only(batches)
             if holds_loss:
@@ -161,16 +164,16 @@ class Trainer:
         self.parameters_ready()
         if not self._weights_finite():
             raise Diverged(f"step {step}: some weights are not finite (inf or NaN); not saved, the latest "
-                           f"checkpoint in {self.cfg.training.save} is from before; lower --lr", step)
-        t = self.cfg.training
+                           f"checkpoint in {self.cfg.checkpoint.save} is from before; lower --lr", step)
+        c = self.cfg.checkpoint
         state = checkpoint.state_to_save(self.model, self.optimizer, self.ctx)
         meta = checkpoint.meta_of(step, self.cfg, self.ctx, self.optimizer, self.scaler)
         if self.saver is not None:
-            report = self.saver.save(t.save, step, state, meta, keep_last=t.keep_last)
+            report = self.saver.save(c.save, step, state, meta, keep_last=c.keep_last)
         else:
             report = SaveReport(step=step)
             written = time.perf_counter()
-            report.path = checkpoint.write_state(t.save, step, state, meta, keep_last=t.keep_last)
+            report.path = checkpoint.write_state(c.save, step, state, meta, keep_last=c.keep_last)
             report.write_s = time.perf_counter() - written
         report.blocked_s = time.perf_counter() - began
         self.saves.append(report)
@@ -179,8 +182,7 @@ class Trainer:
         """Wait for ZeRO-1's parameter gathers still in flight after the last step (the
         next forward would wait for them itself; anything else reading the weights calls
         this first)."""
-        if isinstance(self.optimizer, DistributedOptimizer):
-            self.optimizer.parameters_ready()
+        self.optimizer.parameters_ready()
 
     def finish_saves(self) -> None:
         """Wait for a background save in flight; raise its failure (never silent)."""
@@ -218,20 +220,19 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.grid.dp)
     pipeline = build_pipeline(model, cfg, ctx, forward_step, micro_batches)
     reducer = GradientReducer(model, ctx.dp, accumulations=micro_batches,
-                              bucket_mb=cfg.parallel.bucket_mb, shard=t.zero == 1, device=ctx.device,
+                              bucket_mb=cfg.parallel.bucket_mb, shard=cfg.parallel.zero == 1, device=ctx.device,
                               in_place=not uses_split_backward(cfg.parallel.schedule),
                               alone=[p for p in [tied_parameter(model, ctx.embedding)] if p is not None])
     optimizer = make_optimizer(model, reducer, cfg, ctx)
-    if isinstance(optimizer, DistributedOptimizer):
-        gather_before_forwards(model, optimizer)
+    gather_before_forwards(model, optimizer)
     scaler = LossScaler(t.loss_scale, t.loss_scale_window, t.min_loss_scale) if t.dtype == "fp16" else None
     source = resume_source(cfg)
     # the scaler resumes too: a fresh loss scale would skip steps the saved run did not
     start = checkpoint.load_checkpoint(source, model, optimizer, ctx, scaler=scaler) if source is not None else 0
-    if source is None and t.init_from is not None:  # fine-tuning: weights only, step 0, fresh optimizer
-        init = open_source(t.init_from, "--init-from")
+    if source is None and cfg.checkpoint.init_from is not None:  # fine-tuning: weights only, step 0, fresh optimizer
+        init = open_source(cfg.checkpoint.init_from, "--init-from")
         checkpoint.init_weights(init.tensors, model, optimizer, ctx, where=init.where)
-    saver = BackgroundSaver() if t.save and t.save_async else None  # collective: its own process group
+    saver = BackgroundSaver() if cfg.checkpoint.save and cfg.checkpoint.save_async else None  # collective: its own process group
     return Trainer(cfg=cfg, ctx=ctx, model=model, pipeline=pipeline, reducer=reducer, optimizer=optimizer,
                    scaler=scaler, num_micro_batches=micro_batches, data=data, sampler=sampler,
                    start_step=start, resumed_from=source, saver=saver)
@@ -240,11 +241,11 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
 def resume_source(cfg: Config) -> Path | None:
     """The checkpoint to start from: ``--load``; with ``--auto-resume``, else the newest
     complete checkpoint in the ``--save`` directory (None there: a fresh start)."""
-    t = cfg.training
-    if t.load:
-        return Path(t.load)
-    if t.auto_resume and t.save:
-        return checkpoint.latest_step_dir(t.save)
+    c = cfg.checkpoint
+    if c.load:
+        return Path(c.load)
+    if c.auto_resume and c.save:
+        return checkpoint.latest_step_dir(c.save)
     return None
 
 
@@ -260,24 +261,25 @@ def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forwa
                          activation_shape=(cfg.training.micro_batch_size, seq, cfg.model.d_model),
                          activation_dtype=ctx.param_dtype, device=ctx.device,
                          weight_grads=ctx.tp.weight_grads, forward_step=forward_step,
-                         trace=cfg.training.trace is not None, recompute=ctx.recompute)
+                         trace=cfg.metrics.trace is not None, recompute=ctx.recompute)
 
 
-def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext):
+def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext) -> Optimizer:
     """torch's AdamW on the parameters for fp32/fp64 without sharding; otherwise AdamW on
     flat master weights, sharded over DP with ZeRO-1 (distributed_optimizer.py)."""
-    t = cfg.training
-    if t.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64):
-        return build_optimizer(model, t)
+    if cfg.parallel.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64):
+        counted = [p for p in model.parameters() if p.requires_grad and counts_towards_norm(p, ctx.tp.rank)]
+        return AdamW(build_optimizer(model, cfg.optim), counted if ctx.coords.dp == 0 else [], ctx.device)
     master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
-    return DistributedOptimizer(reducer, t, dp=ctx.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master)
+    return DistributedOptimizer(reducer, cfg.optim, dp=ctx.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master)
 
 
-def gather_before_forwards(model: nn.Module, optimizer: DistributedOptimizer) -> None:
-    """ZeRO-1: each transformer block waits for its own parameters' gathers when its
-    forward starts, the stage's model for the rest (embedding, final norm, head), so the
-    gathers of later blocks overlap the forward of earlier ones. Waits sit on whole
-    blocks, outside what ``--compile`` compiles (``Block.layer``)."""
+def gather_before_forwards(model: nn.Module, optimizer: Optimizer) -> None:
+    """Parameters ready before each forward: each transformer block waits for its own
+    parameters (ZeRO-1's gathers) when its forward starts, the stage's model for the rest
+    (embedding, final norm, head), so the gathers of later blocks overlap the forward of
+    earlier ones. Waits sit on whole blocks, outside what ``--compile`` compiles
+    (``Block.layer``)."""
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     inside = {id(p) for b in blocks for p in b.parameters()}
     for block in blocks:

@@ -10,10 +10,12 @@ line. It is idempotent, has no side effects (it creates nothing) and takes well 
 a second for the built-in corpus, so running it in every worker is cheap.
 
 What it checks, in order, each message naming the flag (or ``section.key`` for fields
-without one), the problem and the fix:
+without one; both come from the field's declaration), the problem and the fix:
 
 * types: every field against its dataclass annotation (config.check_types);
-* ranges: every number within its meaning (steps >= 1, betas in [0, 1), ...);
+* ranges and choices: every number within its meaning (steps >= 1, betas in [0, 1),
+  ...) and every named option one of its values, as each field's declaration in
+  gridtrain.config says;
 * sizes: the grid against the world, heads and MLP against tp, the pipeline split,
   the batch against micro-batch x dp, recomputation settings;
 * data: the corpus exists, is readable, has a recognised format and holds a
@@ -39,8 +41,8 @@ from pathlib import Path
 import torch
 
 from gridtrain.checkpoint import CheckpointError, check_loadable, latest_step_dir
-from gridtrain.config import (ARCHS, ATTENTION, DEVICES, DTYPES, RECOMPUTE, RECOMPUTE_METHODS, ROPE_SCALINGS, Config,
-                              ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainingConfig, check_types,
+from gridtrain.config import (ROPE_SCALINGS, ActivationsConfig, Config, ConfigError, DataConfig, ModelConfig,
+                              ParallelConfig, TrainingConfig, check_types, declared_fields, flag_of, range_problem,
                               under_torchrun, world_size_of)
 from gridtrain.data import DataError, check_enough_tokens, count_tokens, load_tokenizer
 from gridtrain.runtime.devices import gpu_shortage
@@ -52,71 +54,7 @@ from gridtrain.models.decoder import count_parameters
 from gridtrain.parallel.pipeline.partition import METHODS, PartitionError, check_counts
 from gridtrain.parallel.pipeline.schedules import ORDERS, ScheduleError, check_sizes
 
-# How messages name a field: its `gridtrain train` flag; fields that have no flag are
-# named as a YAML file spells them (tests/test_validation.py keeps this in step with cli).
-FLAG_NAMES = {("training", "dist_timeout_s"): "--timeout", ("data", "path"): "--data",
-              ("training", "progress"): "--no-progress"}
-WITHOUT_FLAG = {("model", "vocab_pad_multiple"), ("model", "layernorm_eps"),
-                ("model", "tie_embeddings"), ("model", "rope_scaling"), ("model", "rope_factor"),
-                ("model", "rope_low_freq_factor"), ("model", "rope_high_freq_factor"),
-                ("model", "rope_original_max_positions"), ("model", "max_positions"),
-                ("training", "min_lr_ratio"), ("training", "beta1"),
-                ("training", "beta2"), ("training", "adam_eps"), ("training", "loss_scale_window"),
-                ("training", "temperature"), ("training", "top_k"),
-                ("data", "valid_every")}
-
-# Range of every number: (section, field) -> (rule, hint). Rules: ">= x", "> x",
-# "[a, b]", "[a, b)". None values (optional fields left unset) are not checked.
-RANGES: dict[tuple[str, str], tuple[str, str]] = {
-    ("model", "n_layer"): (">= 1", ""),
-    ("model", "n_head"): (">= 1", ""),
-    ("model", "d_model"): (">= 1", ""),
-    ("model", "seq_len"): (">= 1", ""),
-    ("model", "vocab_size"): (">= 1", ""),
-    ("model", "ffn_hidden"): (">= 1", ""),
-    ("model", "vocab_pad_multiple"): (">= 1", ""),
-    ("model", "layernorm_eps"): ("> 0", ""),
-    ("model", "dropout"): ("[0, 1)", ""),
-    ("model", "n_kv_head"): (">= 1", ""),
-    ("model", "rope_theta"): ("> 0", ""),
-    ("model", "rope_factor"): ("> 0", ""),
-    ("model", "rope_low_freq_factor"): ("> 0", ""),
-    ("model", "rope_high_freq_factor"): ("> 0", ""),
-    ("model", "rope_original_max_positions"): (">= 1", ""),
-    ("model", "max_positions"): (">= 1", ""),
-    ("parallel", "nproc"): (">= 1", ""),
-    ("parallel", "dp"): (">= 1", "; or leave it out to use world / (tp x pp)"),
-    ("parallel", "tp"): (">= 1", ""),
-    ("parallel", "pp"): (">= 1", ""),
-    ("parallel", "vpp"): (">= 1", ""),
-    ("parallel", "bucket_mb"): ("> 0", ""),
-    ("training", "steps"): (">= 1", ""),
-    ("training", "micro_batch_size"): (">= 1", ""),
-    ("training", "global_batch_size"): (">= 1", ""),
-    ("training", "lr"): ("> 0", ""),
-    ("training", "min_lr_ratio"): ("[0, 1]", ""),
-    ("training", "warmup_steps"): (">= 0", ""),
-    ("training", "weight_decay"): (">= 0", ""),
-    ("training", "beta1"): ("[0, 1)", ""),
-    ("training", "beta2"): ("[0, 1)", ""),
-    ("training", "adam_eps"): ("> 0", ""),
-    ("training", "grad_clip"): (">= 0", " (0 turns clipping off)"),
-    ("training", "seed"): (">= 0", ""),
-    ("training", "recompute_layers"): (">= 1", ""),
-    ("training", "loss_scale"): ("> 0", ""),
-    ("training", "loss_scale_window"): (">= 1", ""),
-    ("training", "min_loss_scale"): ("> 0", ""),
-    ("training", "eval_interval"): (">= 0", " (0 turns validation off)"),
-    ("training", "eval_iters"): (">= 1", "; use --eval-interval 0 to turn validation off"),
-    ("training", "save_interval"): (">= 0", " (0 saves at the end only)"),
-    ("training", "keep_last"): (">= 0", " (0 keeps every checkpoint)"),
-    ("training", "sample_tokens"): (">= 0", " (0: no sample)"),
-    ("training", "temperature"): ("> 0", ""),
-    ("training", "top_k"): (">= 1", "; or null for no top-k cut"),
-    ("training", "peak_tflops"): ("> 0", ""),
-    ("training", "dist_timeout_s"): ("> 0", ""),
-    ("data", "valid_every"): (">= 2", " (every Nth window is held out for validation)"),
-}
+FIELDS = {(section, f.name): f for section, f in declared_fields()}  # (section, key) -> its declaration
 
 WORKER_MEMORY = 250 << 20  # one worker's footprint before its model: python, torch, gloo
 CORES_PER_WORKER = 1 / 8  # more than 8 workers per core only thrash
@@ -129,34 +67,24 @@ def _require(ok: bool, message: str) -> None:
 
 def field_name(section: str, key: str) -> str:
     """How a message names a field: ``--flag`` where there is one, else ``section.key``."""
-    if (section, key) in WITHOUT_FLAG:
-        return f"{section}.{key}"
-    return FLAG_NAMES.get((section, key), "--" + key.replace("_", "-"))
+    return flag_of(FIELDS[section, key]) or f"{section}.{key}"
 
 
-def _in_range(value: float, rule: str) -> bool:
-    if rule.startswith(">= "):
-        return value >= float(rule[3:])
-    if rule.startswith("> "):
-        return value > float(rule[2:])
-    low, high = (float(x) for x in rule[1:-1].split(","))
-    return low <= value and (value <= high if rule.endswith("]") else value < high)
-
-
-def _validate_ranges(cfg: Config) -> None:
-    for (section, key), (rule, hint) in RANGES.items():
+def _validate_declared(cfg: Config) -> None:
+    """Every field within its declared range and among its declared choices."""
+    for (section, key), f in FIELDS.items():
         value = getattr(getattr(cfg, section), key)
-        if value is not None:
-            within = f"in {rule}" if rule.startswith("[") else rule
-            _require(_in_range(value, rule), f"{field_name(section, key)} must be {within}, got {value}{hint}")
+        problem = range_problem(field_name(section, key), value, f)
+        _require(problem is None, problem or "")
+        choices = f.metadata.get("choices")
+        _require(choices is None or value is None or value in choices,
+                 f"{field_name(section, key)} {value!r} is not one of {', '.join(map(str, choices or ()))}")
 
 
 def _validate_model(m: ModelConfig) -> None:
-    _require(m.arch in ARCHS, f"--arch {m.arch!r} is not one of {', '.join(ARCHS)}")
     _require(m.d_model % m.n_head == 0,
              f"--n-head {m.n_head} does not divide --d-model {m.d_model}; "
              "choose a head count that divides d_model")
-    _require(m.attention in ATTENTION, f"--attention {m.attention!r} is not one of {', '.join(ATTENTION)}")
     if m.arch == "llama":
         _validate_llama(m)
     else:
@@ -183,30 +111,24 @@ def _validate_llama(m: ModelConfig) -> None:
 
 
 def _validate_training(t: TrainingConfig) -> None:
-    _require(t.dtype in DTYPES, f"--dtype {t.dtype!r} is not one of {', '.join(DTYPES)}")
-    _require(t.recompute in RECOMPUTE, f"--recompute {t.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    _require(t.zero in (0, 1), f"--zero {t.zero} is not supported; use 0 or 1 (ZeRO-1)")
     _require(t.seed < 2 ** 63, f"--seed must be < 2**63, got {t.seed}; choose a smaller seed")
-    _validate_recompute(t)
-    _require(t.device in (None, *DEVICES), f"--device {t.device!r} is not one of cpu, cuda")
 
 
-def _validate_recompute(t: TrainingConfig) -> None:
-    _require(t.recompute_method in RECOMPUTE_METHODS,
-             f"--recompute-method {t.recompute_method!r} is not one of {', '.join(RECOMPUTE_METHODS)}")
-    _require(t.recompute == "full" or (t.recompute_method == "uniform" and t.recompute_layers == 1),
+def _validate_recompute(a: ActivationsConfig, t: TrainingConfig) -> None:
+    _require(a.recompute == "full" or (a.recompute_method == "uniform" and a.recompute_layers == 1),
              f"--recompute-method/--recompute-layers choose blocks for --recompute full, "
-             f"not --recompute {t.recompute}; pass --recompute full or drop them")
-    for flag, on in (("--recompute-keep-last", t.recompute_keep_last), ("--recompute-early", t.recompute_early)):
-        _require(not on or t.recompute != "none",
+             f"not --recompute {a.recompute}; pass --recompute full or drop them")
+    for flag, on in (("--recompute-keep-last", a.recompute_keep_last), ("--recompute-early", a.recompute_early)):
+        _require(not on or a.recompute != "none",
                  f"{flag} needs recomputation; pass --recompute selective or full")
-    _require(not (t.compile and t.recompute == "selective"),
+    _require(not (t.compile and a.recompute == "selective"),
              "--compile does not take --recompute selective yet (its recomputed attention core, inside a "
              "block, breaks the compiled graph); use --recompute full or none with --compile")
 
 
 def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
     _require(p.schedule in ORDERS, f"--schedule {p.schedule!r} is not one of {', '.join(ORDERS)}")
+    _require(p.zero in (0, 1), f"--zero {p.zero} is not supported; use 0 or 1 (ZeRO-1)")
     _require(p.nproc is None or not under_torchrun() or p.nproc == world_size,
              f"--nproc {p.nproc} differs from torchrun's {world_size} workers; drop --nproc under torchrun")
     try:
@@ -233,8 +155,9 @@ def _validate_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
              "choose a sequence length that tp divides")
 
 
-def _validate_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainingConfig, dp: int) -> None:
+def _validate_pipeline(cfg: Config, dp: int) -> None:
     """Schedule, chunk count and layer split fit the model and the micro-batch count."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
     stages = p.pp * p.vpp
     if t.global_batch_size % (t.micro_batch_size * dp) == 0:
         try:
@@ -251,7 +174,7 @@ def _validate_pipeline(m: ModelConfig, p: ParallelConfig, t: TrainingConfig, dp:
                  f"--pp-partition {p.pp_partition!r} is not one of {', '.join(METHODS)}")
         _require(m.n_layer >= stages, f"--n-layer {m.n_layer} is fewer than pp x vpp = {stages} stages; "
                                       "lower --pp/--vpp or give --pp-layers")
-    _require(not t.recompute_early or p.pp > 1,
+    _require(not cfg.activations.recompute_early or p.pp > 1,
              "--recompute-early overlaps recomputation with the wait for the next stage's gradient; "
              "it needs --pp > 1")
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -302,12 +225,13 @@ def _check_writable(flag: str, path: str, directory: bool) -> None:
              f"{flag} {path}: cannot be created, {ancestor} is not writable; choose a writable location")
 
 
-def _validate_outputs(t: TrainingConfig) -> None:
+def _validate_outputs(cfg: Config) -> None:
     """Every output can be written, so that no run is lost at its first save; the
     packages optional outputs need are installed."""
-    for flag, path, directory in (("--save", t.save, True), ("--trace", t.trace, True),
-                                  ("--tensorboard", t.tensorboard, True),
-                                  ("--metrics-file", t.metrics_file, False)):
+    c, r = cfg.checkpoint, cfg.metrics
+    for flag, path, directory in (("--save", c.save, True), ("--trace", r.trace, True),
+                                  ("--tensorboard", r.tensorboard, True),
+                                  ("--metrics-file", r.metrics_file, False)):
         if path is not None:
             _require(path != "", f"{flag}: empty path; give a path or leave the flag out")
             try:
@@ -315,7 +239,7 @@ def _validate_outputs(t: TrainingConfig) -> None:
             except OSError as e:  # a folder on the way that may not be searched
                 raise ConfigError(f"{flag} {path}: cannot be checked ({e.strerror or e}); "
                                   "choose a writable location") from None
-    if t.tensorboard is not None:
+    if r.tensorboard is not None:
         try:
             require_tensorboard()
         except ImportError as e:
@@ -325,29 +249,29 @@ def _validate_outputs(t: TrainingConfig) -> None:
 def _validate_checkpoint(cfg: Config) -> None:
     """The checkpoint the run would start from is complete, undamaged and of this model:
     ``--load``, or with ``--auto-resume`` the newest one in ``--save`` (none: a fresh start)."""
-    t = cfg.training
+    c = cfg.checkpoint
     try:
-        if t.load is not None:
-            check_loadable(t.load, cfg)
-        elif t.auto_resume and t.save is not None:
-            source = latest_step_dir(t.save)
+        if c.load is not None:
+            check_loadable(c.load, cfg)
+        elif c.auto_resume and c.save is not None:
+            source = latest_step_dir(c.save)
             if source is not None:
                 check_loadable(source, cfg)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    _require(not t.auto_resume or t.save is not None or t.load is not None,
+    _require(not c.auto_resume or c.save is not None or c.load is not None,
              "--auto-resume resumes from the --save directory; pass --save DIR")
-    _require(not t.save_async or t.save is not None, "--save-async writes checkpoints to --save; pass --save DIR")
-    _require(not t.keep_last or t.save is not None, "--keep-last prunes the --save directory; pass --save DIR")
+    _require(not c.save_async or c.save is not None, "--save-async writes checkpoints to --save; pass --save DIR")
+    _require(not c.keep_last or c.save is not None, "--keep-last prunes the --save directory; pass --save DIR")
 
 
 def _validate_init_from(cfg: Config) -> None:
     """``--init-from``: not beside ``--load``; its source is whole (a Hugging Face
     directory's config, index and tensors; a checkpoint's manifest) and holds this model."""
-    t = cfg.training
-    if t.init_from is None:
+    c = cfg.checkpoint
+    if c.init_from is None:
         return
-    _require(t.load is None, "--init-from starts a new run from a model's weights and --load resumes a run; "
+    _require(c.load is None, "--init-from starts a new run from a model's weights and --load resumes a run; "
                              "pass one of them")
     try:
         check_init_from(cfg)
@@ -440,17 +364,18 @@ def validate(cfg: Config, world_size: int | None = None, *, data: bool = True) -
     if world_size is None:
         world_size = world_size_of(cfg)
     p, t, m = cfg.parallel, cfg.training, cfg.model
-    _validate_ranges(cfg)
+    _validate_declared(cfg)
     _validate_model(m)
     _validate_training(t)
+    _validate_recompute(cfg.activations, t)
     _validate_parallel(p, world_size)
     _validate_host(cfg)
     _validate_cuda(p, t)
     _validate_tensor_parallel(m, p)
-    _validate_pipeline(m, p, t, world_size // (p.tp * p.pp))
+    _validate_pipeline(cfg, world_size // (p.tp * p.pp))
     if data:
         _validate_data(cfg.data, m, t)
-    _validate_outputs(t)
+    _validate_outputs(cfg)
     _validate_checkpoint(cfg)
     _validate_init_from(cfg)
     return cfg

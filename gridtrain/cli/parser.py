@@ -8,11 +8,13 @@ error is reported as one line on stderr, exit status 2, before any process start
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
 from typing import Any
 
 from gridtrain.checkpoint import CheckpointError
-from gridtrain.config import (ARCHS, ATTENTION, DTYPES, PRESETS, RECOMPUTE, RECOMPUTE_METHODS, Config, ConfigError,
+from gridtrain.config import (PRESETS, SECTION_CLASSES, SECTIONS, Config, ConfigError, declared_fields, field_types, flag_of,
                               given_model_fields, load_config)
 from gridtrain.data import DataError, prepare
 from gridtrain.models.hf_mapping import HFError
@@ -20,7 +22,6 @@ from gridtrain.runtime.launch import WorkerError, WorkerTimeout
 from gridtrain.runtime.stops import EXIT_CRASH, EXIT_INTERRUPTED, RunStopped
 from gridtrain.parallel.pipeline.draw import add_schedule_parser, schedule_command
 from gridtrain.planner.command import add_plan_parser
-from gridtrain.parallel.pipeline.schedules import ORDERS
 from gridtrain.cli.plot import PlotError, add_plot_parser, plot_command
 from gridtrain.training.validate import validate
 
@@ -29,100 +30,36 @@ def _int_list(text: str) -> list[int]:
 
 
 _int_list.__name__ = "comma-separated integer list"  # what argparse's error message calls it
-
-# flag -> (section, field, type, help)
-TRAIN_FLAGS: list[tuple[str, str, str, Any, str]] = [  # noqa: E501
-    ("--nproc", "parallel", "nproc", int, "spawn N local worker processes (not under torchrun)"),
-    ("--dp", "parallel", "dp", int, "data-parallel size (default: world / (tp * pp))"),
-    ("--tp", "parallel", "tp", int, "tensor-parallel size"),
-    ("--pp", "parallel", "pp", int, "pipeline-parallel size"),
-    ("--vpp", "parallel", "vpp", int, "model chunks per pipeline rank (interleaved schedule)"),
-    ("--schedule", "parallel", "schedule", str, " | ".join(ORDERS)),
-    ("--pp-layers", "parallel", "pp_layers", _int_list,
-     "blocks per virtual stage, e.g. 3,4,4,3"),
-    ("--pp-partition", "parallel", "pp_partition", str, "uniform | parameters | time"),
-    ("--bucket-mb", "parallel", "bucket_mb", float,
-     "gradient bucket size in MiB (all-reduce; ZeRO-1: reduce-scatter and parameter gather)"),
-    ("--arch", "model", "arch", str, " | ".join(ARCHS) + " (default: the preset's)"),
-    ("--n-layer", "model", "n_layer", int, "transformer blocks"),
-    ("--n-head", "model", "n_head", int, "attention heads"),
-    ("--n-kv-head", "model", "n_kv_head", int, "key/value heads (llama: grouped-query attention)"),
-    ("--d-model", "model", "d_model", int, "hidden size"),
-    ("--ffn-hidden", "model", "ffn_hidden", int, "MLP width (default: 4 d_model for gpt2, 8/3 d_model for llama)"),
-    ("--rope-theta", "model", "rope_theta", float, "rotary base (llama)"),
-    ("--seq-len", "model", "seq_len", int, "sequence length"),
-    ("--vocab-size", "model", "vocab_size", int, "vocabulary size (before padding)"),
-    ("--dropout", "model", "dropout", float, "dropout probability"),
-    ("--attention", "model", "attention", str, " | ".join(ATTENTION) + " (math: op by op, as the memory formula)"),
-    ("--micro-batch-size", "training", "micro_batch_size", int, "sequences per micro-batch"),
-    ("--global-batch-size", "training", "global_batch_size", int, "sequences per optimizer step"),
-    ("--recompute", "training", "recompute", str, " | ".join(RECOMPUTE)),
-    ("--recompute-method", "training", "recompute_method", str,
-     " | ".join(RECOMPUTE_METHODS) + " (full: groups of N blocks | the first N blocks of each chunk)"),
-    ("--recompute-layers", "training", "recompute_layers", int, "the N of --recompute-method (default 1)"),
-    ("--dtype", "training", "dtype", str, " | ".join(DTYPES)),
-    ("--zero", "training", "zero", int, "1: shard optimizer state over data parallel (ZeRO-1)"),
-    ("--loss-scale", "training", "loss_scale", float, "fp16: initial dynamic loss scale"),
-    ("--min-loss-scale", "training", "min_loss_scale", float,
-     "fp16: overflowing at this loss scale stops the run (exit 3)"),
-    ("--steps", "training", "steps", int, "optimizer steps"),
-    ("--lr", "training", "lr", float, "peak learning rate"),
-    ("--warmup-steps", "training", "warmup_steps", int, "linear warm-up steps (default 5%% of steps)"),
-    ("--weight-decay", "training", "weight_decay", float, "AdamW weight decay"),
-    ("--grad-clip", "training", "grad_clip", float, "global gradient-norm clip (0: off)"),
-    ("--seed", "training", "seed", int, "seed for init, data order and dropout"),
-    ("--device", "training", "device", str, "cpu | cuda (default: cuda when available)"),
-    ("--eval-interval", "training", "eval_interval", int, "steps between validation passes"),
-    ("--eval-iters", "training", "eval_iters", int, "global batches per validation pass"),
-    ("--metrics-file", "training", "metrics_file", str, "JSON lines, one per optimizer step"),
-    ("--save", "training", "save", str, "checkpoint directory"),
-    ("--save-interval", "training", "save_interval", int, "steps between checkpoints (0: at end)"),
-    ("--keep-last", "training", "keep_last", int, "keep only the newest K checkpoints in --save (0: all)"),
-    ("--load", "training", "load", str, "resume from this checkpoint directory"),
-    ("--init-from", "training", "init_from", str,
-     "start from these weights (a checkpoint or a Hugging Face directory; step 0, fresh optimizer)"),
-    ("--sample-tokens", "training", "sample_tokens", int, "print a sample this long after training"),
-    ("--prompt", "training", "prompt", str, "prompt for the closing sample"),
-    ("--peak-tflops", "training", "peak_tflops", float, "device peak for MFU"),
-    ("--timeout", "training", "dist_timeout_s", float, "collective timeout in seconds"),
-    ("--trace", "training", "trace", str, "write a Chrome trace of pipeline actions per rank here"),
-    ("--tensorboard", "training", "tensorboard", str, "write per-step metrics as TensorBoard events here"),
-    ("--data", "data", "path", str, "text file, folder of text, or token file (default: built-in corpus)"),
-    ("--tokenizer", "data", "tokenizer", str, "Hugging Face tokenizer.json (default: bytes)"),
-]
+PARSE = {int: int, float: float, str: str, list[int]: _int_list}  # a field's type -> how its flag is read
+METAVARS = {int: "N", float: "X", str: "TEXT", list[int]: "N,N,..."}  # unless the declaration names one
 
 
-# on/off flags of the training section: flag -> help
-SWITCHES: dict[str, str] = {
-    "--recompute-keep-last": "the last micro-batch of a step keeps its activations (GPipe)",
-    "--recompute-early": "with --pp > 1: recompute while the output gradient is on its way",
-    "--offload-activations": "keep saved activations in host memory until backward (GPU)",
-    "--memory-report": "print saved-activation bytes per layer and stage, beside the formula",
-    "--save-async": "write checkpoints in the background: training waits only while the state is "
-                    "copied to host memory",
-    "--compile": "torch.compile each transformer block (forward and backward; the first step compiles)",
-    "--auto-resume": "resume from the --save directory's latest checkpoint when there is one, "
-                     "else start fresh (the same command restarts a preempted job)",
-}
+def _field_flag(p: argparse.ArgumentParser, section: str, f: dataclasses.Field) -> None:
+    """The flag of a declared config field: a switch for a bool (it sets the opposite of
+    the default), else a value read as the field's type."""
+    help_text = f.metadata["help"].replace("%", "%%")
+    annotation = field_types(SECTION_CLASSES[section])[f.name]
+    if annotation is bool:
+        p.add_argument(flag_of(f), action="store_const", const=not f.default, help=help_text)
+        return
+    value_type = next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)
+    metavar = f.metadata["metavar"] or METAVARS[value_type]
+    p.add_argument(flag_of(f), type=PARSE[value_type], metavar=metavar, help=help_text)
 
 
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model", argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", help="YAML file with sections model, parallel, training, data")
-    p.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
-    for flag, _, _, typ, help_text in TRAIN_FLAGS:
-        p.add_argument(flag, type=typ, help=help_text)
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tp > 1: LayerNorm and dropout on sequence shards")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    for flag, help_text in SWITCHES.items():
-        p.add_argument(flag, action="store_true", help=help_text)
+    p.add_argument("--config", metavar="FILE.yaml", help=f"YAML file with sections {', '.join(SECTIONS)}")
+    p.add_argument("--model", metavar="NAME", help=f"preset: {', '.join(PRESETS)}")
+    for section, f in declared_fields():
+        if flag_of(f):
+            _field_flag(p, section, f)
     g = p.add_argument_group("dry run", "one training step of chosen ranks of an N-rank layout, in this "
                              "process, on fake tensors with a fake process group (gridtrain/dryrun.py)")
     g.add_argument("--dry-run", action="store_true", help="measure memory per rank; allocate nothing")
-    g.add_argument("--world-size", type=int, help="ranks of the layout to simulate (with --dry-run)")
-    g.add_argument("--dry-run-ranks", help="edges (default) | all | R,R,...")
-    g.add_argument("--dry-run-report", help="write the per-rank memory as JSON here")
+    g.add_argument("--world-size", type=int, metavar="N", help="ranks of the layout to simulate (with --dry-run)")
+    g.add_argument("--dry-run-ranks", metavar="edges|all|R,R,...", help="edges (default) | all | R,R,...")
+    g.add_argument("--dry-run-report", metavar="FILE.json", help="write the per-rank memory as JSON here")
 
 
 def _generate_parser(sub) -> None:
@@ -189,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> Config:
     overrides = _overrides(args)
     cfg = load_config(getattr(args, "config", None), overrides, getattr(args, "model", None))
-    if cfg.training.init_from is not None:  # the model's shape comes from the source
+    if cfg.checkpoint.init_from is not None:  # the model's shape comes from the source
         from gridtrain.checkpoint.huggingface import apply_init_from
 
         apply_init_from(cfg, given_model_fields(getattr(args, "config", None), overrides, getattr(args, "model", None)))
@@ -197,19 +134,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The values the flags give, by section and field."""
     overrides: dict[str, dict[str, Any]] = {}
-    for flag, section, name, _, _ in TRAIN_FLAGS:
-        dest = flag[2:].replace("-", "_")
-        if hasattr(args, dest):
-            overrides.setdefault(section, {})[name] = getattr(args, dest)
-    if getattr(args, "sequence_parallel", False):
-        overrides.setdefault("parallel", {})["sequence_parallel"] = True
-    if getattr(args, "no_progress", False):
-        overrides.setdefault("training", {})["progress"] = False
-    for flag in SWITCHES:
-        dest = flag[2:].replace("-", "_")
-        if getattr(args, dest, False):
-            overrides.setdefault("training", {})[dest] = True
+    for section, f in declared_fields():
+        dest = (flag_of(f) or "")[2:].replace("-", "_")
+        if dest and hasattr(args, dest):
+            overrides.setdefault(section, {})[f.name] = getattr(args, dest)
     return overrides
 
 
@@ -236,7 +166,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     if world is None or world < 1:
         raise ConfigError("--dry-run needs --world-size N (N >= 1): the number of ranks of the layout")
     cfg = config_from_args(args)  # with --init-from: the source's model, checked
-    cfg.training.init_from = None  # its shape is all a dry run needs, not its weights
+    cfg.checkpoint.init_from = None  # its shape is all a dry run needs, not its weights
     if cfg.parallel.nproc is not None:
         raise ConfigError("--dry-run runs in this process; drop --nproc (use --world-size for the layout)")
     if cfg.training.compile:
