@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from gridtrain import checkpoint
 from gridtrain.cli import parser as cli
-from gridtrain.checkpoint import CheckpointError, check_loadable, integrity, latest_step_dir, load_checkpoint, sharded
+from gridtrain.checkpoint import CheckpointError, check_loadable, latest_step_dir, load_checkpoint, sharded
 from gridtrain.config import preset_config
 from gridtrain.models.decoder import Decoder, init_parameters
 from gridtrain.parallel.tensor_parallel import TensorParallel
@@ -111,7 +111,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(saved):
     assert sorted(manifest["files"]) == [INDEX, SHARDS, "meta.json"]
     for name, entry in manifest["files"].items():
         assert entry["size"] == (step / name).stat().st_size
-        assert entry["sha256"] == checkpoint._sha256(step / name)
+        assert entry["sha256"] == checkpoint.manifest.sha256(step / name)
     meta = json.loads((step / "meta.json").read_text())
     assert (meta["format"], meta["version"], meta["step"]) == ("gridtrain-checkpoint", 2, STEP)
     assert meta["optimizer"]["step"] == 1 and meta["scaler"] is None
@@ -332,7 +332,7 @@ def _no_space(*args, **kwargs):
 
 # where a save fails: inside DCP's writing (every file is synced), sealing a rank's file,
 # rank 0 writing the manifest
-BREAK = {"fsync": (os, "fsync"), "_seal": (sharded, "_seal"), "_write_manifest": (sharded, "_write_manifest")}
+BREAK = {"fsync": (os, "fsync"), "_seal": (sharded, "seal"), "_write_manifest": (sharded, "write_manifest_entries")}
 
 
 @pytest.mark.parametrize("broken", list(BREAK))
@@ -359,7 +359,7 @@ def test_crash_between_the_renames_leaves_latest_loadable(saved, original, monke
         if Path(dst).name == f"step_{STEP:07d}":
             raise KeyboardInterrupt  # the process dies here
         real_replace(src, dst)
-    monkeypatch.setattr(integrity.os, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_checkpoint(saved, STEP, model, optimizer, cfg)
     monkeypatch.undo()
@@ -411,7 +411,7 @@ def test_latest_step_dir(saved, tmp_path):
 def test_verification_hashes_a_file_once_per_process(saved, monkeypatch):
     check_loadable(saved)
     hashed = []
-    monkeypatch.setattr(integrity, "_sha256", lambda p: hashed.append(p.name) or "x")
+    monkeypatch.setattr(checkpoint.manifest, "sha256", lambda p: hashed.append(p.name) or "x")
     check_loadable(saved)
     _loaded_weights(saved)
     assert hashed == []

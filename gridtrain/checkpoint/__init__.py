@@ -1,7 +1,13 @@
 """Checkpoints: sharded on torch.distributed.checkpoint, checked, atomic, resharded on load.
 
-* integrity.py: the manifest (sizes, sha256), atomic moves, ``latest``, ``--keep-last``,
-  finding and checking a checkpoint, comparing model configs (any format);
+* manifest.py: every file's size and sha256, written last and checked before any read;
+  durable writes (any format);
+* directories.py: step directories, atomic moves into place, ``latest``, ``--keep-last``,
+  finding the step directory a path means;
+* loadable.py: whether a checkpoint can be loaded by this run (complete, undamaged, the
+  same model: :func:`compare_models`);
+* collective.py: what the ranks of a save tell each other, so a failure reaches them all;
+* errors.py: :class:`CheckpointError`, one line naming the path and the fix;
 * shards.py: where a rank's pieces lie in the global tensors (pure arithmetic), and the
   :class:`~gridtrain.checkpoint.shards.Slab` that hands them to DCP;
 * sharded.py: format 2, what every save writes: each rank its own shards through DCP;
@@ -21,10 +27,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gridtrain.checkpoint.integrity import (DCP_METADATA, LATEST, MANIFEST, META, CheckpointError,  # noqa: F401
-                                            _sha256, _read_meta_file, check_loadable, compare_models, first_line,
-                                            is_sharded, latest_step_dir, read_meta, resolve, saved_model,
-                                            step_dir, weight_files, write_manifest, write_weights_checkpoint)
+from gridtrain.checkpoint.directories import (LATEST, latest_step_dir, resolve, step_dir,  # noqa: F401
+                                              write_weights_checkpoint)
+from gridtrain.checkpoint.errors import CheckpointError, first_line  # noqa: F401
+from gridtrain.checkpoint.loadable import check_loadable, compare_models, read_meta, saved_model  # noqa: F401
+from gridtrain.checkpoint.manifest import (DCP_METADATA, MANIFEST, META, is_sharded, read_meta_file,  # noqa: F401
+                                           weight_files, write_manifest)
 from gridtrain.checkpoint.sharded import SaveReport, load_sharded, meta_of, state_to_save, write_state  # noqa: F401
 from gridtrain.checkpoint.reader import weight_tensors  # noqa: F401
 from gridtrain.checkpoint.whole import copy_weights, gather_model, init_weights, load_whole  # noqa: F401
@@ -53,7 +61,7 @@ def load_checkpoint(directory: str | Path, model: nn.Module, optimizer=None, ctx
     optimizer = as_optimizer(optimizer)
     run_model = getattr(model, "cfg", None)
     path = check_loadable(directory, run_model if isinstance(run_model, ModelConfig) else None)
-    meta = _read_meta_file(path, "--load")
+    meta = read_meta_file(path, "--load")
     if is_sharded(path):
         load_sharded(path, meta, model, optimizer, ctx, scaler=scaler)
     else:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gridtrain.checkpoint.integrity import CheckpointError, first_line
+from gridtrain.checkpoint.errors import CheckpointError, first_line
 from gridtrain.checkpoint.shards import Slab
 from gridtrain.checkpoint.sharded import SaveReport, write_state
 

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from gridtrain.checkpoint.integrity import (DCP_METADATA, MANIFEST, _read_manifest, _read_meta_file,
-                                            _saved_model, check_loadable, is_sharded, weight_files)
+from gridtrain.checkpoint.loadable import check_loadable, model_of_meta
+from gridtrain.checkpoint.manifest import (DCP_METADATA, MANIFEST, is_sharded, read_manifest, read_meta_file,
+                                           weight_files)
 from gridtrain.checkpoint.shards import LoadPlanner, single_process
 from gridtrain.checkpoint.sharded import stored_index
 from gridtrain.checkpoint.tensor_files import TensorFiles
@@ -94,11 +95,11 @@ def _chunk_bytes(md) -> int:
 def describe(directory: str | Path, *, verify: bool = True) -> dict[str, Any]:
     """What a checkpoint holds, as JSON-able data (``gridtrain checkpoint info``). With
     ``verify`` every file is hashed against the manifest first (else sizes only); a
-    damaged checkpoint is a one-line :class:`~gridtrain.checkpoint.integrity.CheckpointError`."""
+    damaged checkpoint is a one-line :class:`~gridtrain.checkpoint.errors.CheckpointError`."""
     step = check_loadable(directory, verify_data=verify, flag="checkpoint info")
-    meta = _read_meta_file(step, "checkpoint info")
-    model = _saved_model(meta, f"checkpoint info {directory}")
-    files = _read_manifest(step, "checkpoint info")
+    meta = read_meta_file(step, "checkpoint info")
+    model = model_of_meta(meta, f"checkpoint info {directory}")
+    files = read_manifest(step, "checkpoint info")
     info: dict[str, Any] = {
         "path": str(step), "step": meta["step"], "format": meta.get("version", 1),
         "layout": meta.get("layout"), "model": {k: v for k, v in vars(model).items() if v is not None},

@@ -32,8 +32,8 @@ for the loading layout and DCP reads the overlapping parts of the stored chunks,
 is how a checkpoint moves between any dp, pp, vpp, tp, ZeRO and SP.
 
 Files are sealed (fsync, sha256) by the rank that wrote them; rank 0 writes meta.json
-and the manifest and moves the directory into place (integrity.py), so a checkpoint is
-``latest`` only when every rank's part and the metadata are complete.
+and the manifest (manifest.py) and moves the directory into place (directories.py), so a
+checkpoint is ``latest`` only when every rank's part and the metadata are complete.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from gridtrain.checkpoint.integrity import (DCP_METADATA, META, CheckpointError, _all_gather,
-                                            _broadcast_from_rank0, _first_line, _new_tmp_dir, _raise_everywhere,
-                                            _REDO, _seal, _swap_into_place, _write_atomically, _write_manifest,
-                                            step_dir)
+from gridtrain.checkpoint.collective import all_gather, broadcast_from_rank0, raise_everywhere
+from gridtrain.checkpoint.directories import new_tmp_dir, step_dir, swap_into_place
+from gridtrain.checkpoint.errors import REDO, CheckpointError, first_line
+from gridtrain.checkpoint.manifest import DCP_METADATA, META, seal, write_atomically, write_manifest_entries
 from gridtrain.checkpoint.shards import LoadPlanner, Placement, SavePlanner, Slab, Writer, single_process
 from gridtrain.config import Config
 from gridtrain.optim.interface import Optimizer, StatePiece
@@ -216,12 +216,12 @@ def write_state(directory: str | Path, step: int, state: dict[str, Any], meta: d
     tmp, error = None, None
     if rank0:
         try:
-            tmp = _new_tmp_dir(final)
+            tmp = new_tmp_dir(final)
         except OSError as exc:
             error = exc
-    tmp, tmp_error = _broadcast_from_rank0((tmp, None if error is None else _first_line(error)), group)
+    tmp, tmp_error = broadcast_from_rank0((tmp, None if error is None else first_line(error)), group)
     if tmp_error is not None:
-        _raise_everywhere([tmp_error], error, where)
+        raise_everywhere([tmp_error], error, where)
 
     entries: dict[str, dict[str, Any]] = {}
     own: BaseException | None = None
@@ -230,14 +230,14 @@ def write_state(directory: str | Path, step: int, state: dict[str, Any], meta: d
             dcp.save(state, storage_writer=Writer(tmp), planner=SavePlanner(), process_group=group,
                      no_dist=not dist.is_initialized())
         for file in sorted(tmp.glob(f"__{rank}_*.distcp")):
-            entries[file.name] = _seal(file)
+            entries[file.name] = seal(file)
         if rank0:
-            entries[DCP_METADATA] = _seal(tmp / DCP_METADATA)
+            entries[DCP_METADATA] = seal(tmp / DCP_METADATA)
     except (Exception, CheckpointException) as exc:  # reported to every rank below, so that none waits forever
         own = _own_failure(exc, rank)
-    results = _all_gather((entries, None if own is None else _first_line(own)), group)
+    results = all_gather((entries, None if own is None else first_line(own)), group)
     try:
-        _raise_everywhere([e for _, e in results], own, where)
+        raise_everywhere([e for _, e in results], own, where)
     except BaseException:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -248,17 +248,17 @@ def write_state(directory: str | Path, step: int, state: dict[str, Any], meta: d
         try:
             everything = {name: entry for files, _ in results for name, entry in files.items()}
             file = tmp / META
-            _write_atomically(file, json.dumps(meta, indent=2))
-            everything[META] = _seal(file)
-            _write_manifest(tmp, step, everything)  # last: its presence means complete
-            _swap_into_place(tmp, final, keep_last)
+            write_atomically(file, json.dumps(meta, indent=2))
+            everything[META] = seal(file)
+            write_manifest_entries(tmp, step, everything)  # last: its presence means complete
+            swap_into_place(tmp, final, keep_last)
         except Exception as exc:
-            own, error_line = exc, _first_line(exc)
+            own, error_line = exc, first_line(exc)
             if tmp.exists() and not (tmp / "manifest.json").exists():
                 shutil.rmtree(tmp, ignore_errors=True)
-    error_line = _broadcast_from_rank0(error_line, group)
+    error_line = broadcast_from_rank0(error_line, group)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    _raise_everywhere([error_line] + [None] * (world - 1), own if rank0 else None, where)
+    raise_everywhere([error_line] + [None] * (world - 1), own if rank0 else None, where)
     return final
 
 
@@ -271,7 +271,7 @@ def stored_index(path: Path):
         return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as exc:
         raise CheckpointError(f"--load {path}: {DCP_METADATA} cannot be read ({type(exc).__name__}: "
-                              f"{_first_line(exc)}); {_REDO}") from None
+                              f"{first_line(exc)}); {REDO}") from None
 
 
 class _Request:
@@ -348,7 +348,7 @@ def _agreed(plan: Callable[[], bool], group) -> bool:
         second = plan()
     except Exception as exc:
         problem = exc
-    results = _all_gather((None if problem is None else _first_line(problem), second), group)
+    results = all_gather((None if problem is None else first_line(problem), second), group)
     failed = [(r, e) for r, (e, _) in enumerate(results) if e]
     if problem is not None:
         raise problem
@@ -432,7 +432,7 @@ class _Reader(dcp.FileSystemReader):
             try:
                 super().read_data(replace(plan, items=items), planner).wait()
             except Exception as exc:
-                raise _Unreadable(f"{name} cannot be read ({type(exc).__name__}: {_first_line(exc)})") from None
+                raise _Unreadable(f"{name} cannot be read ({type(exc).__name__}: {first_line(exc)})") from None
         return super().read_data(replace(plan, items=[]), planner)
 
 
@@ -447,8 +447,8 @@ def _read(path: Path, state: dict[str, Any], group, where: str) -> None:
         failures = exc.failures if isinstance(exc, CheckpointException) else {}
         cause = failures[min(failures)][0] if failures else exc
         what = str(cause) if isinstance(cause, _Unreadable) else \
-            f"reading failed ({type(cause).__name__}: {_first_line(cause)})"
-        raise CheckpointError(f"{where}: {what}; {_REDO}") from None
+            f"reading failed ({type(cause).__name__}: {first_line(cause)})"
+        raise CheckpointError(f"{where}: {what}; {REDO}") from None
 
 
 def _same_layout(meta: dict[str, Any], model: nn.Module, ctx) -> bool:

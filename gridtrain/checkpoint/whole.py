@@ -19,8 +19,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch import nn
 
-from gridtrain.checkpoint.integrity import (CheckpointError, _first_line, _is_trainer, _is_weights, _read_manifest,
-                                            _REDO)
+from gridtrain.checkpoint.errors import REDO, CheckpointError, first_line
+from gridtrain.checkpoint.manifest import is_trainer, is_weights, read_manifest
 from gridtrain.parallel.tensor_parallel import TensorParallel, shard, shard_spec, unshard
 from gridtrain.optim.interface import Optimizer
 
@@ -89,7 +89,7 @@ def _read_file(path: Path, name: str, read):
         return read(path / name)
     except Exception as exc:  # safetensors, pickle, zip: whatever the damage, one line
         raise CheckpointError(f"--load {path}: {name} cannot be read ({type(exc).__name__}: "
-                              f"{_first_line(exc)}); {_REDO}") from None
+                              f"{first_line(exc)}); {REDO}") from None
 
 
 def _source_name(name: str, param: torch.Tensor) -> str:
@@ -140,14 +140,14 @@ def load_whole(path: Path, model: nn.Module, optimizer: Optimizer | None = None,
     their full precision rather than the parameters already rounded to this run's dtype
     (AdamW on the parameters copies them into the parameters). ``scaler`` takes the saved scale and counters when the checkpoint has them."""
     tp = _tp_of(ctx)
-    files = sorted(_read_manifest(path, "--load"))
+    files = sorted(read_manifest(path, "--load"))
     weights: dict[str, torch.Tensor] = {}
-    for name in filter(_is_weights, files):  # the union of every stage's file (names are global)
+    for name in filter(is_weights, files):  # the union of every stage's file (names are global)
         weights.update(_read_file(path, name, load_file))
     saved_local = copy_weights(weights, model, tp, f"--load {path}")
     params = dict(model.named_parameters())
     trainers = [_read_file(path, name, lambda f: torch.load(f, weights_only=False))
-                for name in filter(_is_trainer, files)]
+                for name in filter(is_trainer, files)]
     if optimizer is not None:
         try:
             state_by_name = {k: v for t in trainers for k, v in t["state"].items()}
@@ -155,7 +155,7 @@ def load_whole(path: Path, model: nn.Module, optimizer: Optimizer | None = None,
             rng = trainers[0].get("rng") if trainers else None
         except (KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"--load {path}: a trainer-pp*.pt file lacks optimizer state "
-                                  f"({_first_line(exc)}); {_REDO}") from None
+                                  f"({first_line(exc)}); {REDO}") from None
         states = {}
         for name, p in params.items():
             state = {k: _local(v, p, tp).to(p.device) if torch.is_tensor(v) and v.dim() else v

@@ -1,0 +1,96 @@
+"""Whether a checkpoint can be loaded by this run: found, complete and undamaged, and
+holding the same model.
+
+:func:`check_loadable` runs before any worker starts and again in each process that
+loads. The checkpoint's model config (meta.json) must equal the run's on every field
+that changes the weights' shapes or meaning (all of :class:`~gridtrain.config.ModelConfig`
+except dropout, attention, vocab_pad_multiple and max_positions, with ffn_hidden compared
+as the resolved ffn_size and n_kv_head as the resolved key/value head count); one line
+names each differing field with both values (:func:`compare_models`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from gridtrain.checkpoint.directories import LATEST, find_step_dir, resolve
+from gridtrain.checkpoint.errors import CheckpointError
+from gridtrain.checkpoint.manifest import META, read_meta_file, verify
+from gridtrain.config import Config, ModelConfig
+
+# Model fields that do not change the weights' shapes or meaning (compared: all others).
+_NOT_COMPARED = {"dropout", "attention", "vocab_pad_multiple", "ffn_hidden", "max_positions"}
+_MODEL_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model",
+                "seq_len": "--seq-len", "vocab_size": "--vocab-size", "arch": "--arch", "n_kv_head": "--n-kv-head",
+                "rope_theta": "--rope-theta"}
+
+
+def read_meta(directory: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``meta.json`` (step, config), once its manifest lists every file
+    at its size and meta.json's checksum matches; one-line errors."""
+    path = resolve(directory)
+    verify(path, "--load", data=False)
+    return read_meta_file(path, "--load")
+
+
+def model_of_meta(meta: dict[str, Any], where: str) -> ModelConfig:
+    """The model config a checkpoint's meta.json holds; refused if it has fields this version lacks."""
+    raw = meta["config"].get("model") or {}
+    known = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise CheckpointError(f"{where}: the checkpoint's model has fields this version does not know "
+                              f"({', '.join(unknown)}); load it with the gridtrain version that wrote it")
+    return ModelConfig(**raw)
+
+
+def _compared(m: ModelConfig) -> dict[str, Any]:
+    values = {f.name: getattr(m, f.name) for f in fields(ModelConfig) if f.name not in _NOT_COMPARED}
+    values["ffn_size"] = m.ffn_size
+    values["n_kv_head"] = m.kv_heads  # None means one per query head
+    return values
+
+
+def compare_models(saved: ModelConfig, run: ModelConfig, where: str, label: str = "flags") -> None:
+    """Raise one line naming every field on which ``run`` would build other weights than
+    ``saved`` holds (see the module docstring for which fields)."""
+    a, b = _compared(saved), _compared(run)
+    differ = [name for name in a if a[name] != b[name]]
+    if not differ:
+        return
+    pairs = [f"{name} {a[name]!r} vs {b[name]!r}" for name in differ]
+    pairs[0] = f"{differ[0]} {a[differ[0]]!r} (checkpoint) vs {b[differ[0]]!r} ({label})"
+    flags = [f"{_MODEL_FLAGS[n]} {a[n]}" for n in differ if n in _MODEL_FLAGS]
+    keys = [f"model.{'ffn_hidden' if n == 'ffn_size' else n}: {a[n]}" for n in differ if n not in _MODEL_FLAGS]
+    fixes = ([f"pass the checkpoint's model flags ({' '.join(flags)})"] if flags else []) + \
+            ([f"set {', '.join(keys)} in --config"] if keys else [])
+    raise CheckpointError(f"{where}: the checkpoint's model differs from this run's: {', '.join(pairs)}; "
+                          f"{' and '.join(fixes)}")
+
+
+def check_loadable(directory: str | Path, cfg: Config | ModelConfig | None = None, *,
+                   verify_data: bool = True, flag: str = "--load") -> Path:
+    """The step directory ``directory`` means (itself, or its save directory's latest),
+    once it is complete and undamaged and, when ``cfg`` is given, holds the same model as
+    ``cfg.model``; else a one-line :class:`CheckpointError`. Cheap enough to run before
+    any worker starts: ``verify_data`` hashes every file (about 0.6 s per GB; a process
+    hashes an unchanged file once), without it only presence and sizes are checked.
+    ``flag`` is how messages name the option that gave the path (``--init-from``)."""
+    path = find_step_dir(directory, flag)
+    if path is None:
+        raise CheckpointError(f"{flag} {directory}: no checkpoint there (no {LATEST} file "
+                              f"and no {META}); pass a directory written by --save")
+    verify(path, flag, data=verify_data)
+    meta = read_meta_file(path, flag)
+    if cfg is not None:
+        run = cfg.model if isinstance(cfg, Config) else cfg
+        compare_models(model_of_meta(meta, f"{flag} {directory}"), run, f"{flag} {directory}")
+    return path
+
+
+def saved_model(directory: str | Path, flag: str = "--load") -> ModelConfig:
+    """The model a checkpoint holds (from its meta.json, once its files are checked)."""
+    path = check_loadable(directory, flag=flag, verify_data=False)
+    return model_of_meta(read_meta_file(path, flag), f"{flag} {directory}")
