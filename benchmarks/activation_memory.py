@@ -1,5 +1,5 @@
 """Saved-activation bytes per transformer layer, measured, beside the formula of Korthikanti
-et al. adapted to this implementation (gridtrain/memory.py, docs/memory.md).
+et al. adapted to this implementation (gridtrain/memory/activations.py, docs/memory.md).
 
 Counts, not timings: each setup trains one step of the `small` shape with op-by-op
 attention (`--attention math`) and dropout, with the saved-tensor meter on, and the

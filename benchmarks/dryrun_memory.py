@@ -18,6 +18,7 @@ import time
 
 import common  # noqa: F401  benchmarks/common.py: the script's own folder is on sys.path
 from gridtrain import dryrun
+from gridtrain.memory.model import expected_activation_peak, expected_bytes
 from gridtrain.config import preset_config, set_fields
 from gridtrain.parallel.grid import ProcessGrid
 
@@ -51,9 +52,8 @@ def main() -> None:
         report = dryrun.dry_run(cfg, world, "edges", out=lambda *_: None)
         seconds = time.perf_counter() - began
         for r in report["ranks"]:
-            assert {k: r[k] for k in dryrun.expected_bytes(cfg, grid, r["rank"])} == \
-                dryrun.expected_bytes(cfg, grid, r["rank"])
-            formula = dryrun.expected_activation_peak(cfg, grid, r["rank"], "cpu")
+            assert {k: r[k] for k in expected_bytes(cfg, grid, r["rank"])} == expected_bytes(cfg, grid, r["rank"])
+            formula = expected_activation_peak(cfg, grid, r["rank"], "cpu")
             print(f"| {preset} | {grid.dp} x {pp} x {tp} ({world}) | {cfg.parallel.zero} | "
                   f"{cfg.activations.recompute}{' + SP' if cfg.parallel.sequence_parallel else ''} | {r['pp']} | {r['parameters']:,} | {gib(r['parameter_bytes'])} | "
                   f"{gib(r['gradient_bytes'])} | {gib(r['optimizer_bytes'])} | "

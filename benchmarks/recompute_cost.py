@@ -52,7 +52,9 @@ from common import Side, med, mib
 from gridtrain.memory import activations as memory
 from gridtrain.config import Config, OptimConfig, ParallelConfig
 from gridtrain.models.decoder import IGNORE_INDEX
+from gridtrain.runtime.activation_meter import ActivationMeter, saved_activations
 from gridtrain.parallel.rng import RNGState
+from gridtrain.training.report import StageMemory
 from gridtrain.training.trainer import Trainer
 
 MODES = ("none", "selective", "full")
@@ -66,7 +68,7 @@ class Setup(Side):
     trainer: Trainer
     rng: RNGState | None = None
     losses: list[float] = field(default_factory=list)  # every step, warm-up included
-    saved: memory.StageMemory | None = None  # measured at the first warm-up step
+    saved: StageMemory | None = None  # measured at the first warm-up step
     regions_per_step: int = 0
 
 
@@ -100,14 +102,14 @@ def measure_memory(s: Setup, batches: list[dict]) -> None:
     """One (warm-up) step inside gridtrain's saved-tensor hooks, as ``pretrain`` measures
     its first step: bytes kept per layer, bytes saved while recomputing, the peak. The
     hooks cost time, so this step is never timed."""
-    meter = memory.ActivationMeter.for_model(s.trainer.model)
+    meter = ActivationMeter.for_model(s.trainer.model)
     recompute = s.trainer.ctx.recompute
     rebuilt_before = recompute.recomputed
-    with memory.saved_activations(meter):
+    with saved_activations(meter):
         run_steps(s, batches, 1)
     s.regions_per_step = recompute.recomputed - rebuilt_before
-    s.saved = memory.StageMemory(stage=0, micro_batches=len(batches), kept=meter.by_layer(),
-                                  recomputed=meter.by_layer("recompute"), peak_bytes=meter.peak_bytes)
+    s.saved = StageMemory(stage=0, micro_batches=len(batches), kept=meter.by_layer(),
+                          recomputed=meter.by_layer("recompute"), peak_bytes=meter.peak_bytes)
 
 
 def _worker(rank: int, world: int, opts: dict) -> tuple[list[Setup], dict]:
@@ -132,7 +134,7 @@ def _worker(rank: int, world: int, opts: dict) -> tuple[list[Setup], dict]:
 
 # ---- the report -------------------------------------------------------------------------------
 
-def block_bytes(stage: memory.StageMemory, which: dict[str, int]) -> float:
+def block_bytes(stage: StageMemory, which: dict[str, int]) -> float:
     """Bytes per micro-batch summed over the transformer blocks (not embedding or head)."""
     return sum(n for layer, n in which.items() if layer.startswith("blocks.")) / stage.micro_batches
 
@@ -204,7 +206,7 @@ def report(run: common.Run, opts: dict) -> str:
     lines += [
         *table(setups),
         "",
-        "saved = bytes autograd keeps for backward at forward (gridtrain.memory.activations hooks, one storage counted once), "
+        "saved = bytes autograd keeps for backward at forward (gridtrain.runtime.activation_meter hooks, one storage counted once), "
         "per micro-batch, summed over the blocks; recomputed = bytes saved again while a region is rebuilt in "
         "backward (transient); peak = most bytes held at once during the step, embedding and head included",
     ]

@@ -17,11 +17,14 @@ is read). Nothing is allocated and nothing is communicated:
 What it measures, per rank (``RankMemory``): parameters and their bytes, gradient bytes
 (the reducer's flat buffer and any ``.grad`` that is not a view of it), optimizer-state
 bytes, the activation peak (bytes saved for backward at once: the same meter as
-``--memory-report``, memory.ActivationMeter), and the total peak during the step from
+``--memory-report``, runtime.activation_meter), and the total peak during the step from
 :class:`LiveBytes`, a dispatch mode that follows every storage an operation creates until
 it is freed, as torch's ``MemTracker`` (torch.distributed._tools.mem_tracker) does.
 MemTracker itself is not used: its per-module statistics refuse a module that runs
-forward more than once per step, which every micro-batch after the first does.
+forward more than once per step, which every micro-batch after the first does. What
+these should be is the memory model's (gridtrain/memory/model.py: ``expected_bytes``,
+``expected_activation_peak``); the tests and benchmarks/dryrun_memory.py hold the
+measurement to it.
 
 What it checks:
 
@@ -73,8 +76,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gridtrain.runtime import host_sync
-from gridtrain.memory import activations as memory
-from gridtrain.runtime import watchdog
+from gridtrain.runtime import activation_meter, watchdog
 from gridtrain.config import Config, ConfigError
 from gridtrain.parallel.grid import ProcessGrid
 
@@ -307,13 +309,13 @@ def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
     it. The same for fake tensors (the dry run) and real ones (tests compare the two;
     ``fake=False``: the named host reads return the real values)."""
     ctx, model = trainer.ctx, trainer.model
-    meter = memory.ActivationMeter.for_model(model)
+    meter = activation_meter.ActivationMeter.for_model(model)
     tracker = LiveBytes(ctx.device.type)
     tracker.track(list(model.parameters()), list(model.buffers()), trainer.reducer.buffer,
                   trainer.optimizer.state_tensors())
     trainer.set_lr(0)
     syncs = host_sync.allowing() if fake else contextlib.nullcontext([])
-    with tracker, _CollectiveDevices(ctx.device), memory.saved_activations(meter), syncs as hits:
+    with tracker, _CollectiveDevices(ctx.device), activation_meter.saved_activations(meter), syncs as hits:
         trainer.train_step(batches)
     params = list(model.parameters())
     param_storages = _storages(params)
@@ -364,165 +366,6 @@ def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankM
 def _host_read_site(error: BaseException) -> str:
     """The innermost frame outside torch of the traceback that read a fake tensor."""
     return _innermost(traceback.extract_tb(error.__traceback__))
-
-
-# ---- closed forms ----------------------------------------------------------------------------------
-
-def stage_layers(cfg: Config, grid: ProcessGrid, stage: int) -> list[tuple[tuple[int, ...], bool, bool]]:
-    """(block ids, embeds, ends) of each model chunk of pipeline stage ``stage``, from the
-    partition alone (uniform, parameters or --pp-layers; not the measured ``time``)."""
-    from gridtrain.training.providers import unit_costs
-    from gridtrain.parallel.pipeline.partition import partition
-
-    p, v = grid.pp, cfg.parallel.vpp
-    explicit = cfg.parallel.pp_layers
-    if explicit is None and cfg.parallel.pp_partition == "time":
-        raise ValueError("no closed form for --pp-partition time (measured)")
-    costs = None if explicit is not None else unit_costs(cfg, cfg.parallel.pp_partition)
-    layers = partition(cfg.model.n_layer, p * v, explicit=explicit, costs=costs)
-    return [(tuple(layers[c * p + stage]), c * p + stage == 0, c * p + stage == p * v - 1) for c in range(v)]
-
-
-def expected_parameters(cfg: Config, grid: ProcessGrid, rank: int) -> int:
-    """Parameters rank ``rank`` holds, from the model's shape and the layout: per block
-    (model.block_parameters), GPT-2's column-parallel QKV and MLP expansion (weights and
-    biases / t), row-parallel projections (weights / t, whole biases), whole LayerNorms,
-    or Llama's q, proj, gate, up, down / t, the rank's whole key/value heads and two
-    whole RMSNorms; the vocabulary-parallel token table (padded vocabulary / t rows) and
-    GPT-2's whole position table on the first stage; the final norm and, unless the
-    stage also embeds, a copy of the (tied) table or the untied head on the last."""
-    from gridtrain.models.decoder import block_parameters
-
-    m, t = cfg.model, grid.tp
-    d = m.d_model
-    table = m.padded_vocab_size(t) // t * d
-    chunks = stage_layers(cfg, grid, grid.coords(rank).pp)
-    embeds, ends = any(c[1] for c in chunks), any(c[2] for c in chunks)
-    n = block_parameters(m, t) * sum(len(c[0]) for c in chunks)
-    gpt2 = m.arch == "gpt2"
-    if embeds:
-        n += table + (m.seq_len * d if gpt2 else 0)
-    if ends:
-        n += (2 * d if gpt2 else d) + (table if not (m.tie_embeddings and embeds) else 0)
-    return n
-
-
-def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
-    """parameter, gradient and optimizer bytes of a rank, as the code allocates them:
-
-    * parameters in the run's dtype;
-    * gradients: the reducer's flat buffer (fp32 for 16-bit parameters, else the
-      parameters' dtype); with ZeRO-1 padded to a multiple of dp (:func:`_padded_buffer`),
-      plus this rank's reduce-scattered 1/dp slice of it;
-    * optimizer: torch's AdamW (fp32/fp64 without ZeRO) keeps two moments per parameter
-      and a 4-byte step count per parameter tensor; the flat optimizer (16-bit or ZeRO-1)
-      keeps master weights and two moments for its slice (all of it without ZeRO) and
-      nothing else (``DistributedOptimizer.state_bytes``)."""
-    n = expected_parameters(cfg, grid, rank)
-    from gridtrain.parallel.distributed import TORCH_DTYPES
-
-    t = cfg.training
-    dtype = TORCH_DTYPES[t.dtype]
-    e = dtype.itemsize
-    wide = 8 if dtype == torch.float64 else 4  # gradient buffer and master weights
-    padded = _padded_buffer(cfg, grid, rank, n) if cfg.parallel.zero == 1 else n
-    grads = padded * wide + (padded // grid.dp * wide if cfg.parallel.zero == 1 else 0)
-    if cfg.parallel.zero == 0 and dtype in (torch.float32, torch.float64):
-        tensors = _parameter_tensors(cfg, grid, rank)
-        optim = 2 * n * e + 4 * tensors
-    else:
-        owned = padded // grid.dp if cfg.parallel.zero == 1 else n
-        optim = 3 * owned * wide
-    return {"parameters": n, "parameter_bytes": n * e, "gradient_bytes": grads, "optimizer_bytes": optim}
-
-
-def _padded_buffer(cfg: Config, grid: ProcessGrid, rank: int, n: int) -> int:
-    """ZeRO-1's gradient buffer (data_parallel.bucket_bounds): padded to a multiple of dp
-    at its end, and a token table tied across pipeline stages in a bucket padded on its
-    own (on the first and last stage)."""
-    def up(x: int) -> int:
-        return -(-x // grid.dp) * grid.dp
-
-    chunks = stage_layers(cfg, grid, grid.coords(rank).pp)
-    m = cfg.model
-    if m.tie_embeddings and grid.pp > 1 and any(c[1] or c[2] for c in chunks):
-        table = m.padded_vocab_size(grid.tp) // grid.tp * m.d_model
-        return up(n - table) + up(table)
-    return up(n)
-
-
-def _parameter_tensors(cfg: Config, grid: ProcessGrid, rank: int) -> int:
-    """Parameter tensors of a rank (AdamW keeps one step count per tensor)."""
-    chunks = stage_layers(cfg, grid, grid.coords(rank).pp)
-    embeds, ends = any(c[1] for c in chunks), any(c[2] for c in chunks)
-    gpt2 = cfg.model.arch == "gpt2"
-    # GPT-2: 2 LayerNorms x 2, 4 linears x (weight, bias); Llama: 2 RMSNorms, 7 linears
-    n = (12 if gpt2 else 9) * sum(len(c[0]) for c in chunks)
-    n += (2 if gpt2 else 1) if embeds else 0  # token (and position) table
-    n += ((2 if gpt2 else 1) + (0 if cfg.model.tie_embeddings and embeds else 1)) if ends else 0
-    return n
-
-
-def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_type: str) -> float:
-    """The formula's activation peak of a stage: the schedule's action list walked, each
-    F adding and each B removing its chunk's bytes: the per-block bytes of
-    memory.korthikanti_bytes (docs/memory.md) summed over the chunk's blocks, plus, for
-    the chunk that ends the model, the head (the loss's fp32 softmax over the vocabulary
-    slice dominates it); with full recomputation plus one region's rebuilt activations
-    (held transiently in backward), with selective recomputation plus what one block's
-    rebuilt attention core holds beyond what its backward has released
-    (memory.rebuilt_core_bytes), and for the chunk that embeds, the token ids,
-    positions and dropout mask of the embedding.
-    Describes ``--attention math`` (the fused kernel keeps no s x s scores) and
-    ``--recompute-keep-last`` off."""
-    from gridtrain.parallel.distributed import TORCH_DTYPES
-    from gridtrain.parallel.pipeline.schedules import B, F, build_schedule
-    from gridtrain.parallel.recompute import policy_from
-
-    m, t = cfg.model, cfg.training
-    e = TORCH_DTYPES[t.dtype].itemsize
-    sp = cfg.parallel.sequence_parallel and grid.tp > 1
-    shape = memory.layer_shape(m, batch=t.micro_batch_size, tp=grid.tp, sequence_parallel=sp, element_bytes=e,
-                               mask_bytes=memory.dropout_mask_bytes(torch.device(device_type), e))
-    stage = grid.coords(rank).pp
-    micro_batches = t.global_batch_size // (t.micro_batch_size * grid.dp)
-    actions = build_schedule(cfg.parallel.schedule, grid.pp, micro_batches, cfg.parallel.vpp)[stage]
-    policy = policy_from(cfg.activations)
-    chunks = stage_layers(cfg, grid, stage)
-    tokens = m.seq_len * t.micro_batch_size
-    # the loss: the softmax over this rank's vocabulary slice in fp32 (kept by the cross
-    # entropy for backward), the target index (int64) and two flags per token; the final
-    # norm's input and the head's input (a sequence shard under SP)
-    head = tokens * (m.padded_vocab_size(grid.tp) // grid.tp * 4 + 8 + 2) \
-        + 2 * tokens * m.d_model * e / (grid.tp if sp else 1)
-    # the embedding: the token ids and positions its lookups keep (int64), under TP the
-    # shifted ids and the out-of-range flags, and with dropout the mask
-    sp_div = grid.tp if sp else 1
-    positions = m.seq_len // sp_div * 8 if m.arch == "gpt2" else 0  # Llama's are rotary (no lookup)
-    embedding = tokens * 8 + positions + (tokens * 9 if grid.tp > 1 else 0) \
-        + (tokens * m.d_model * shape["mask_bytes"] / sp_div if m.dropout > 0 else 0.0)
-    cost = [sum(memory.expected_by_layer(policy.block_runs(ids), policy.mode, micro_batches, False,
-                                         **shape).values()) + (head if ends else 0.0) + (embedding if embeds else 0.0)
-            for ids, embeds, ends in chunks]
-    # with full recomputation, B rebuilds one region (the longest) on top of what is held;
-    # its input is already counted (kept), and on the chunk that ends the model the
-    # head's backward has released the softmax by then
-    region = max((len(r) for ids, _, _ in chunks for r, redo in policy.block_runs(ids) if redo), default=0)
-    rebuilt = [region * memory.korthikanti_bytes(recompute="none", **shape)
-               - memory.korthikanti_bytes(recompute="full", **shape) - (head if ends else 0.0)
-               if region else 0.0 for _, _, ends in chunks]
-    if policy.mode == "selective":  # B rebuilds one block's attention core at a time
-        rebuilt = [max(0.0, memory.rebuilt_core_bytes(**shape) - (head if ends else 0.0)) if ids else 0.0
-                   for ids, _, ends in chunks]
-    held = peak = 0.0
-    for a in actions:  # what the schedule holds between each F and its B, chunk by chunk
-        if a.kind == F:
-            held += cost[a.chunk]
-            peak = max(peak, held)
-        elif a.kind == B:
-            peak = max(peak, held + rebuilt[a.chunk])
-            held -= cost[a.chunk]
-    return peak
 
 
 # ---- the command ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain import dryrun
+from gridtrain.memory.model import expected_activation_peak, expected_bytes
 from gridtrain.runtime import host_sync
 from gridtrain.config import ConfigError, preset_config, set_fields
 from gridtrain.parallel.grid import ProcessGrid
@@ -59,7 +60,7 @@ def test_bytes_equal_closed_forms(case):
     report = dryrun.dry_run(cfg, 8, "all", out=lambda *_: None)
     assert [r["rank"] for r in report["ranks"]] == list(range(8))
     for r in report["ranks"]:
-        expected = dryrun.expected_bytes(cfg, grid, r["rank"])
+        expected = expected_bytes(cfg, grid, r["rank"])
         assert {k: r[k] for k in expected} == expected, r["rank"]
         assert set(r["sync_points"]) == {"step_scalars"} | ({"token_count"} if r["pp"] == 1 else set())
         assert r["peak_bytes"] >= r["parameter_bytes"] + r["gradient_bytes"] + r["activation_peak_bytes"]
@@ -69,13 +70,13 @@ def test_bytes_equal_closed_forms(case):
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_activation_peak_follows_the_formula(recompute, schedule):
     """Every stage of a 4-stage pipeline: the activation peak is within 5% of the
-    formula of docs/memory.md walked along the schedule (dryrun.expected_activation_peak)."""
+    formula of docs/memory.md walked along the schedule (memory.model.expected_activation_peak)."""
     cfg = _cfg("small", pp=4, attention="math", dropout=0.1, recompute=recompute, schedule=schedule,
                global_batch_size=16)
     grid = ProcessGrid.build(4, pp=4)
     report = dryrun.dry_run(cfg, 4, "all", out=lambda *_: None)
     for r in report["ranks"]:
-        formula = dryrun.expected_activation_peak(cfg, grid, r["rank"], "cpu")
+        formula = expected_activation_peak(cfg, grid, r["rank"], "cpu")
         assert r["activation_peak_bytes"] == pytest.approx(formula, rel=0.05), r
 
 
@@ -99,9 +100,9 @@ def test_large_layouts(case):
     report = dryrun.dry_run(cfg, world, "edges", out=lambda *_: None)
     assert [r["pp"] for r in report["ranks"]] == sorted({0, grid.pp // 2, grid.pp - 1})
     for r in report["ranks"]:
-        expected = dryrun.expected_bytes(cfg, grid, r["rank"])
+        expected = expected_bytes(cfg, grid, r["rank"])
         assert {k: r[k] for k in expected} == expected, r["rank"]
-        formula = dryrun.expected_activation_peak(cfg, grid, r["rank"], "cpu")
+        formula = expected_activation_peak(cfg, grid, r["rank"], "cpu")
         assert r["activation_peak_bytes"] == pytest.approx(formula, rel=0.05), r
         assert set(r["sync_points"]) <= {"token_count", "step_scalars"}
 

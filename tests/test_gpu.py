@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gridtrain.memory import activations as memory
+from gridtrain.runtime import activation_meter as memory
 from gridtrain.config import preset_config
 from gridtrain.models.decoder import Decoder, init_parameters
 from gridtrain.parallel.pipeline.runtime import StageStats

@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gridtrain import dryrun
 from gridtrain.models import llama
 from gridtrain.memory import activations as memory
+from gridtrain.memory.model import expected_activation_peak, expected_bytes
 from gridtrain.parallel.comm import CommGroup
 from gridtrain.config import ModelConfig, preset_config, set_fields
 from gridtrain.parallel.grid import ProcessGrid
@@ -29,6 +30,7 @@ from gridtrain.models.decoder import Decoder, block_parameters, count_parameters
 from gridtrain.parallel.recompute import Recomputation, policy_from
 from gridtrain.parallel.split_backward import WeightGradStore
 from gridtrain.parallel.tensor_parallel import ShardSpec, TensorParallel, shard, shard_spec, unshard
+from gridtrain.runtime.activation_meter import ActivationMeter, saved_activations
 from tests.training import relative_difference, train_in_process, train_layouts
 
 TINY = preset_config("llama-tiny").model
@@ -240,9 +242,9 @@ def test_saved_bytes_follow_the_formula(recompute):
     tp = TensorParallel()
     model = build(cfg, tp=tp, recompute=Recomputation(policy_from(ActivationsConfig(recompute=recompute)), tp.rng))
     model.double()
-    meter = memory.ActivationMeter.for_model(model)
+    meter = ActivationMeter.for_model(model)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
-    with memory.saved_activations(meter):
+    with saved_activations(meter):
         model(tokens, tokens).sum().backward()
     shape = memory.layer_shape(cfg, batch=2, tp=1, sequence_parallel=False, element_bytes=8, mask_bytes=8)
     for i in range(cfg.n_layer):
@@ -292,9 +294,9 @@ def test_dry_run_bytes_and_peak_follow_the_closed_forms(case):
     grid = ProcessGrid.build(world, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
     report = dryrun.dry_run(cfg, world, ranks, out=lambda *_: None)
     for r in report["ranks"]:
-        expected = dryrun.expected_bytes(cfg, grid, r["rank"])
+        expected = expected_bytes(cfg, grid, r["rank"])
         assert {k: r[k] for k in expected} == expected, r["rank"]
-        formula = dryrun.expected_activation_peak(cfg, grid, r["rank"], "cpu")
+        formula = expected_activation_peak(cfg, grid, r["rank"], "cpu")
         assert r["activation_peak_bytes"] == pytest.approx(formula, rel=0.05), r
 
 

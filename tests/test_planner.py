@@ -16,7 +16,7 @@ import pytest
 
 from gridtrain.cli import parser as cli
 from gridtrain.config import ModelConfig, preset_config
-from gridtrain.dryrun import expected_activation_peak, expected_bytes
+from gridtrain.memory.model import expected_activation_peak, expected_bytes
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.models.decoder import training_flops_per_token
 from gridtrain.parallel.pipeline.schedules import B, F, W, build_schedule

@@ -17,6 +17,7 @@ from gridtrain.models.decoder import Decoder, init_parameters
 from gridtrain.parallel.recompute import Recomputation, RecomputePolicy
 from gridtrain.parallel.rng import RNGStatesTracker
 from gridtrain.parallel.tensor_parallel import TensorParallel
+from gridtrain.runtime.activation_meter import ActivationMeter, SavedActivations
 from tests.training import relative_difference, tiny_config, train_in_process, train_layouts
 
 
@@ -30,11 +31,11 @@ def _model(mode: str = "none", *, dropout: float = 0.1, attention: str = "math",
     return model.double()
 
 
-def _step(model: Decoder, tokens: torch.Tensor, meter: memory.ActivationMeter | None = None):
+def _step(model: Decoder, tokens: torch.Tensor, meter: ActivationMeter | None = None):
     """One forward and backward from a fixed generator state; loss, grads, meter."""
     torch.manual_seed(5)
-    meter = meter or memory.ActivationMeter.for_model(model)
-    with memory.SavedActivations(meter):
+    meter = meter or ActivationMeter.for_model(model)
+    with SavedActivations(meter):
         loss = model(tokens, tokens).mean()
         loss.backward()
     return loss.item(), [p.grad.clone() for p in model.parameters()], meter

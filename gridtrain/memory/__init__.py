@@ -1,7 +1,14 @@
-"""Memory: what a rank holds, predicted and measured.
+"""Memory: the memory model, what a rank of a layout holds, in closed form.
 
-* ``activations``: the saved-tensor hooks that count (and, on a GPU, offload) the bytes
-  autograd keeps for backward, per layer and stage.
+* ``model``: per rank: parameters, the gradient buffer, the optimizer's state and the
+  activation peak along the schedule, and the partition of the blocks into a stage's
+  model chunks (which the model provider builds from, so the model counted is the one
+  built);
+* ``activations``: per layer: the bytes a transformer block saves for backward
+  (Korthikanti et al., adapted; docs/memory.md).
 
-Imports only ``config``: the model, the dry run, the planner and the run report read it.
+It describes ``parallel`` and ``models`` (partition, schedules, recomputation policy,
+block sizes), so it imports them; training (the run report), the dry run and the
+planner read it. The measurement it is checked against, the saved-activation meter, is
+``runtime.activation_meter``, below the layers it measures.
 """

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.models import llama
-from gridtrain.memory import activations as memory
+from gridtrain.runtime import activation_meter as memory
 from gridtrain.models.attention import KVCache, LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
 from gridtrain.parallel.recompute import Recomputation

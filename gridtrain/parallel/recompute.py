@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gridtrain.memory import activations as memory
+from gridtrain.runtime import activation_meter as memory
 from gridtrain.parallel.rng import RNGState, RNGStatesTracker, replaying
 
 

@@ -44,10 +44,11 @@ One optimizer step of a ``dp x tp x pp`` layout is modelled as gridtrain runs it
   optimizer, hide likewise behind the next step's first forward, all but the first;
 * **the optimizer**: one memory-bound pass over the owned master weights, moments and
   gradients;
-* **memory** per GPU: the dry run's closed forms (dryrun.expected_bytes: parameters,
-  gradient buffer, optimizer state with ZeRO-1; dryrun.expected_activation_peak: the
-  schedule's action list walked with each chunk's activation bytes for the recompute
-  mode), for the first and last pipeline stage, whichever is larger.
+* **memory** per GPU: the memory model (memory/model.py, which the dry run is checked
+  against: expected_bytes: parameters, gradient buffer, optimizer state with ZeRO-1;
+  expected_activation_peak: the schedule's action list walked with each chunk's
+  activation bytes for the recompute mode), for the first and last pipeline stage,
+  whichever is larger.
 
 Everything is per GPU and in seconds and bytes; the constants are named and the
 hardware's are in hardware.py (a ``cpu`` entry measured on the host, profile.py).
@@ -59,6 +60,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from gridtrain.config import Config, ModelConfig
+from gridtrain.memory.model import chunks_of_stage, expected_activation_peak, expected_bytes, expected_parameters
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.models.decoder import training_flops_per_token
 from gridtrain.parallel.pipeline.schedules import build_schedule
@@ -338,9 +340,7 @@ def config_of(job: Job, lay: Layout) -> Config:
 
 
 def memory_bytes(job: Job, lay: Layout) -> float:
-    """Bytes per GPU: the dry run's closed forms on the first and the last stage."""
-    from gridtrain.dryrun import expected_activation_peak, expected_bytes
-
+    """Bytes per GPU: the memory model on the first and the last stage."""
     cfg = config_of(job, lay)
     grid = ProcessGrid(world_size=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp)
     worst = 0.0
@@ -358,17 +358,15 @@ def micro_batches(job: Job, lay: Layout) -> int:
 
 
 def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction:
-    from gridtrain.dryrun import stage_layers
-
     m, hw = job.model, job.hardware
     mbs = micro_batches(job, lay)
     cfg = config_of(job, lay)
     grid = ProcessGrid(world_size=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp)
-    chunks = [stage_layers(cfg, grid, s) for s in range(lay.pp)]
+    chunks = [chunks_of_stage(cfg, grid, s) for s in range(lay.pp)]
     layers = [0] * (lay.pp * lay.vpp)
     for s, stage in enumerate(chunks):
-        for c, (ids, _, _) in enumerate(stage):
-            layers[c * lay.pp + s] = len(ids)
+        for c, chunk in enumerate(stage):
+            layers[c * lay.pp + s] = len(chunk.layer_ids)
     cost, block = pipeline_costs(job, lay, layers)
     schedule = build_schedule(lay.schedule, lay.pp, mbs, lay.vpp)
     timeline = simulate(schedule, cost, lay.vpp, rendezvous=True)
@@ -407,8 +405,6 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
 
 def _rank_parameters(cfg: Config, grid: ProcessGrid) -> int:
     """Parameters of the first stage's rank (the largest stage but for the head)."""
-    from gridtrain.dryrun import expected_parameters
-
     return max(expected_parameters(cfg, grid, s * grid.dp * grid.tp) for s in range(grid.pp))
 
 

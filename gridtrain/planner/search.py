@@ -5,7 +5,7 @@ or is a multiple of them, and fits one node; pp x vpp divides the layers; the gl
 batch divides into micro-batches over dp; the schedule accepts the micro-batch count)
 and when its predicted memory fits the device. The space is large at scale (thousands
 of layouts for 1024 GPUs), so the search runs in two passes: every valid layout gets
-its memory (the dry run's closed forms, about a millisecond each) and those that fit a
+its memory (the memory model's closed forms, about a millisecond each) and those that fit a
 rough time (the schedule's closed-form bubble), then the best
 ``shortlist`` are predicted in full (the simulator on the schedule's action lists, the
 dry run's memory forms) and ranked by predicted step time; layouts that do not fit come

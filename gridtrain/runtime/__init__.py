@@ -6,7 +6,9 @@
 * ``watchdog``: the flight recorder of collectives and the hang watchdog;
 * ``stops``: exit codes and why a run stopped (NaN, preemption, hang);
 * ``host_sync``: the named points where a step reads a device value on the host;
-* ``timing``: host and CUDA-event clocks.
+* ``timing``: host and CUDA-event clocks;
+* ``activation_meter``: the saved-tensor hooks that count (and, on a GPU, offload) the
+  bytes autograd keeps for backward, per layer and stage.
 
 Nothing here knows a model, a parallel layer or the training loop: it imports only
 ``config`` and itself.

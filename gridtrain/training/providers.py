@@ -13,7 +13,8 @@ from gridtrain.config import Config
 from gridtrain.data import Batch, ByteTokenizer, Datasets, build_datasets, load_tokenizer, unigram_entropy
 from gridtrain.parallel.distributed import DistributedContext
 from gridtrain.models.decoder import Decoder, ChunkSpec, init_parameters, parameter_costs, profile_units
-from gridtrain.parallel.pipeline.partition import UnitCosts, partition
+from gridtrain.memory.model import block_partition, chunks_of_stage
+from gridtrain.parallel.pipeline.partition import UnitCosts
 
 
 def decoder_model_provider(cfg: Config, ctx: DistributedContext) -> nn.Module:
@@ -25,22 +26,23 @@ def decoder_model_provider(cfg: Config, ctx: DistributedContext) -> nn.Module:
 
 
 def stage_chunks(cfg: Config, ctx: DistributedContext) -> list[ChunkSpec]:
-    """The model chunks of this rank's pipeline stage (one per virtual stage it holds).
+    """The model chunks of this rank's pipeline stage (one per virtual stage it holds):
+    the memory model's partition (memory.model.chunks_of_stage), so the model built is
+    the model counted.
 
     A measured ("time") partition is computed on rank 0 and broadcast, so that every
     rank cuts the model at the same places.
     """
-    p, v, s = ctx.grid.pp, cfg.parallel.vpp, ctx.coords.pp
-    explicit, method = cfg.parallel.pp_layers, cfg.parallel.pp_partition
-    measured = explicit is None and method == "time"
-    layers = [None]
-    if ctx.rank == 0 or not measured:
-        costs = None if explicit is not None else unit_costs(cfg, method, device=ctx.device, dtype=ctx.param_dtype)
-        layers[0] = partition(cfg.model.n_layer, p * v, explicit=explicit, costs=costs)
+    measured = cfg.parallel.pp_layers is None and cfg.parallel.pp_partition == "time"
+    layers = None
     if measured:
-        torch.distributed.broadcast_object_list(layers, src=0)
-    last = p * v - 1
-    return [ChunkSpec(tuple(layers[0][c * p + s]), c * p + s == 0, c * p + s == last) for c in range(v)]
+        box = [None]
+        if ctx.rank == 0:
+            costs = unit_costs(cfg, "time", device=ctx.device, dtype=ctx.param_dtype)
+            box[0] = block_partition(cfg, ctx.grid, costs)
+        torch.distributed.broadcast_object_list(box, src=0)
+        layers = box[0]
+    return chunks_of_stage(cfg, ctx.grid, ctx.coords.pp, layers)
 
 
 def unit_costs(cfg: Config, method: str, *, device: torch.device | str = "cpu",

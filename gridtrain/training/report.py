@@ -5,9 +5,11 @@ The training loop (train.py) hands a :class:`RunReport` what each step did; the 
 keeps the numbers (:class:`TrainResult`, returned to the caller), writes the per-step
 metrics (metrics.py: JSON lines, progress bar, TensorBoard), counts the payload bytes
 each step moved per process group, measures saved-activation memory on the first step
-(memory.py) and prints the closing summary. Only the logging rank prints; every rank
-keeps its own numbers, and the end-of-run gathers (idle fractions, memory per stage)
-are collective over the pipeline group, so every rank calls :meth:`RunReport.finish`.
+(runtime/activation_meter.py; the memory report prints it beside the memory model's
+per-layer formula, memory/activations.py) and prints the closing summary. Only the
+logging rank prints; every rank keeps its own numbers, and the end-of-run gathers (idle
+fractions, memory per stage) are collective over the pipeline group, so every rank
+calls :meth:`RunReport.finish`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gridtrain.memory import activations as memory
 from gridtrain.config import Config, ModelConfig
+from gridtrain.memory.activations import dropout_mask_bytes, expected_by_layer, layer_shape
 from gridtrain.parallel.distributed import DistributedContext
 from gridtrain.training.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.models.decoder import training_flops_per_token
+from gridtrain.runtime.activation_meter import ActivationMeter, saved_activations
 from gridtrain.training.trainer import StepOutput, Trainer
 
 
@@ -45,7 +48,7 @@ class TrainResult:
     overlap: list[float] = field(default_factory=list)  # DP all-reduce hidden behind backward, per step
     skipped_steps: int = 0  # fp16 steps skipped on gradient overflow
     trace_events: list[tuple[int, str, float, float]] = field(default_factory=list)  # (step, action, start, end)
-    memory: list[memory.StageMemory] = field(default_factory=list)  # every stage's, measured at step 1
+    memory: list[StageMemory] = field(default_factory=list)  # every stage's, measured at step 1
 
 
 class RunReport:
@@ -60,7 +63,7 @@ class RunReport:
         self.step_tokens = trainer.step_tokens
         self.tokens_seen = trainer.start_step * self.step_tokens
         self.offload = cfg.activations.offload_activations and ctx.device.type == "cuda"
-        self.stage_memory: memory.StageMemory | None = None  # this stage's, from the first step
+        self.stage_memory: StageMemory | None = None  # this stage's, from the first step
         self._bytes_before: dict = {}  # the byte and call counters when the current step began ...
         self._calls_before: dict = {}
         self._elapsed = 0.0  # ... and the seconds it took
@@ -84,8 +87,8 @@ class RunReport:
         trainer = self.trainer
         counter = trainer.ctx.bytes
         began, self._bytes_before, self._calls_before = time.perf_counter(), dict(counter.bytes), dict(counter.calls)
-        meter = memory.ActivationMeter.for_model(trainer.model) if first or self.offload else None
-        with memory.saved_activations(meter, self.offload), _device_peak(trainer.ctx.device, first) as peak:
+        meter = ActivationMeter.for_model(trainer.model) if first or self.offload else None
+        with saved_activations(meter, self.offload), _device_peak(trainer.ctx.device, first) as peak:
             yield
         if first:
             self.stage_memory = _stage_memory(meter, peak[0], trainer)
@@ -137,9 +140,9 @@ class RunReport:
             result.memory = _gather_stage_memory(self.stage_memory, ctx)
         self._print_summary()
         if result.memory:
-            self.log.print(memory.summary_line(result.memory))
+            self.log.print(summary_line(result.memory))
             if r.memory_report:
-                for line in memory.report_lines(result.memory, _memory_note(trainer.cfg, ctx)):
+                for line in report_lines(result.memory, _memory_note(trainer.cfg, ctx)):
                     self.log.print(line)
         if ctx.grid.pp > 1:
             self.log.print("pipeline: measured idle fraction per stage " +
@@ -236,6 +239,59 @@ def write_chrome_trace(path, events: list[tuple[int, str, float, float]], rank: 
 
 # ---- memory --------------------------------------------------------------------------------------
 
+@dataclass
+class StageMemory:
+    """One stage's measured activation memory over a step (picklable, gathered to print)."""
+
+    stage: int
+    micro_batches: int
+    kept: dict[str, int]  # layer -> bytes saved at forward, summed over the step's micro-batches
+    recomputed: dict[str, int]  # layer -> bytes saved while recomputing, summed likewise
+    peak_bytes: int  # most bytes held for backward at once during the step
+    expected: dict[str, float] = field(default_factory=dict)  # layer -> formula, per micro-batch
+    device_peak_bytes: int | None = None  # torch.cuda.max_memory_allocated over the step
+
+    def per_micro_batch(self, layer: str) -> float:
+        return self.kept.get(layer, 0) / max(1, self.micro_batches)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def summary_line(stages: list[StageMemory]) -> str:
+    """One line for the run summary: each stage's peak and per-micro-batch bytes."""
+    parts = []
+    for s in stages:
+        device = f", device peak {_mb(s.device_peak_bytes)}" if s.device_peak_bytes is not None else ""
+        parts.append(f"stage {s.stage} peak {_mb(s.peak_bytes)} "
+                     f"({_mb(sum(s.kept.values()) / max(1, s.micro_batches))} per micro-batch{device})")
+    return "activations saved for backward (step 1): " + "; ".join(parts)
+
+
+def report_lines(stages: list[StageMemory], note: str) -> list[str]:
+    """The --memory-report table: per stage and layer, bytes kept per micro-batch, bytes
+    saved while recomputing (transient), and the formula where one applies."""
+    lines = [f"memory report (step 1; {note})",
+             f"  {'stage':>5} {'layer':<12} {'kept/micro-batch':>17} {'recompute':>12} {'formula':>12} {'ratio':>6}"]
+    for s in stages:
+        for layer in sorted(set(s.kept) | set(s.recomputed), key=_layer_order):
+            kept = s.per_micro_batch(layer)
+            redo = s.recomputed.get(layer, 0) / max(1, s.micro_batches)
+            expected = s.expected.get(layer)
+            formula = f"{_mb(expected):>12}" if expected is not None else f"{'-':>12}"
+            ratio = f"{kept / expected:6.3f}" if expected else f"{'-':>6}"
+            lines.append(f"  {s.stage:>5} {layer:<12} {_mb(kept):>17} {_mb(redo):>12} {formula} {ratio}")
+        lines.append(f"  {s.stage:>5} {'peak':<12} {_mb(s.peak_bytes):>17}")
+    return lines
+
+
+def _layer_order(name: str) -> tuple[int, int]:
+    if name.startswith("blocks."):
+        return (1, int(name.split(".")[1]))
+    return ({"embedding": 0, "head": 2}.get(name, 3), 0)
+
+
 @contextlib.contextmanager
 def _device_peak(device: torch.device, measuring: bool):
     """torch.cuda.max_memory_allocated over the block, on a GPU while measuring; yields a
@@ -249,7 +305,7 @@ def _device_peak(device: torch.device, measuring: bool):
     peak[0] = torch.cuda.max_memory_allocated(device)
 
 
-def _stage_memory(meter: memory.ActivationMeter, device_peak: int | None, trainer: Trainer) -> memory.StageMemory:
+def _stage_memory(meter: ActivationMeter, device_peak: int | None, trainer: Trainer) -> StageMemory:
     """This stage's measured saved-activation bytes, beside the formula for its blocks
     (the formula describes the op-by-op attention, so it is given for --attention math)."""
     cfg, ctx, micro_batches = trainer.cfg, trainer.ctx, trainer.num_micro_batches
@@ -257,19 +313,19 @@ def _stage_memory(meter: memory.ActivationMeter, device_peak: int | None, traine
     chunks = getattr(trainer.model, "chunks", None)
     if chunks is not None and cfg.model.attention == "math":
         e = torch.finfo(ctx.param_dtype).bits // 8
-        shape = memory.layer_shape(cfg.model, batch=cfg.training.micro_batch_size, tp=ctx.tp.size,
-                                   sequence_parallel=ctx.tp.sequence_parallel, element_bytes=e,
-                                   mask_bytes=memory.dropout_mask_bytes(ctx.device, e))
+        shape = layer_shape(cfg.model, batch=cfg.training.micro_batch_size, tp=ctx.tp.size,
+                            sequence_parallel=ctx.tp.sequence_parallel, element_bytes=e,
+                            mask_bytes=dropout_mask_bytes(ctx.device, e))
         policy = ctx.recompute.policy
         for spec in chunks:
-            expected.update(memory.expected_by_layer(policy.block_runs(spec.layer_ids), policy.mode,
-                                                     micro_batches, policy.keep_last, **shape))
-    return memory.StageMemory(stage=ctx.coords.pp, micro_batches=micro_batches, kept=meter.by_layer(),
-                              recomputed=meter.by_layer("recompute"), peak_bytes=meter.peak_bytes,
-                              expected=expected, device_peak_bytes=device_peak)
+            expected.update(expected_by_layer(policy.block_runs(spec.layer_ids), policy.mode,
+                                              micro_batches, policy.keep_last, **shape))
+    return StageMemory(stage=ctx.coords.pp, micro_batches=micro_batches, kept=meter.by_layer(),
+                       recomputed=meter.by_layer("recompute"), peak_bytes=meter.peak_bytes,
+                       expected=expected, device_peak_bytes=device_peak)
 
 
-def _gather_stage_memory(mine: memory.StageMemory, ctx: DistributedContext) -> list[memory.StageMemory]:
+def _gather_stage_memory(mine: StageMemory, ctx: DistributedContext) -> list[StageMemory]:
     stages: list = [None] * ctx.grid.pp
     torch.distributed.all_gather_object(stages, mine, group=ctx.pp.group)
     return stages
@@ -278,7 +334,7 @@ def _gather_stage_memory(mine: memory.StageMemory, ctx: DistributedContext) -> l
 def _memory_note(cfg: Config, ctx: DistributedContext) -> str:
     t, m = cfg.training, cfg.model
     e = torch.finfo(ctx.param_dtype).bits // 8
-    mask = memory.dropout_mask_bytes(ctx.device, e)
+    mask = dropout_mask_bytes(ctx.device, e)
     formula = ("formula: Korthikanti et al. adapted, docs/memory.md" if m.attention == "math"
                else "no formula for --attention sdpa (fused kernel); use --attention math to compare")
     return (f"recompute {cfg.activations.recompute}, {e}-byte activations, dropout {m.dropout} "

@@ -1,0 +1,209 @@
+"""The memory model: the bytes a rank holds, as closed forms of the layout.
+
+From the configuration (the model's shape, the parallel sizes and schedule, the
+recomputation policy, the dtype, ZeRO) and a rank of the grid, without building anything:
+
+* :func:`chunks_of_stage`: the model chunks of a pipeline stage, from the partition of
+  the blocks into ``pp x vpp`` virtual stages (which blocks, whether the chunk embeds,
+  whether it ends the model). The built-in model provider builds its chunks from it too,
+  so the model counted here is the model that runs;
+* :func:`expected_parameters` and :func:`expected_bytes`: parameters, the gradient
+  buffer (ZeRO-1's padding and shard included) and the optimizer's state, as the code
+  allocates them;
+* :func:`expected_activation_peak`: the most bytes saved for backward at once, the
+  schedule's action list walked with each chunk's per-layer bytes
+  (:mod:`gridtrain.memory.activations`, docs/memory.md).
+
+The dry run measures the same quantities on fake tensors, and the tests hold them equal
+(the activation peak within a few percent: the norms' per-token statistics are left
+out); the planner reads these forms to decide whether a layout fits. The module describes
+``parallel`` and ``models`` (the partition, the schedules, the recomputation policy, the
+blocks' parameter counts), so it sits above them and below training, the dry run and the
+planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gridtrain.config import Config
+from gridtrain.memory import activations
+from gridtrain.models.decoder import ChunkSpec, block_parameters, parameter_costs
+from gridtrain.parallel.distributed import TORCH_DTYPES
+from gridtrain.parallel.grid import ProcessGrid
+from gridtrain.parallel.pipeline.partition import UnitCosts, partition
+from gridtrain.parallel.pipeline.schedules import B, F, build_schedule
+from gridtrain.parallel.recompute import policy_from
+
+
+# ---- where the blocks are ------------------------------------------------------------------------
+
+def block_partition(cfg: Config, grid: ProcessGrid, costs: UnitCosts | None = None) -> list[list[int]]:
+    """Global block ids of each of the ``pp x vpp`` virtual stages: ``--pp-layers``, or
+    the ``--pp-partition`` method's split (uniform; parameters, from the model's shape).
+    A measured (``time``) partition has no closed form: its ``costs`` must be given."""
+    explicit, method = cfg.parallel.pp_layers, cfg.parallel.pp_partition
+    if explicit is None and costs is None:
+        if method == "time":
+            raise ValueError("no closed form for --pp-partition time (measured)")
+        costs = parameter_costs(cfg.model) if method == "parameters" else None
+    return partition(cfg.model.n_layer, grid.pp * cfg.parallel.vpp, explicit=explicit, costs=costs)
+
+
+def chunks_of_stage(cfg: Config, grid: ProcessGrid, stage: int,
+                    layers: Sequence[Sequence[int]] | None = None) -> list[ChunkSpec]:
+    """The model chunks of pipeline stage ``stage``, one per virtual stage it holds
+    (chunk ``c`` is virtual stage ``c * pp + stage``): from ``layers``, each virtual
+    stage's blocks where the caller has them (a measured partition), else
+    :func:`block_partition`."""
+    p, v = grid.pp, cfg.parallel.vpp
+    if layers is None:
+        layers = block_partition(cfg, grid)
+    return [ChunkSpec(tuple(layers[c * p + stage]), c * p + stage == 0, c * p + stage == p * v - 1)
+            for c in range(v)]
+
+
+def _holds(cfg: Config, grid: ProcessGrid, rank: int) -> tuple[int, bool, bool]:
+    """How many blocks rank ``rank`` holds, and whether it holds the embedding and the head."""
+    chunks = chunks_of_stage(cfg, grid, grid.coords(rank).pp)
+    return (sum(len(c.layer_ids) for c in chunks), any(c.pre_process for c in chunks),
+            any(c.post_process for c in chunks))
+
+
+# ---- parameters, gradients, optimizer state ------------------------------------------------------
+
+def expected_parameters(cfg: Config, grid: ProcessGrid, rank: int) -> int:
+    """Parameters rank ``rank`` holds, from the model's shape and the layout: per block
+    (models.decoder.block_parameters), GPT-2's column-parallel QKV and MLP expansion
+    (weights and biases / t), row-parallel projections (weights / t, whole biases), whole
+    LayerNorms, or Llama's q, proj, gate, up, down / t, the rank's whole key/value heads
+    and two whole RMSNorms; the vocabulary-parallel token table (padded vocabulary / t
+    rows) and GPT-2's whole position table on the first stage; the final norm and, unless
+    the stage also embeds, a copy of the (tied) table or the untied head on the last."""
+    m, t = cfg.model, grid.tp
+    d = m.d_model
+    table = m.padded_vocab_size(t) // t * d
+    blocks, embeds, ends = _holds(cfg, grid, rank)
+    n = block_parameters(m, t) * blocks
+    gpt2 = m.arch == "gpt2"
+    if embeds:
+        n += table + (m.seq_len * d if gpt2 else 0)
+    if ends:
+        n += (2 * d if gpt2 else d) + (table if not (m.tie_embeddings and embeds) else 0)
+    return n
+
+
+def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
+    """parameter, gradient and optimizer bytes of a rank, as the code allocates them:
+
+    * parameters in the run's dtype;
+    * gradients: the reducer's flat buffer (fp32 for 16-bit parameters, else the
+      parameters' dtype); with ZeRO-1 padded to a multiple of dp (:func:`_padded_buffer`),
+      plus this rank's reduce-scattered 1/dp slice of it;
+    * optimizer: torch's AdamW (fp32/fp64 without ZeRO) keeps two moments per parameter
+      and a 4-byte step count per parameter tensor; the flat optimizer (16-bit or ZeRO-1)
+      keeps master weights and two moments for its slice (all of it without ZeRO) and
+      nothing else (``DistributedOptimizer.state_bytes``)."""
+    n = expected_parameters(cfg, grid, rank)
+    t = cfg.training
+    dtype = TORCH_DTYPES[t.dtype]
+    e = dtype.itemsize
+    wide = 8 if dtype == torch.float64 else 4  # gradient buffer and master weights
+    padded = _padded_buffer(cfg, grid, rank, n) if cfg.parallel.zero == 1 else n
+    grads = padded * wide + (padded // grid.dp * wide if cfg.parallel.zero == 1 else 0)
+    if cfg.parallel.zero == 0 and dtype in (torch.float32, torch.float64):
+        tensors = _parameter_tensors(cfg, grid, rank)
+        optim = 2 * n * e + 4 * tensors
+    else:
+        owned = padded // grid.dp if cfg.parallel.zero == 1 else n
+        optim = 3 * owned * wide
+    return {"parameters": n, "parameter_bytes": n * e, "gradient_bytes": grads, "optimizer_bytes": optim}
+
+
+def _padded_buffer(cfg: Config, grid: ProcessGrid, rank: int, n: int) -> int:
+    """ZeRO-1's gradient buffer (data_parallel.bucket_bounds): padded to a multiple of dp
+    at its end, and a token table tied across pipeline stages in a bucket padded on its
+    own (on the first and last stage)."""
+    def up(x: int) -> int:
+        return -(-x // grid.dp) * grid.dp
+
+    _, embeds, ends = _holds(cfg, grid, rank)
+    m = cfg.model
+    if m.tie_embeddings and grid.pp > 1 and (embeds or ends):
+        table = m.padded_vocab_size(grid.tp) // grid.tp * m.d_model
+        return up(n - table) + up(table)
+    return up(n)
+
+
+def _parameter_tensors(cfg: Config, grid: ProcessGrid, rank: int) -> int:
+    """Parameter tensors of a rank (AdamW keeps one step count per tensor)."""
+    blocks, embeds, ends = _holds(cfg, grid, rank)
+    gpt2 = cfg.model.arch == "gpt2"
+    # GPT-2: 2 LayerNorms x 2, 4 linears x (weight, bias); Llama: 2 RMSNorms, 7 linears
+    n = (12 if gpt2 else 9) * blocks
+    n += (2 if gpt2 else 1) if embeds else 0  # token (and position) table
+    n += ((2 if gpt2 else 1) + (0 if cfg.model.tie_embeddings and embeds else 1)) if ends else 0
+    return n
+
+
+# ---- activations ---------------------------------------------------------------------------------
+
+def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_type: str) -> float:
+    """The formula's activation peak of a stage: the schedule's action list walked, each
+    F adding and each B removing its chunk's bytes: the per-block bytes of
+    activations.korthikanti_bytes (docs/memory.md) summed over the chunk's blocks, plus,
+    for the chunk that ends the model, the head (the loss's fp32 softmax over the
+    vocabulary slice dominates it); with full recomputation plus one region's rebuilt
+    activations (held transiently in backward), with selective recomputation plus what
+    one block's rebuilt attention core holds beyond what its backward has released
+    (activations.rebuilt_core_bytes), and for the chunk that embeds, the token ids,
+    positions and dropout mask of the embedding.
+    Describes ``--attention math`` (the fused kernel keeps no s x s scores) and
+    ``--recompute-keep-last`` off."""
+    m, t = cfg.model, cfg.training
+    e = TORCH_DTYPES[t.dtype].itemsize
+    sp = cfg.parallel.sequence_parallel and grid.tp > 1
+    shape = activations.layer_shape(m, batch=t.micro_batch_size, tp=grid.tp, sequence_parallel=sp, element_bytes=e,
+                                    mask_bytes=activations.dropout_mask_bytes(torch.device(device_type), e))
+    stage = grid.coords(rank).pp
+    micro_batches = t.global_batch_size // (t.micro_batch_size * grid.dp)
+    actions = build_schedule(cfg.parallel.schedule, grid.pp, micro_batches, cfg.parallel.vpp)[stage]
+    policy = policy_from(cfg.activations)
+    chunks = chunks_of_stage(cfg, grid, stage)
+    tokens = m.seq_len * t.micro_batch_size
+    # the loss: the softmax over this rank's vocabulary slice in fp32 (kept by the cross
+    # entropy for backward), the target index (int64) and two flags per token; the final
+    # norm's input and the head's input (a sequence shard under SP)
+    head = tokens * (m.padded_vocab_size(grid.tp) // grid.tp * 4 + 8 + 2) \
+        + 2 * tokens * m.d_model * e / (grid.tp if sp else 1)
+    # the embedding: the token ids and positions its lookups keep (int64), under TP the
+    # shifted ids and the out-of-range flags, and with dropout the mask
+    sp_div = grid.tp if sp else 1
+    positions = m.seq_len // sp_div * 8 if m.arch == "gpt2" else 0  # Llama's are rotary (no lookup)
+    embedding = tokens * 8 + positions + (tokens * 9 if grid.tp > 1 else 0) \
+        + (tokens * m.d_model * shape["mask_bytes"] / sp_div if m.dropout > 0 else 0.0)
+    cost = [sum(activations.expected_by_layer(policy.block_runs(c.layer_ids), policy.mode, micro_batches, False,
+                                              **shape).values())
+            + (head if c.post_process else 0.0) + (embedding if c.pre_process else 0.0)
+            for c in chunks]
+    # with full recomputation, B rebuilds one region (the longest) on top of what is held;
+    # its input is already counted (kept), and on the chunk that ends the model the
+    # head's backward has released the softmax by then
+    region = max((len(r) for c in chunks for r, redo in policy.block_runs(c.layer_ids) if redo), default=0)
+    rebuilt = [region * activations.korthikanti_bytes(recompute="none", **shape)
+               - activations.korthikanti_bytes(recompute="full", **shape) - (head if c.post_process else 0.0)
+               if region else 0.0 for c in chunks]
+    if policy.mode == "selective":  # B rebuilds one block's attention core at a time
+        rebuilt = [max(0.0, activations.rebuilt_core_bytes(**shape) - (head if c.post_process else 0.0))
+                   if c.layer_ids else 0.0 for c in chunks]
+    held = peak = 0.0
+    for a in actions:  # what the schedule holds between each F and its B, chunk by chunk
+        if a.kind == F:
+            held += cost[a.chunk]
+            peak = max(peak, held)
+        elif a.kind == B:
+            peak = max(peak, held + rebuilt[a.chunk])
+            held -= cost[a.chunk]
+    return peak
