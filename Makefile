@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TRAIN_ARGS ?=
 
-.PHONY: install train test clean
+.PHONY: install train test test-fast clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# the tests that start no process and take no more than a second or two (under a minute)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not spawn and not slow"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,11 +1,42 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and the test tiers.
+
+Tests that start processes (worker processes, ``gridtrain`` or ``torchrun`` in a
+subprocess) carry ``@pytest.mark.spawn``; in-process tests that take seconds (whole
+training runs, dry runs of 1,024-rank layouts) carry ``@pytest.mark.slow``. The rest is
+the fast tier: ``make test-fast`` (``pytest -m "not spawn and not slow"``) runs it in
+under a minute on 2 cores (45 s); ``make test`` runs everything. The spawn marking is
+enforced: a test without the mark that starts a process fails, naming it.
+"""
 
 from __future__ import annotations
+
+import multiprocessing.process
+import subprocess
 
 import pytest
 import torch.distributed as dist
 
 from gridtrain.runtime import launch
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "spawn: starts processes (workers or subprocesses); "
+                                       "make test-fast leaves it out")
+    config.addinivalue_line("markers", "slow: starts no process but takes seconds; make test-fast leaves it out")
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_in_spawn_tests(request, monkeypatch):
+    """A test that starts a process must say so with ``@pytest.mark.spawn``."""
+    if request.node.get_closest_marker("spawn") is not None:
+        return
+    test = request.node.nodeid
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{test} starts a process: mark it @pytest.mark.spawn (the slow tier)")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 @pytest.fixture

@@ -49,6 +49,7 @@ def test_default_flags_parse_and_validate(name):
         validate(cfg, world_size=world)
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("name", COMPARISONS)
 def test_a_bad_shape_is_one_line_and_status_2(name):
     proc = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--n-head", "5", "--d-model", "64"],
@@ -58,6 +59,7 @@ def test_a_bad_shape_is_one_line_and_status_2(name):
                                    "choose a head count that divides d_model")
 
 
+@pytest.mark.spawn
 def test_recompute_cost_runs_and_the_modes_agree():
     out = _run("recompute_cost", "--global-batch-size", "4", "--micro-batch-size", "2")
     assert all(f"| {mode} |" in out for mode in ("none", "selective", "full"))
@@ -65,6 +67,7 @@ def test_recompute_cost_runs_and_the_modes_agree():
     assert "none 0, selective 4, full 4 (2 blocks x 2 micro-batches = 4 expected" in out
 
 
+@pytest.mark.spawn
 def test_dp_vs_ddp_runs_and_agrees_with_ddp_bit_for_bit():
     out = _run("dp_vs_ddp", "--microbatches", "2", "--micro-batch-size", "2", "--bucket-mb", "0.25", "--no-floor")
     assert "loss check, step 1 from the same weights and batch: AGREE, bit for bit" in out
@@ -72,12 +75,14 @@ def test_dp_vs_ddp_runs_and_agrees_with_ddp_bit_for_bit():
     assert "max |gridtrain - DDP| per bucket size: 0.25 MiB 0.0e+00" in out
 
 
+@pytest.mark.spawn
 def test_tp_vs_dtensor_runs_and_counts_the_closed_form():
     out = _run("tp_vs_dtensor", "--batch", "2", "--no-variant")
     assert re.search(r"gridtrain TP bytes/step \(ByteCounter, tp group\): [\d,]+ \(closed form [\d,]+: match\)", out)
     assert "| gridtrain 1 process |" in out
 
 
+@pytest.mark.spawn
 def test_pp_vs_torch_pipelining_runs_and_the_tied_variant_agrees():
     out = _run("pp_vs_torch_pipelining", "--microbatches", "2", "--micro-batch-size", "2", "--no-reference")
     diff = re.search(r"torch 1F1B \+ tied all-reduce \S+ \(diff \S+; largest over 2 steps (\S+)\)", out)
@@ -96,6 +101,7 @@ def test_checkpoint_save_reads_gridtrain_s_summary_line():
         assert found and found.groups() == ("3", "0.200", "0.300", "0.100, 0.200, 0.300", "3.000")
 
 
+@pytest.mark.spawn
 def test_checkpoint_save_default_command_validates_and_a_bad_one_is_status_2(tmp_path):
     module = _load("checkpoint_save")
     module.check(module.parse_args([]), tmp_path)  # gpt2 at dp 2 x tp 2: what gridtrain train checks
@@ -105,6 +111,7 @@ def test_checkpoint_save_default_command_validates_and_a_bad_one_is_status_2(tmp
     assert proc.stderr.startswith("checkpoint_save: error: ") and proc.stderr.count("\n") == 1, proc.stderr
 
 
+@pytest.mark.spawn
 def test_checkpoint_save_runs_both_modes():
     """One process, the tiny model, one round: both modes run, are measured and reported."""
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "checkpoint_save.py"), "--model", "tiny", "--dp", "1",

@@ -131,6 +131,7 @@ def test_good_checkpoint_round_trips_and_extra_files_are_ignored(saved, original
     assert checkpoint.read_meta(saved)["step"] == STEP
 
 
+@pytest.mark.slow
 def test_trained_checkpoint_resumes_through_the_loop(tmp_path):
     """A save from the real loop passes check_loadable and resumes (test_train checks
     that resuming is bit-exact)."""
@@ -450,6 +451,7 @@ def _two_rank_save(rank: int, world_size: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.spawn
 def test_two_ranks_write_one_manifest_and_a_failure_reaches_both(tmp_path):
     ranks = run_on_ranks(_two_rank_save, 2, str(tmp_path))
     assert [r["ok"] for r in ranks] == [[INDEX, SHARDS, "__1_0.distcp", "meta.json"]] * 2

@@ -125,6 +125,7 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
+@pytest.mark.slow
 def test_save_and_load_need_little_more_host_memory_than_the_state(tmp_path):
     """A bf16 model with flat fp32 optimizer state (about 310 MiB written): a save needs at
     most the largest tensor plus a small constant on top of the rank's own state (one

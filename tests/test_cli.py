@@ -44,6 +44,7 @@ def test_bad_config_is_one_line_before_any_process(case, capsys, no_process_may_
     assert expected in err
 
 
+@pytest.mark.spawn
 def test_bad_config_from_a_real_shell():
     proc = subprocess.run([sys.executable, "-m", "gridtrain", "train", "--tp", "3", "--nproc", "4"],
                           capture_output=True, text=True, timeout=120)
@@ -94,6 +95,7 @@ def test_memory_report_prints_each_layer_beside_the_formula(capsys):
     assert len(rows) == 2 and all(0.9 <= float(row[-1]) <= 1.1 for row in rows), rows
 
 
+@pytest.mark.spawn
 def test_train_two_processes_then_generate(tmp_path):
     """`gridtrain train --nproc 2` end to end, then `gridtrain generate` from its checkpoint."""
     metrics, save = tmp_path / "m.jsonl", tmp_path / "ckpt"
@@ -112,6 +114,7 @@ def test_train_two_processes_then_generate(tmp_path):
     assert gen.stdout.startswith("class ")
 
 
+@pytest.mark.spawn
 def test_prepare_then_train_on_the_token_file(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
@@ -129,6 +132,7 @@ def test_generate_without_a_checkpoint_is_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "no checkpoint there" in err
 
 
+@pytest.mark.spawn
 def test_under_torchrun_the_world_comes_from_the_environment(tmp_path):
     metrics = tmp_path / "m.jsonl"
     config = tmp_path / "run.yaml"

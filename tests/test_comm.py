@@ -113,6 +113,7 @@ def _all_checks(rank: int, world_size: int) -> bool:
     return True
 
 
+@pytest.mark.spawn
 def test_tp_collectives_loss_data_and_dropout_on_two_ranks():
     assert run_on_ranks(_all_checks, 2) == [True, True]
 

@@ -14,6 +14,7 @@ from gridtrain.training.validate import ConfigError, validate
 from tests.training import assert_same_training, tiny_config, train_in_process, train_layouts
 
 
+@pytest.mark.spawn
 def test_compiled_blocks_train_the_eager_model_on_every_kind_of_layout():
     """One spawn of two ranks: DP with full recomputation and ZeRO-1, TP with and without
     sequence parallelism, and a ZB-H1 pipeline (whose weight gradients a compiled backward
@@ -43,6 +44,7 @@ def test_compiled_blocks_train_the_eager_model_on_every_kind_of_layout():
                 raise AssertionError(f"{layout}: {e}") from None
 
 
+@pytest.mark.spawn
 def test_a_compiled_backward_defers_weight_gradients_when_it_runs():
     """ZB-H1's B defers linear weight gradients only while the store is deferring, which
     a compiled backward traced once would fix at tracing time (here: traced inside
@@ -51,8 +53,8 @@ def test_a_compiled_backward_defers_weight_gradients_when_it_runs():
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     grads, deferred = [], []
     for compiled in (False, True):
-        tp = TensorParallel()
-        tp.weight_grads = store = WeightGradStore()
+        store = WeightGradStore()
+        tp = TensorParallel(weight_grads=store)
         model = Decoder(cfg, tp=tp)
         init_parameters(model, 0)
         model = model.double()

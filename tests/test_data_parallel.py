@@ -43,6 +43,7 @@ def assert_matches_reference(run: dict, rtol: float = 1e-9) -> None:
     assert abs(run["valid_loss"] - ref["valid_loss"]) <= rtol * ref["valid_loss"]
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("dp", [2, 4, 8])
 def test_data_parallel_trains_the_single_process_model(dp):
     """16 sequences in micro-batches of 2: 4, 2 and 1 micro-batches accumulated per rank;
@@ -54,6 +55,7 @@ def test_data_parallel_trains_the_single_process_model(dp):
             assert relative_difference(value, reference()["state"][name]) <= 1e-9, name
 
 
+@pytest.mark.spawn
 def test_small_buckets_give_the_same_model():
     for run in train_layout(_config(dp=2, bucket_mb=0.01), 2):
         assert_matches_reference(run)
@@ -80,6 +82,7 @@ def test_the_recompute_rotation_covers_every_pair():
     assert all({modes[layout, s] for layout in LAYOUTS} == set(RECOMPUTE) for s in SCHEDULES)
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("dp,pp,tp", LAYOUTS)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_3d_layout_trains_the_single_process_model(dp, pp, tp, schedule):
@@ -162,6 +165,7 @@ def _ddp_ranks() -> list[dict]:
     return run_on_ranks(_ddp_check, 2)  # one spawn for the two tests below
 
 
+@pytest.mark.spawn
 def test_reducer_gradients_equal_torch_ddp():
     for result in _ddp_ranks():
         assert result["worst"] <= 1e-12
@@ -170,6 +174,7 @@ def test_reducer_gradients_equal_torch_ddp():
         assert result["unused"] == []
 
 
+@pytest.mark.spawn
 def test_zero1_reducer_reduce_scatters_buckets_during_backward_into_the_ranks_slices():
     """ZeRO-1 (Megatron's layout, counted): every bucket's reduce-scatter is issued
     during backward (none waits for the end), the whole buffer is sent once, bucket
@@ -210,12 +215,14 @@ def _unused_check(rank: int, world_size: int) -> dict:
             "zeros": bool((model.unused.weight.grad == 0).all())}
 
 
+@pytest.mark.spawn
 def test_parameters_without_gradient_take_part_with_zeros_and_are_named():
     for result in run_on_ranks(_unused_check, 2):
         assert result["unused"] == ["unused.weight", "unused.bias"]
         assert result["zeros"] and result["grad"] == [2.0] * 4  # mean of 2 and 2 rows
 
 
+@pytest.mark.spawn
 def test_dp_bytes_per_step_equal_the_gradient_buffer():
     """One all-reduce of every gradient (fp64 here) per step, in one bucket, plus the
     step's scalars (the squared norm, the loss and the non-finite flag: 3 x 8 bytes) in
@@ -230,6 +237,7 @@ def test_dp_bytes_per_step_equal_the_gradient_buffer():
             assert calls == {"all_reduce/dp": 1 + 1}  # no token count: every label of the corpus counts
 
 
+@pytest.mark.slow
 def test_bf16_training_follows_fp32():
     """bf16 parameters and compute, fp32 master weights and gradient accumulation, on CPU:
     per-step losses within 2% of fp32 over 10 steps. bf16 keeps 8 bits of mantissa
@@ -247,6 +255,7 @@ def test_bf16_training_follows_fp32():
 # ---- ZeRO-1 and mixed precision ---------------------------------------------------------------
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("dp,pp,tp", [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2)])
 def test_zero1_trains_the_single_process_model(dp, pp, tp):
     """ZeRO-1 (sharded master weights and Adam state) is the same optimizer, split; with
@@ -263,6 +272,7 @@ def test_zero1_trains_the_single_process_model(dp, pp, tp):
                 assert relative_difference(value, expected) <= 1e-9, name
 
 
+@pytest.mark.spawn
 def test_zero1_moves_gradients_and_weights_once_each():
     """Per step: a reduce-scatter of the (padded) gradient buffer and an all-gather of the
     updated weights, instead of an all-reduce: the same bytes, split in two."""
@@ -278,6 +288,7 @@ def test_zero1_moves_gradients_and_weights_once_each():
             assert calls == {"reduce_scatter/dp": 1, "all_gather/dp": 1, "all_reduce/dp": 1}
 
 
+@pytest.mark.spawn
 def test_zero1_checkpoint_resumes_without_sharding(tmp_path):
     """Adam state saved from 2 shards resumes on one process exactly."""
     cfg = _config(dp=2)
@@ -290,6 +301,7 @@ def test_zero1_checkpoint_resumes_without_sharding(tmp_path):
     assert relative_difference(run["losses"], reference()["losses"][5:]) <= 1e-9
 
 
+@pytest.mark.spawn
 def test_bf16_parameters_with_fp32_master_follow_fp32_under_zero1():
     cfg = _config(dp=2)
     cfg.training.dtype, cfg.parallel.zero = "bf16", 1
@@ -305,6 +317,7 @@ def _fp32_reference():
     return cfg
 
 
+@pytest.mark.spawn
 def test_fp16_dynamic_loss_scaling_skips_overflowing_steps():
     """fp16 parameters and compute: a scale far too large overflows the gradients, every
     rank skips the step (weights untouched) and the scale halves until gradients fit;
@@ -321,6 +334,7 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps():
     assert runs[0]["losses"][-1] < runs[0]["losses"][0] - 0.2  # and then it trains
 
 
+@pytest.mark.slow
 def test_fp16_without_overflow_follows_fp32():
     fp32 = train_in_process(_fp32_reference())
     cfg = _config()

@@ -304,5 +304,6 @@ def _gather_and_scatter_as_before(rank: int, world: int) -> None:
         assert len(listed) == world and torch.equal(torch.cat(listed, 0), group.all_gather(base, 0))
 
 
+@pytest.mark.spawn
 def test_single_tensor_collectives_equal_the_list_forms():
     run_on_ranks(_gather_and_scatter_as_before, 2)

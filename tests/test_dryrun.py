@@ -51,6 +51,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_bytes_equal_closed_forms(case):
     """Every rank of dp 2 x pp 2 x tp 2: parameters, gradient and optimizer bytes as the
@@ -66,6 +67,7 @@ def test_bytes_equal_closed_forms(case):
         assert r["peak_bytes"] >= r["parameter_bytes"] + r["gradient_bytes"] + r["activation_peak_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_activation_peak_follows_the_formula(recompute, schedule):
@@ -89,6 +91,7 @@ LARGE = {  # the issue's layouts of 512 to 1024 ranks; about 10 s each here
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", LARGE)
 def test_large_layouts(case):
     """The edge ranks of N = 640 and 1024 layouts: bytes exactly the closed forms, the
@@ -191,6 +194,7 @@ def _real_rank(rank: int, world_size: int, cfg) -> dict:
         shutdown()
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("changes", [{}, {"dtype": "bf16", "zero": 1}])
 def test_same_bytes_as_a_real_run(changes):
     """dp 2 x pp 2 (4 gloo processes): parameter, gradient and optimizer bytes and the

@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.spawn
 def test_custom_model_example_learns_to_count():
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_model.py")],
                           capture_output=True, text=True, timeout=180, cwd=ROOT)
@@ -16,6 +19,7 @@ def test_custom_model_example_learns_to_count():
     assert last < 0.1 * first and valid < 0.1 * first
 
 
+@pytest.mark.spawn
 def test_finetune_hf_example_tunes_a_llama_on_tp2_pp2_then_samples_and_exports(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_hf.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -129,6 +129,7 @@ def test_metrics_file_keeps_each_step_once_after_a_resume(tmp_path):
 
 # ---- preemption ---------------------------------------------------------------------------------
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("target", ["launcher", "one worker"])
 def test_sigterm_saves_and_the_same_command_resumes_to_the_same_losses(target, uninterrupted, tmp_path):
     """SIGTERM to the launcher or to one worker (schedulers do either): every worker saves
@@ -154,6 +155,7 @@ def test_sigterm_saves_and_the_same_command_resumes_to_the_same_losses(target, u
     _assert_same_losses(metrics, uninterrupted)
 
 
+@pytest.mark.spawn
 def test_killed_worker_under_torchrun_restarts_and_resumes(uninterrupted, tmp_path):
     """kill -9 of one worker: torchrun (--max-restarts 1) restarts both, they resume from
     the latest checkpoint by themselves, and the run ends as the uninterrupted one."""
@@ -175,6 +177,7 @@ def test_killed_worker_under_torchrun_restarts_and_resumes(uninterrupted, tmp_pa
 
 # ---- the launcher itself -----------------------------------------------------------------------
 
+@pytest.mark.spawn
 def test_ctrl_c_is_one_line_and_leaves_no_worker(tmp_path):
     """Ctrl-C in a terminal signals the launcher and every worker (one process group)."""
     metrics = tmp_path / "m.jsonl"
@@ -191,6 +194,7 @@ def test_ctrl_c_is_one_line_and_leaves_no_worker(tmp_path):
     assert not any(processes.alive(p) for p in spawned)
 
 
+@pytest.mark.spawn
 def test_killing_the_launcher_while_workers_import_leaves_no_worker(tmp_path):
     """Workers tie their life to the launcher's before importing torch (worker.py),
     so a kill -9 in the first second of a run leaves no orphan."""

@@ -206,6 +206,7 @@ def test_import_export_round_trip_is_bit_exact(hf_dir, imported, tmp_path, shard
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("preset, world, tp, pp, tensors", [("tiny", 4, 2, 2, 4 + 12 * 2),
                                                             ("llama-tiny", 8, 4, 2, 3 + 9 * 2)],
                          ids=["gpt2-tp2-pp2", "llama-tp4-pp2"])
@@ -355,6 +356,7 @@ def hf_first_batch_loss(hf, tokenizer_file, data, seq_len, seed, global_batch) -
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()
 
 
+@pytest.mark.spawn
 def test_init_from_hf_dir_on_tp2_starts_from_its_weights(hf_dir, imported, tokenizer_file, jsonl, tmp_path):
     """Step 1's loss of a tp 2 run started from the Hugging Face directory (its own
     tokenizer, JSON-lines data) is transformers' loss on that batch; so is that of a

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import gridtrain
 
 ROOT = Path(gridtrain.__file__).parent
@@ -139,6 +141,7 @@ def test_the_layering_check_finds_a_violation():
     assert layering_violations(graph) == ["gridtrain.runtime.watchdog imports gridtrain.parallel.comm"]
 
 
+@pytest.mark.spawn
 def test_the_public_api_imports_from_the_package_without_torch():
     """``gridtrain.pretrain``, ``gridtrain.Datasets`` and ``gridtrain.load_model`` are the
     names users and the examples import; ``import gridtrain`` alone must not import torch

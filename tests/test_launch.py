@@ -60,6 +60,7 @@ def _all_reduce_every_group(rank: int, world_size: int, tp: int, pp: int) -> dic
     }
 
 
+@pytest.mark.spawn
 def test_all_reduce_over_every_group_kind_of_8_rank_grid() -> None:
     grid = ProcessGrid.build(8, tp=2, pp=2)
     results = run_on_ranks(_all_reduce_every_group, 8, 2, 2)
@@ -97,6 +98,7 @@ def _single_rank_world(rank: int, world_size: int) -> dict:
             "fresh": fresh, "backend": dist.get_backend(), "total": total.item()}
 
 
+@pytest.mark.spawn
 def test_single_rank_world_groups_and_init_from_env() -> None:
     [result] = run_on_ranks(_single_rank_world, 1)
     assert result["value"] == 3.0
@@ -127,6 +129,7 @@ def _rank_1_raises(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+@pytest.mark.spawn
 def test_raising_rank_gives_worker_error_with_its_traceback() -> None:
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
@@ -147,6 +150,7 @@ def _rank_1_is_killed(rank: int, world_size: int) -> None:
     dist.barrier()
 
 
+@pytest.mark.spawn
 def test_rank_killed_without_report_is_named_with_its_exit_code() -> None:
     with pytest.raises(WorkerError) as info:
         run_on_ranks(_rank_1_is_killed, 2, timeout_s=60)
@@ -163,6 +167,7 @@ def _rank_1_hangs(rank: int, world_size: int) -> int:
     return rank
 
 
+@pytest.mark.spawn
 def test_hanging_rank_gives_worker_timeout_naming_it() -> None:
     start = time.monotonic()
     with pytest.raises(WorkerTimeout) as info:

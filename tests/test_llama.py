@@ -146,8 +146,8 @@ def test_rms_norm_gradients_match_autograd_of_the_formula():
 def test_split_backward_gives_the_plain_gradients():
     """ZB-H1's B (input gradients; q, k, v, proj, gate, up, down and head weights queued)
     then W equals one plain backward."""
-    plain, split = build().double(), build().double()
-    split.tp.weight_grads = store = WeightGradStore()
+    store = WeightGradStore()
+    plain, split = build().double(), build(tp=TensorParallel(weight_grads=store)).double()
     tokens = torch.randint(0, TINY.vocab_size, (2, 16))
     plain(tokens, tokens).sum().backward()
     with store.defer("mb0"):
@@ -283,6 +283,7 @@ DRY = {  # world, ranks to run (the replicated kv-head copies among them), chang
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", DRY)
 def test_dry_run_bytes_and_peak_follow_the_closed_forms(case):
     """Ranks of small Llama layouts (replicated kv heads, SP, ZeRO-1, tied SmolLM2):
@@ -389,6 +390,7 @@ def expected_tp_bytes(cfg) -> dict[str, int]:
     return out
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("world", sorted(CELLS))
 def test_every_layout_trains_the_single_process_model(world, tmp_path):
     """DESIGN.md invariant for --arch llama, cell by cell of one spawned world: every

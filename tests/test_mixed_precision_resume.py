@@ -112,6 +112,7 @@ def _assert_state_matters(cfg: Config, dtype: str) -> None:
         assert saved["scaler"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_16bit_run_resumes_bit_for_bit_on_one_process(tmp_path, dtype):
     cfgs = _pair(tmp_path, dtype)
@@ -132,6 +133,7 @@ def _dp2_worker(rank: int, world_size: int, cfgs: list[Config]) -> dict:
                      for cfg in cfgs]}
 
 
+@pytest.mark.spawn
 def test_16bit_zero1_runs_resume_bit_for_bit_on_dp2_and_load_on_one_process(tmp_path):
     """dp 2 + ZeRO-1 on real processes: each DP rank writes the pieces of its own shard
     and reads back those it owns; bf16 and fp16 resume bit for bit, and the bf16

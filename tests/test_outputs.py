@@ -113,6 +113,7 @@ def saved_figures(monkeypatch) -> list:
     return figures
 
 
+@pytest.mark.spawn
 def test_plot_runs_writes_a_png_with_one_line_per_run(runs, tmp_path, saved_figures):
     out = tmp_path / "runs.png"
     plot_runs(list(runs), str(out))
@@ -128,6 +129,7 @@ def test_plot_runs_writes_a_png_with_one_line_per_run(runs, tmp_path, saved_figu
     assert train.lines[0].get_color() != train.lines[1].get_color()
 
 
+@pytest.mark.spawn
 def test_plot_says_when_no_run_has_validation(tmp_path, saved_figures):
     run = _write_run(tmp_path / "a.jsonl", 5, valid_every=None)
     plot_runs([str(run)], str(tmp_path / "a.png"))
@@ -136,6 +138,7 @@ def test_plot_says_when_no_run_has_validation(tmp_path, saved_figures):
     assert any("valid_loss" in text.get_text() for text in valid.texts)
 
 
+@pytest.mark.spawn
 def test_cli_plot(runs, tmp_path, capsys):
     out = tmp_path / "cli.png"
     assert cli.main(["plot", *runs, "--out", str(out)]) == 0

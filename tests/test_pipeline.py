@@ -57,6 +57,7 @@ CASES = [(pp, schedule, m) for pp in (2, 4) for schedule in ("gpipe", "1f1b", "i
          for m in (4, 8)]
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("pp,schedule,micro_batches", CASES)
 def test_pipeline_trains_the_single_process_model(pp, schedule, micro_batches):
     """DESIGN.md invariant (fp64, 1e-9, 10 steps) for every schedule, the counted peak of
@@ -80,6 +81,7 @@ def test_pipeline_trains_the_single_process_model(pp, schedule, micro_batches):
     assert held - {"head"} == reference["state"].keys()  # no layer dropped or duplicated
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("pp,layers", [(2, [3, 5]), (4, [1, 3, 0, 4])])
 def test_uneven_layer_split_trains_the_same_model(pp, layers):
     cfg = _config(8, pp=pp, pp_layers=layers, schedule="1f1b")
@@ -90,6 +92,7 @@ def test_uneven_layer_split_trains_the_same_model(pp, layers):
         assert len(blocks) == layers[stage]
 
 
+@pytest.mark.spawn
 def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_p():
     """Counted on the real runtime, not timed: GPipe keeps all m, 1F1B at most p - s."""
     m, pp = 8, 4
@@ -99,6 +102,7 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_p():
     assert peaks["1f1b"] == [pp - s for s in range(pp)]
 
 
+@pytest.mark.spawn
 def test_pipeline_with_tensor_and_sequence_parallelism():
     cfg = _config(4, pp=2, tp=2, sequence_parallel=True, schedule="zb-h1")
     for run in train_layout(cfg, 4):
@@ -111,10 +115,10 @@ def test_pipeline_with_tensor_and_sequence_parallelism():
 def test_split_backward_gives_the_plain_gradients():
     """B (input gradients, weight gradients queued) then W equals one plain backward."""
     cfg = preset_config("tiny").model
-    plain, split = (Decoder(cfg, tp=TensorParallel()).double() for _ in range(2))
+    store = WeightGradStore()
+    plain, split = (Decoder(cfg, tp=TensorParallel(weight_grads=w)).double() for w in (None, store))
     init_parameters(plain, 0)
     init_parameters(split, 0)
-    split.tp.weight_grads = store = WeightGradStore()
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
     plain(tokens, tokens).sum().backward()
     with store.defer("mb0"):
@@ -159,6 +163,7 @@ def test_balanced_partition_is_optimal():
 # ---- checkpoints and generation across layouts ------------------------------------------------
 
 
+@pytest.mark.spawn
 def test_pipeline_checkpoint_resumes_in_another_layout_and_generates(tmp_path):
     """A pp=2 x tp=2 run saved at step 5 resumes on one process like the one-process run,
     and `gridtrain generate` samples from it."""
@@ -176,6 +181,7 @@ def test_pipeline_checkpoint_resumes_in_another_layout_and_generates(tmp_path):
     assert gen.stdout.startswith("def ")
 
 
+@pytest.mark.spawn
 def test_trace_records_every_action_the_schedule_ran(tmp_path):
     """--trace writes one Chrome trace per rank whose F/B boxes are the schedule's, per step."""
     import json

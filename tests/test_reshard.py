@@ -90,6 +90,7 @@ def _final_weights(save_dir: str, model: str) -> dict:
     return {k: v.numpy() for k, v in gpt.state_dict().items()}
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("name,model", [(name, model) for name, model, _, _ in PAIRS])
 def test_a_checkpoint_continues_exactly_on_another_layout(resharded, tmp_path_factory, name, model):
     refs, runs, _ = resharded
@@ -119,6 +120,7 @@ def test_the_pairs_cover_every_transition_the_issue_names():
     assert {m for _, m, _, _ in PAIRS} == {"tiny", "llama-tiny"}
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("name,model", [(name, model) for name, model, a, _ in PAIRS if a is not ONE])
 def test_every_rank_writes_its_own_pieces_and_every_element_is_stored_once(resharded, name, model):
     """Counted from DCP's index of A's checkpoint: each tensor's chunks tile it exactly

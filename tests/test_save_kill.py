@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from gridtrain import checkpoint
@@ -41,6 +42,7 @@ def _loads(save: Path) -> int:
     return checkpoint.load_checkpoint(step, model, torch.optim.AdamW(model.parameters()))
 
 
+@pytest.mark.spawn
 def test_kill_9_during_saves_always_leaves_a_loadable_latest(tmp_path):
     rng = random.Random(14)
     save = tmp_path / "run"

@@ -116,6 +116,7 @@ def test_interleaved_bubble_with_costs_scaled_per_chunk() -> None:
     assert (timeline.makespan - 3 * m) / (3 * m) == pytest.approx((p - 1) / (v * m), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_zb_h1_bubble_is_a_third_of_1f1b() -> None:
     """(p-1)(F+B-W) once m >= p and W <= min(F, B); with F = B = W, a third of 1F1B's."""
     for p in STAGES:
@@ -282,6 +283,7 @@ SCHEDULE_ARGS = {
 }
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("name", sorted(SCHEDULE_ARGS))
 def test_schedule_command_writes_a_picture(name: str, tmp_path, capsys) -> None:
     import matplotlib  # noqa: F401  (in the test extra: pictures are part of the contract)

@@ -106,6 +106,7 @@ PARITY = [(2, False, "fp64"), (2, True, "fp64"), (4, False, "fp64"), (4, True, "
           (2, True, "fp32"), (4, False, "fp32")]
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("tp,sequence_parallel,dtype", PARITY)
 def test_tensor_parallel_trains_the_single_process_model(tp, sequence_parallel, dtype):
     """DESIGN.md invariant: same losses and grad norms (fp64 within 1e-9, fp32 within 1e-5)
@@ -156,6 +157,7 @@ def _tp_bytes(step_bytes: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in step_bytes.items() if k.endswith("/tp")}
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp_traffic_of_a_step_equals_the_analytic_count(sequence_parallel):
     cfg = _parity_config(2, sequence_parallel, "fp64")
@@ -170,6 +172,7 @@ def test_tp_traffic_of_a_step_equals_the_analytic_count(sequence_parallel):
         assert expected["all_gather/tp"] + expected["reduce_scatter/tp"] == 2 * plain + plain // 2
 
 
+@pytest.mark.spawn
 def test_checkpoint_written_under_tp_resumes_on_one_process(tmp_path):
     """Checkpoints hold whole tensors: a tp=2 (+SP) run saved at step 5 resumes on one
     process exactly as the one-process run continues (fp64 1e-9), Adam state included."""

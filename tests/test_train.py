@@ -14,6 +14,7 @@ from gridtrain.optim.optimizer import AdamW, lr_at
 from tests.training import tiny_config, train_in_process
 
 
+@pytest.mark.slow
 def test_fp64_training_is_deterministic(tmp_path):
     """Same seed, same run: metrics files agree exactly in losses and grad norms."""
     rows = []
@@ -45,6 +46,7 @@ def test_loss_goes_down():
     assert np.mean(result["losses"][-5:]) < result["losses"][0] - 0.8
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
     """Resuming from step 5 of a 10-step run reproduces steps 6-10 (weights, Adam, data order)."""
     cfg = tiny_config()

@@ -283,6 +283,7 @@ SHELL_CASES = [
 ]
 
 
+@pytest.mark.spawn
 def test_refused_in_a_real_shell_without_traceback_or_workers(d):
     """Real launchers (run side by side to keep the test short): one line, exit 2, and no
     process of theirs remains."""

@@ -150,6 +150,41 @@ def test_a_rank_without_a_store_reports_alone_and_exits_with_the_hang_code(capsy
     assert err.startswith("gridtrain: hang: rank 1 never arrived at all_reduce #1 of group dp [0, 1] (step 2)")
 
 
+class _PollOnlyStore:
+    """A store client that answers ``check`` and refuses ``wait``: a blocking wait that
+    times out makes torch's store client log a warning (c10d "waitForInput ... timed
+    out"), printed every minute on every rank of a healthy run."""
+
+    def __init__(self):
+        self.checks, self.triggered = 0, False
+
+    def check(self, keys):
+        self.checks += 1
+        return self.triggered
+
+    def wait(self, *args, **kwargs):
+        raise AssertionError("the listener blocked in store.wait")
+
+
+def test_the_listener_polls_the_trigger_and_never_blocks_in_a_store_wait(monkeypatch):
+    store = _PollOnlyStore()
+    monkeypatch.setattr(watchdog, "LISTEN_POLL_S", 0.01)
+    dog = Watchdog(FlightRecorder(), rank=1, world_size=2, timeout_s=60)
+    fired = []
+    monkeypatch.setattr(dog, "_fire", lambda detected: fired.append(detected))
+    monkeypatch.setattr(dog, "_connect", lambda: store)
+    dog.start()
+    deadline = time.monotonic() + 5
+    while store.checks < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.checks >= 5 and fired == []  # polled quietly while nothing happened
+    store.triggered = True  # another rank fired
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.stop()
+    assert fired == [False]
+
+
 def test_the_watchdog_waits_for_the_wait_not_the_issue(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     rec = FlightRecorder()
@@ -229,6 +264,7 @@ def _stop_a_rank_and_wait(tmp_path: Path, stop_rank: int, nproc: int, *layout: s
     return launcher.returncode, elapsed, err, left
 
 
+@pytest.mark.spawn
 @pytest.mark.parametrize("stop_rank,nproc,layout", [(1, 2, ()), (1, 4, ("--pp", "2", "--tp", "2"))],
                          ids=["dp2", "pp2xtp2"])
 def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, stop_rank, nproc, layout):

@@ -7,7 +7,7 @@ rebuild), so both architectures call it through one function. It is written two 
 * ``sdpa``: torch's ``scaled_dot_product_attention`` (a fused kernel that keeps no
   ``s x s`` tensors where one applies); grouped-query attention is its ``enable_gqa``;
 * ``math``: op by op (Megatron's unfused core attention), which is what the
-  activation-memory formula (memory.korthikanti_bytes) counts; grouped-query attention
+  activation-memory formula (memory.activations.korthikanti_bytes) counts; grouped-query attention
   repeats each key/value head for the query heads that share it, inside the core, so
   selective recomputation keeps only the un-repeated keys and values.
 

@@ -29,6 +29,8 @@ from gridtrain.runtime.launch import backend_for, init_from_env, resolve_device_
 from gridtrain.parallel.recompute import Recomputation, policy_from
 from gridtrain.parallel.rng import MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET, RNGStatesTracker
 from gridtrain.parallel.tensor_parallel import TensorParallel
+from gridtrain.parallel.pipeline.schedules import uses_split_backward
+from gridtrain.parallel.split_backward import WeightGradStore
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -120,8 +122,11 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     watchdog.start_watchdog(recorder, rank, world, timeout_s, device)
     # Every group knows the rank's device: its collectives refuse a tensor elsewhere, and
     # code with no tensor of its own (a stage without parameters) allocates there.
+    # zero-bubble schedules split each backward: the layers queue their weight gradients
+    # in this store for the schedule's W actions (PipelineStage gets the same store)
+    weight_grads = WeightGradStore() if uses_split_backward(p.schedule) else None
     tp = TensorParallel(CommGroup.of("tp", groups.tp, counter, device=device),
-                        sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng)
+                        sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng, weight_grads=weight_grads)
     return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
                               dtype=cfg.training.dtype, tp=tp,
                               recompute=Recomputation(policy_from(cfg.activations), rng),

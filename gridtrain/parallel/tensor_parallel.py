@@ -108,7 +108,7 @@ class TensorParallel:
     comm: CommGroup = field(default_factory=lambda: comm.single("tp"))
     sequence_parallel: bool = False
     rng: RNGStatesTracker = field(default_factory=lambda: RNGStatesTracker(torch.device("cpu")))
-    weight_grads: WeightGradStore | None = None  # set by zero-bubble schedules (split backward)
+    weight_grads: WeightGradStore | None = None  # zero-bubble schedules: queue weight gradients here
 
     @property
     def size(self) -> int:

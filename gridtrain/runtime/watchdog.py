@@ -30,8 +30,9 @@ The pieces, each small:
 * The report. On firing, the rank publishes its recorder as JSON in the job's
   rendezvous store (its own ``TCPStore`` client: independent of the blocked main thread
   and of the process groups) and sets a trigger key. Every rank's watchdog has a
-  listener thread blocked on that key, so every rank that can still speak publishes its
-  own recorder at once, even one that was not waiting. The first rank to fire waits a
+  listener thread that polls that key (``LISTEN_POLL_S``; a poll, not a blocking wait,
+  whose timeouts the store client would log), so every rank that can still speak
+  publishes its own recorder at once, even one that was not waiting. The first rank to fire waits a
   short grace (``GRACE_S``) for them, prints the combined report to stderr and sets a
   done key; every reporting rank then exits with :data:`HANG_EXIT_CODE` (``os._exit``:
   the main thread is blocked in C++ and cannot be unwound).
@@ -74,6 +75,7 @@ __all__ = ["HANG_EXIT_CODE", "FlightRecorder", "OpRecord", "Watchdog", "analyse"
 
 RING_SIZE = 64  # operations kept per process
 GRACE_S = 3.0  # how long the first rank to fire waits for the others' reports
+LISTEN_POLL_S = 0.25  # how often each rank looks for another rank's trigger (well inside GRACE_S)
 REPORT_OPS = 8  # operations shown per rank in the printed report
 MAX_RANKS_SHOWN = 16  # beyond this, ranks not involved in the hang are summarised
 _STORE_PREFIX = "gridtrain/hang"
@@ -433,26 +435,21 @@ class Watchdog:
                 return
 
     def _listen(self) -> None:
-        """Block on the trigger key; when another rank fires, publish and exit with it."""
+        """Poll the trigger key; when another rank fires, publish and exit with it.
+
+        A poll (``check``, which answers at once) rather than a blocking ``wait``: the
+        store client logs a warning each time a wait times out ("waitForInput ... timed
+        out"), which a healthy run would print every minute on every rank."""
         self._bind_device()
         key = f"{self.prefix}/trigger"
-        while not self._stop.is_set():
+        while not self._stop.wait(LISTEN_POLL_S):
             try:
-                self._listen_store.wait([key], timedelta(seconds=60))
-            except Exception:  # noqa: BLE001 -- a timeout: wait again; a closed store: done
-                if self._store_gone():
-                    return
-                continue
-            if not self._stop.is_set():
+                fired = self._listen_store.check([key])
+            except Exception:  # noqa: BLE001 -- the store is gone (the job is ending): done
+                return
+            if fired and not self._stop.is_set():
                 self._fire(detected=False)
-            return
-
-    def _store_gone(self) -> bool:
-        try:
-            self._listen_store.check([f"{self.prefix}/trigger"])
-            return False
-        except Exception:  # noqa: BLE001
-            return True
+                return
 
     def _fire(self, detected: bool) -> None:
         """Publish this rank's report; the first detector prints them all; exit."""

@@ -47,7 +47,6 @@ from gridtrain.models.decoder import IGNORE_INDEX, Block, compile_blocks
 from gridtrain.optim.optimizer import AdamW, build_optimizer, counts_towards_norm, lr_at, set_lr
 from gridtrain.parallel.pipeline.runtime import PipelineStage, StageStats
 from gridtrain.parallel.pipeline.schedules import build_schedule, uses_split_backward
-from gridtrain.parallel.split_backward import WeightGradStore
 from gridtrain.runtime.stops import Diverged
 from gridtrain.parallel.tensor_parallel import broadcast_batches
 
@@ -254,8 +253,6 @@ def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forwa
     """This rank's stage of the schedule; with one stage, a plain gradient-accumulation loop."""
     p, v, m = ctx.grid.pp, cfg.parallel.vpp, num_micro_batches
     actions = build_schedule(cfg.parallel.schedule, p, m, v)[ctx.coords.pp]
-    if uses_split_backward(cfg.parallel.schedule):
-        ctx.tp.weight_grads = WeightGradStore()
     seq = cfg.model.seq_len // (ctx.tp.size if ctx.tp.sequence_parallel else 1)
     return PipelineStage(model, actions, stage=ctx.coords.pp, num_stages=p, chunks=v, pp=ctx.pp,
                          activation_shape=(cfg.training.micro_batch_size, seq, cfg.model.d_model),

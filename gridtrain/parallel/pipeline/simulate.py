@@ -63,9 +63,6 @@ class Timeline:
         total = self.num_stages * self.makespan
         return 1.0 - sum(self.busy(s) for s in range(self.num_stages)) / total
 
-    def stage_idle_fraction(self, stage: int) -> float:
-        return 1.0 - self.busy(stage) / self.makespan
-
 
 class DeadlockError(RuntimeError):
     """The compute orders wait on each other in a cycle."""
