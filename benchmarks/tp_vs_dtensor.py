@@ -271,11 +271,17 @@ def plain_step(model: nn.Module, loss_fn: Callable[[], torch.Tensor],
 def gridtrain_step(trainer: Trainer, batches: list[dict]) -> Step:
     """``trainer.train_step(batches)``, split as the plain step is: forward = up to the end of
     the forward (zeroing, the token count), backward = from there to AdamW (backward, the
-    gradient reduction, the gradient norm), AdamW = ``optimizer.step``, timed by its hooks."""
+    gradient reduction, the gradient norm), AdamW = ``optimizer.step``, timed around it."""
     trainer.pipeline.tracing = True  # StageStats.trace: (action, start, end), cheap
     clock: dict[str, float] = {}
-    trainer.optimizer.register_step_pre_hook(lambda *_: clock.__setitem__("began", time.perf_counter()))
-    trainer.optimizer.register_step_post_hook(lambda *_: clock.__setitem__("ended", time.perf_counter()))
+    adamw = trainer.optimizer.step
+
+    def timed_adamw() -> None:
+        clock["began"] = time.perf_counter()
+        adamw()
+        clock["ended"] = time.perf_counter()
+
+    trainer.optimizer.step = timed_adamw
 
     def step():
         t0 = time.perf_counter()
