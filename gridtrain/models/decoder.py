@@ -276,7 +276,10 @@ def compile_blocks(model: nn.Module) -> int:
     """
     import torch._inductor.config as inductor
 
+    from gridtrain.parallel.split_backward import keep_out_of_compiled_graphs
+
     inductor.fallback_random = True
+    keep_out_of_compiled_graphs()  # zero-bubble schedules: deferrable linears stay eager
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compiled = torch.compile(block.layer)

@@ -97,10 +97,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y if bias is None else y + bias
 
 
-@torch._dynamo.disable
+def _call(apply: Callable, *args):
+    return apply(*args)
+
+
+# ``_call`` behind ``torch._dynamo.disable`` once :func:`keep_out_of_compiled_graphs` ran.
+# Not at import: importing torch._dynamo costs about 2 s of CPU, in every worker process.
+_eager_call: Callable = _call
+
+
+def keep_out_of_compiled_graphs() -> None:
+    """Make :func:`outside_compiled_graphs` a graph break for ``torch.compile``; call it
+    before compiling anything that holds deferrable linears (``compile_blocks`` does)."""
+    global _eager_call
+    import torch._dynamo
+
+    if _eager_call is _call:
+        _eager_call = torch._dynamo.disable(_call)
+
+
 def outside_compiled_graphs(apply: Callable, *args):
     """``apply(*args)``, always eager, also inside a compiled block (``--compile``): an
     autograd function whose backward may defer must decide when that backward runs
     (``store.key``); traced into a compiled graph, the decision would be fixed once, at
     tracing time."""
-    return apply(*args)
+    if _eager_call is _call and torch.compiler.is_compiling():
+        raise RuntimeError("a deferrable linear is being compiled: call "
+                           "gridtrain.parallel.split_backward.keep_out_of_compiled_graphs() before torch.compile")
+    return _eager_call(apply, *args)
