@@ -120,8 +120,7 @@ def outside_compiled_graphs(apply: Callable, *args):
     """``apply(*args)``, always eager, also inside a compiled block (``--compile``): an
     autograd function whose backward may defer must decide when that backward runs
     (``store.key``); traced into a compiled graph, the decision would be fixed once, at
-    tracing time."""
-    if _eager_call is _call and torch.compiler.is_compiling():
-        raise RuntimeError("a deferrable linear is being compiled: call "
-                           "gridtrain.parallel.split_backward.keep_out_of_compiled_graphs() before torch.compile")
+    tracing time. Only after :func:`keep_out_of_compiled_graphs`: ``torch.compile`` of a
+    model with deferrable linears that did not call it (``compile_blocks`` does) would
+    trace the decision into its graph."""
     return _eager_call(apply, *args)
