@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TRAIN_ARGS ?=
 
-.PHONY: install train test test-fast clean
+.PHONY: install train test test-fast gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ test: $(STAMP)
 # the tests that start no process and take no more than a second or two (under a minute)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not spawn and not slow"
+
+# The GPU self-check (docs/gpu.md): the machine's own python3 and torch, no venv, no
+# install, no network; refuses in one line (exit 2) where no CUDA GPU is visible.
+GPU_CHECK_OUT ?= gpu-check/$(shell date +%Y-%m-%d-%H%M)
+gpu-check:
+	@PYTHONPATH=$(CURDIR) $(PYTHON) -m gridtrain.selfcheck --gpu --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -27,6 +27,7 @@ ATTENTION = ("sdpa", "math")
 ARCHS = ("gpt2", "llama")
 ROPE_SCALINGS = ("llama3",)
 DEVICES = ("cpu", "cuda")
+BACKENDS = ("nccl", "gloo")
 
 
 class ConfigError(ValueError):
@@ -204,6 +205,12 @@ class TrainingConfig:
                                     "(given or the default) each node needs one GPU per worker: `--nproc N` (or "
                                     "torchrun `--nproc-per-node N`) with fewer GPUs is refused before start, in "
                                     "one line")
+    backend: str | None = option(None, choices=BACKENDS, metavar="nccl|gloo",
+                                 help="collective backend (default: nccl on cuda, gloo on cpu)",
+                                 doc="default: nccl on cuda, gloo on cpu. `--backend gloo --device cuda` lets "
+                                     "several ranks share one GPU (gloo stages point-to-point transfers through "
+                                     "host memory): slow, for checking multi-rank device code on one GPU "
+                                     "(`make gpu-check` does)")
     compile: bool = option(False, help="torch.compile each transformer block (forward and backward; the first step "
                                        "compiles)",
                            doc="`torch.compile` each transformer block (forward and its backward; the embedding, "

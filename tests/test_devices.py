@@ -36,7 +36,7 @@ from gridtrain.parallel import distributed
 from gridtrain.runtime import launch
 from gridtrain.runtime import worker
 from gridtrain.parallel.comm import ByteCounter, CommGroup, DeviceMismatch, same_device
-from gridtrain.config import ConfigError, load_config
+from gridtrain.config import ConfigError, load_config, set_fields
 from gridtrain.parallel.data_parallel import GradientReducer
 from gridtrain.runtime.devices import DeviceError, cuda_device_from_env, local_device_index
 from gridtrain.optim.optimizer import AdamW
@@ -219,6 +219,45 @@ def test_training_context_uses_the_same_rule(gpus):
     gpus(2)
     with pytest.raises(DeviceError, match="found 2"):
         distributed.rank_device("cuda", env)
+
+
+def test_gloo_ranks_may_share_a_gpu(gpus):
+    """``--backend gloo --device cuda`` (the GPU self-check): round-robin over the GPUs."""
+    assert [local_device_index(r, 4, 1, shared=True) for r in range(4)] == [0, 0, 0, 0]
+    assert [local_device_index(r, 4, 2, shared=True) for r in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(DeviceError, match="no CUDA device is visible"):
+        local_device_index(0, 2, 0, shared=True)
+    gpus(1)
+    env = {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}
+    assert distributed.rank_device("cuda", env, backend="gloo") == torch.device("cuda", 0)
+    with pytest.raises(DeviceError, match="found 1"):
+        distributed.rank_device("cuda", env, backend="nccl")
+    cfg = _make_train_config()  # --nproc 4
+    set_fields(cfg, device="cuda", backend="gloo")
+    _validate_cuda(cfg.parallel, cfg.training)  # four gloo ranks on one GPU: allowed
+    cfg.training.backend = None
+    with pytest.raises(ConfigError, match="found 1"):
+        _validate_cuda(cfg.parallel, cfg.training)
+
+
+def test_nccl_on_cpu_is_refused_in_one_line(gpus):
+    gpus(0)
+    cfg = set_fields(_make_train_config(), device="cpu", backend="nccl")
+    with pytest.raises(ConfigError, match="^--backend nccl needs --device cuda; use --backend gloo"):
+        _validate_cuda(cfg.parallel, cfg.training)
+
+
+def test_gloo_point_to_point_of_cuda_tensors_goes_through_host_memory():
+    """gloo's send/recv of a CUDA pointer fails ("writev ... Bad address", torch 2.11 on
+    an H200); its collectives copy through the host themselves."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        on_gpu, on_cpu = torch.empty(4, device="cuda"), torch.empty(4)
+    group = CommGroup("pp", object(), size=2, _backend="gloo")
+    assert group.p2p_via_host(on_gpu) and not group.p2p_via_host(on_cpu)
+    assert not CommGroup("pp", object(), size=2, _backend="nccl").p2p_via_host(on_gpu)
+    assert not CommGroup("pp").p2p_via_host(on_gpu)  # the one-rank group sends nothing
 
 
 # ---- the same rule before anything is spawned -----------------------------------------------

@@ -10,16 +10,13 @@ the hang exit status and a report naming the stopped rank (issue 11).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from gridtrain.runtime import watchdog
+from gridtrain.selfcheck.hang import named_within, stop_a_rank_and_wait
 from gridtrain.runtime.watchdog import (HANG_EXIT_CODE, FlightRecorder, Watchdog, analyse, backstop_timeout_s,
                                 format_report, headline)
 
@@ -198,82 +195,13 @@ def test_the_watchdog_waits_for_the_wait_not_the_issue(monkeypatch):
 
 # ---- real jobs with a stopped rank ---------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 10
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid``, in the order they were started."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
-        if int(fields[1]) == pid:
-            child = int(stat.parent.name)
-            try:
-                cmdline = (stat.parent / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"resource_tracker" not in cmdline:
-                kids.append((int(fields[19]), child))  # starttime, pid
-    return [child for _, child in sorted(kids)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _stop_a_rank_and_wait(tmp_path: Path, stop_rank: int, nproc: int, *layout: str):
-    metrics = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "gridtrain", "train", "--nproc", str(nproc), *layout, "--model", "tiny",
-           "--steps", "100000", "--timeout", str(TIMEOUT_S), "--no-progress", "--eval-interval", "0",
-           "--sample-tokens", "0", "--metrics-file", str(metrics)]
-    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    workers: list[int] = []
-    try:
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert launcher.poll() is None, launcher.communicate()
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.1)
-        workers = _children(launcher.pid)
-        assert len(workers) == nproc, workers
-        victim = workers[stop_rank]
-        os.kill(victim, signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        out, err = launcher.communicate(timeout=TIMEOUT_S + 30)
-        elapsed = time.monotonic() - stopped_at
-    finally:
-        for pid in workers:
-            if _alive(pid):
-                os.kill(pid, signal.SIGCONT)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.communicate()
-    time.sleep(0.5)
-    left = [pid for pid in workers if _alive(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    return launcher.returncode, elapsed, err, left
 
 
 @pytest.mark.spawn
 @pytest.mark.parametrize("stop_rank,nproc,layout", [(1, 2, ()), (1, 4, ("--pp", "2", "--tp", "2"))],
                          ids=["dp2", "pp2xtp2"])
 def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, stop_rank, nproc, layout):
-    code, elapsed, err, left = _stop_a_rank_and_wait(tmp_path, stop_rank, nproc, *layout)
-    print(err[-4000:], f"\nelapsed {elapsed:.1f} s", file=sys.stderr)
-    hang_lines = [line for line in err.splitlines() if line.startswith("gridtrain: hang: ")]
-    assert hang_lines and f"rank {stop_rank} never arrived at" in hang_lines[0], err[-3000:]
-    assert f"never arrived: rank {stop_rank} (published no report" in err
-    assert code == HANG_EXIT_CODE, err[-3000:]
-    assert elapsed <= TIMEOUT_S + 15
-    assert "Traceback" not in err, err[-3000:]
-    assert left == []
+    run = stop_a_rank_and_wait(tmp_path, stop_rank, nproc, TIMEOUT_S, *layout)
+    print(run.err[-4000:], f"\nelapsed {run.elapsed_s:.1f} s", file=sys.stderr)
+    assert named_within(run, stop_rank, TIMEOUT_S, HANG_EXIT_CODE) is None, run.err[-3000:]

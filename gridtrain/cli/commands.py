@@ -42,7 +42,7 @@ def train_command(cfg: Config) -> int:
         finally:
             shutdown()
         return 0
-    launch.run_workers(train_worker, nproc, (cfg,), backend=backend_for(resolve_device_type(cfg.training.device)),
+    launch.run_workers(train_worker, nproc, (cfg,), backend=backend_for(resolve_device_type(cfg.training.device), cfg.training.backend),
                        collective_timeout_s=backstop_timeout_s(cfg.training.dist_timeout_s))
     return 0
 

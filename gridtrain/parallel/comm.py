@@ -141,6 +141,14 @@ class CommGroup:
             self._backend = str(dist.get_backend(self.group))
         return self._backend
 
+    def p2p_via_host(self, tensor: torch.Tensor) -> bool:
+        """Whether a point-to-point transfer of ``tensor`` must be staged through host
+        memory: gloo runs collectives on CUDA tensors (copying through the host itself)
+        but its send and receive read and write the pointer they are given, so a CUDA
+        tensor fails ("writev ... Bad address", seen on torch 2.11). Only runs that share
+        one GPU between ranks (``--backend gloo --device cuda``) take this path."""
+        return tensor.is_cuda and self.group is not None and self.backend == "gloo"
+
     # ---- plain (non-autograd) collectives, counted and recorded ---------------------
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from gridtrain.runtime import watchdog
 from gridtrain.parallel.comm import ByteCounter, CommGroup
 from gridtrain.config import Config
-from gridtrain.runtime.devices import cuda_device_from_env, process_group_device
+from gridtrain.runtime.devices import cuda_device_from_env, process_group_device, shares_gpus
 from gridtrain.parallel.grid import ProcessGrid, ProcessGroups, create_process_groups
 from gridtrain.runtime.launch import backend_for, init_from_env, resolve_device_type
 from gridtrain.parallel.recompute import Recomputation, policy_from
@@ -78,7 +78,7 @@ def init_default_group(cfg: Config) -> None:
     """Initialise torch.distributed unless a launcher already did."""
     if dist.is_initialized():
         return
-    backend = backend_for(resolve_device_type(cfg.training.device))
+    backend = backend_for(resolve_device_type(cfg.training.device), cfg.training.backend)
     if launched_by_env():  # torchrun
         init_from_env(backend, watchdog.backstop_timeout_s(cfg.training.dist_timeout_s))
     else:
@@ -88,12 +88,12 @@ def init_default_group(cfg: Config) -> None:
                                 timeout=timedelta(seconds=cfg.training.dist_timeout_s), **extra)
 
 
-def rank_device(device_type: str, environ=None) -> torch.device:
+def rank_device(device_type: str, environ=None, backend: str | None = None) -> torch.device:
     """The device this rank computes on: its GPU by the launcher's rule
     (:func:`gridtrain.runtime.devices.cuda_device_from_env`, the one the process group was bound
-    with), else the CPU."""
+    with; shared round-robin under gloo), else the CPU."""
     if device_type == "cuda":
-        return cuda_device_from_env(environ)
+        return cuda_device_from_env(environ, shared=shares_gpus(backend_for(device_type, backend)))
     return torch.device(device_type)
 
 
@@ -106,7 +106,7 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp)
     timeout_s = cfg.training.dist_timeout_s
     groups = create_process_groups(grid, rank, timeout=timedelta(seconds=watchdog.backstop_timeout_s(timeout_s)))
-    device = rank_device(resolve_device_type(cfg.training.device))
+    device = rank_device(resolve_device_type(cfg.training.device), backend=cfg.training.backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # Dropout masks differ between pipeline stages (they hold different layers) but not

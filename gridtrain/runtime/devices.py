@@ -44,7 +44,7 @@ def gpu_shortage(local_world_size: int, device_count: int, workers: str) -> str 
 
 
 def local_device_index(local_rank: int, local_world_size: int, device_count: int,
-                       workers: str = "this node's workers") -> int:
+                       workers: str = "this node's workers", shared: bool = False) -> int:
     """The GPU index of the worker with ``local_rank`` among ``local_world_size`` workers on
     a node with ``device_count`` visible GPUs: its local rank, one GPU per worker.
 
@@ -53,14 +53,24 @@ def local_device_index(local_rank: int, local_world_size: int, device_count: int
     (distributed.py) all call it, so the GPU a process binds before creating its NCCL
     group is the GPU its tensors are put on. Raises :class:`DeviceError` (one line with
     the fix) when the workers outnumber the GPUs.
+
+    ``shared`` (gloo on cuda, :func:`shares_gpus`): workers share the GPUs round-robin
+    (``local_rank % device_count``); only a node without a GPU is refused.
     """
-    problem = gpu_shortage(local_world_size, device_count, workers)
+    problem = gpu_shortage(1 if shared else local_world_size, device_count, workers)
     if problem is not None:
         raise DeviceError(problem)
     if not 0 <= local_rank < local_world_size:
         raise DeviceError(f"LOCAL_RANK={local_rank} is outside 0..{local_world_size - 1} "
                           f"(LOCAL_WORLD_SIZE={local_world_size}); the launcher's environment is inconsistent")
-    return local_rank
+    return local_rank % device_count
+
+
+def shares_gpus(backend: str | None) -> bool:
+    """Whether ranks of this backend may share a GPU: gloo may (point-to-point transfers of
+    CUDA tensors are staged through host memory, see ``comm.CommGroup.p2p_via_host``);
+    NCCL refuses two ranks of one communicator on one GPU."""
+    return backend == "gloo"
 
 
 def local_placement(environ=None) -> tuple[int, int]:
@@ -73,13 +83,13 @@ def local_placement(environ=None) -> tuple[int, int]:
     return local_rank, int(env.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
 
 
-def cuda_device_from_env(environ=None, device_count: int | None = None) -> torch.device:
+def cuda_device_from_env(environ=None, device_count: int | None = None, shared: bool = False) -> torch.device:
     """This process's GPU (:func:`local_device_index` of :func:`local_placement`), with its
     index: ``device_id`` of ``init_process_group`` and ``torch.cuda.set_device`` need one."""
     local_rank, local_world = local_placement(environ)
     count = torch.cuda.device_count() if device_count is None else device_count
     workers = f"LOCAL_WORLD_SIZE={local_world} (workers on this node)"
-    return torch.device("cuda", local_device_index(local_rank, local_world, count, workers))
+    return torch.device("cuda", local_device_index(local_rank, local_world, count, workers, shared))
 
 
 def process_group_device(backend: str, environ=None) -> torch.device | None:

@@ -330,8 +330,11 @@ def resolve_device_type(requested: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def backend_for(device_type: str) -> str:
-    """The collective backend for a device type: NCCL for GPUs, gloo for CPUs."""
+def backend_for(device_type: str, requested: str | None = None) -> str:
+    """The collective backend: ``--backend`` where given, else NCCL for GPUs and gloo for
+    CPUs."""
+    if requested is not None:
+        return requested
     return "nccl" if device_type == "cuda" else "gloo"
 
 

@@ -45,7 +45,7 @@ from gridtrain.config import (ROPE_SCALINGS, ActivationsConfig, Config, ConfigEr
                               ParallelConfig, TrainingConfig, check_types, declared_fields, flag_of, range_problem,
                               under_torchrun, world_size_of)
 from gridtrain.data import DataError, check_enough_tokens, count_tokens, load_tokenizer
-from gridtrain.runtime.devices import gpu_shortage
+from gridtrain.runtime.devices import gpu_shortage, shares_gpus
 from gridtrain.parallel.grid import GridError, ProcessGrid
 from gridtrain.checkpoint.huggingface import HFError, check_init_from
 from gridtrain.runtime.launch import resolve_device_type
@@ -343,8 +343,11 @@ def _validate_cuda(p: ParallelConfig, t: TrainingConfig) -> None:
     worker is spawned, with the rule the workers themselves apply
     (:func:`gridtrain.runtime.devices.gpu_shortage`)."""
     if resolve_device_type(t.device) != "cuda":
+        _require(t.backend != "nccl", "--backend nccl needs --device cuda; use --backend gloo (the default on cpu)")
         return
     _require(torch.cuda.is_available(), "--device cuda: no CUDA device is available; use --device cpu")
+    if shares_gpus(t.backend):  # gloo: ranks may share a GPU
+        return
     workers, source = local_workers(p)
     problem = gpu_shortage(workers, torch.cuda.device_count(), source)
     _require(problem is None, problem or "")

@@ -237,7 +237,7 @@ class PipelineStage:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 peer = self.stage + 1 if a.kind == RECV_B else self.stage - 1
                 op = self._p2p(dist.irecv, buffer, peer)
-                received.append((a, buffer))
+                received.append((a, buffer, op.tensor))
             ops.append(op)
             records.append(self.recorder.issue("send" if op.op is dist.isend else "recv", self.pp.name,
                                                self.pp.ranks, op.tensor.numel() * op.tensor.element_size(),
@@ -254,7 +254,9 @@ class PipelineStage:
             self.pending_sends.append((works, records, ops, actions))
             return
         self._finish(works, records, ops, actions)
-        for a, buffer in received:
+        for a, buffer, landed in received:
+            if landed is not buffer:  # staged through host memory (gloo on cuda)
+                buffer.copy_(landed)
             if a.kind == RECV_F:
                 self.inputs[(a.mb, a.chunk)] = buffer.requires_grad_()
             else:
@@ -291,6 +293,8 @@ class PipelineStage:
                 raise RuntimeError(f"pipeline stage {self.stage}: sending {tuple(tensor.shape)} "
                                    f"{tensor.dtype}, expected {self.shape} {self.dtype}")
             self.pp.counter.add("send", self.pp.name, tensor)
+        if self.pp.p2p_via_host(tensor):
+            tensor = tensor.cpu() if op is dist.isend else torch.empty_like(tensor, device="cpu")
         return dist.P2POp(op, tensor, self.pp.global_rank(peer_stage % self.p), self.pp.group)
 
 

@@ -1,0 +1,295 @@
+"""The self-check's measuring steps, each run in a process of its own by the runner:
+``python -m gridtrain.selfcheck.checks NAME --device D --result FILE [--tiny] [--model M]``.
+
+Each writes its measurements to ``--result`` (JSON: lists of rows under ``parity``,
+``throughput``, ``memory``, ``planner``, or the ``environment``) as soon as it has them,
+so a step killed at its time box still reports what it measured, and exits non-zero
+when what it checks does not hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gridtrain.config import ModelConfig, preset_config, set_fields
+from gridtrain.models.decoder import training_flops_per_token
+from gridtrain.selfcheck.baseline import median_after, plain_loop, throughput_row
+from gridtrain.training.metrics import peak_tflops
+
+GIB = 2 ** 30
+PARITY_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
+WATCHDOG_TIMEOUT_S = 10
+
+# The throughput runs: preset, micro-batch size (one micro-batch per step), steps, warm-up
+# steps left out of the median. GPT-2 124M at seq 1024 and TinyLlama 1.1B at seq 2048 (a
+# ~1B Llama) on one GPU; their tiny stand-ins for the CPU rehearsal.
+RUNS = {"gpt2": ("gpt2", 16, 14, 4), "llama": ("tinyllama-1.1b", 4, 12, 4)}
+TINY_RUNS = {"gpt2": ("tiny", 4, 6, 2), "llama": ("llama-tiny", 4, 6, 2)}
+ROUNDS = 2  # plain, gridtrain, plain, gridtrain
+
+
+class Result:
+    """The step's JSON result, rewritten whenever a row is added."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        self.data: dict = {}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, key: str, row: dict) -> None:
+        self.data.setdefault(key, []).append(row)
+        self.write()
+
+    def set(self, key: str, value) -> None:
+        self.data[key] = value
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+
+# ---- environment --------------------------------------------------------------------------------
+
+def environment(args, result: Result) -> int:
+    env = {"host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+           "CUDA (torch build)": torch.version.cuda or "none", "CPU cores": os.cpu_count()}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update({"gpu": props.name, "GPUs visible": torch.cuda.device_count(),
+                    "GPU memory GiB": round(props.total_memory / GIB, 1),
+                    "compute capability": f"{props.major}.{props.minor}", "multiprocessors": props.multi_processor_count,
+                    "driver": _nvidia_smi("driver_version"), "cuDNN": torch.backends.cudnn.version(),
+                    "NCCL": ".".join(map(str, torch.cuda.nccl.version())),
+                    "peak bf16 TFLOP/s (for MFU)": peak_tflops(torch.device("cuda", 0), args.peak_tflops)})
+    env["gridtrain commit"] = _git("rev-parse", "--short", "HEAD")
+    result.set("environment", env)
+    for k, v in env.items():
+        print(f"{k}: {v}")
+    return 0
+
+
+def _nvidia_smi(field: str) -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown (no nvidia-smi)"
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parents[2])
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+# ---- parity -------------------------------------------------------------------------------------
+
+def _tiny_run(dtype: str, device: str) -> list[float]:
+    from gridtrain.training.loop import pretrain
+    from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
+
+    cfg = set_fields(preset_config("tiny"), dtype=dtype, device=device, steps=10, global_batch_size=8,
+                     micro_batch_size=2, eval_interval=0, eval_iters=1, progress=False, lr=3e-3, warmup_steps=2,
+                     sample_tokens=0)
+    return pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg).losses
+
+
+def relative_difference(a: list[float], b: list[float]) -> float:
+    """max |a - b| over the curve, relative to its largest value."""
+    scale = max(max(map(abs, a)), max(map(abs, b)), 1e-30)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True)) / scale
+
+
+def parity(args, result: Result) -> int:
+    reference = _tiny_run("fp64", "cpu")
+    failed = 0
+    for dtype, tolerance in PARITY_TOLERANCE.items():
+        losses = _tiny_run(dtype, args.device)
+        diff = relative_difference(losses, reference)
+        ok = diff < tolerance and losses[-1] < losses[0]
+        failed += not ok
+        result.add("parity", {"dtype": dtype, "device": args.device, "max_rel_diff": diff, "tolerance": tolerance,
+                              "steps": len(losses), "ok": ok})
+        print(f"{dtype} on {args.device}: max relative loss difference {diff:.2e} (tolerance {tolerance:.0e})"
+              f"{'' if ok else ' FAILED'}")
+    return 1 if failed else 0
+
+
+# ---- the watchdog ---------------------------------------------------------------------------------
+
+def watchdog(args, result: Result) -> int:
+    from gridtrain.runtime.watchdog import HANG_EXIT_CODE
+    from gridtrain.selfcheck.hang import named_within, stop_a_rank_and_wait
+
+    flags = ["--device", args.device] + (["--backend", "gloo"] if args.device == "cuda" else [])
+    with tempfile.TemporaryDirectory() as work:
+        run = stop_a_rank_and_wait(Path(work), 1, 2, WATCHDOG_TIMEOUT_S, *flags)
+    print(run.err[-4000:])
+    problem = named_within(run, 1, WATCHDOG_TIMEOUT_S, HANG_EXIT_CODE)
+    print(f"rank 1 stopped; the job ended after {run.elapsed_s:.1f} s with exit code {run.code}: "
+          f"{problem or 'the hang was named'}")
+    return 1 if problem else 0
+
+
+# ---- throughput, memory, planner ------------------------------------------------------------------
+
+def _gridtrain_run(cfg, device: torch.device, work: Path, label: str) -> tuple[list[float], int]:
+    """``gridtrain train`` (the whole loop: data, step, report) in this process; each step's
+    seconds from its metrics file, and the peak device memory."""
+    from gridtrain.training.loop import pretrain
+    from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
+
+    metrics = work / f"{label}.jsonl"
+    cfg = set_fields(copy.deepcopy(cfg), metrics_file=str(metrics))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    result = pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg)
+    del result
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [r["step_time_s"] for r in rows], peak
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _hardware_key(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    return next((key for tag, key in (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb")) if tag in name),
+                None)
+
+
+def predicted_step_s(model_cfg: ModelConfig, micro_batch_size: int, dtype: str, hardware: str) -> float:
+    """The planner's step time for one device, one micro-batch per step."""
+    from gridtrain.planner.cost import Job, Layout, predict
+    from gridtrain.planner.machine import machine
+
+    job = Job(model_cfg, global_batch_size=micro_batch_size, hardware=machine(hardware, 1), dtype=dtype)
+    return predict(job, Layout(dp=1, tp=1, pp=1, micro_batch_size=micro_batch_size), memory=False).step_time_s
+
+
+def predicted_peak_bytes(cfg, device_type: str) -> int:
+    """The dry run's peak for this one-rank layout (fake tensors; compile left out, which
+    the dry run does not take)."""
+    from gridtrain.dryrun import run_rank
+
+    cfg = set_fields(copy.deepcopy(cfg), compile=False)
+    return run_rank(cfg, 1, 0, device_type).peak_bytes
+
+
+def throughput(args, result: Result) -> int:
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    preset, mbs, steps, warmup = (TINY_RUNS if args.tiny else RUNS)[args.model]
+    cfg = set_fields(preset_config(preset), dtype=args.dtype, device=args.device, micro_batch_size=mbs,
+                     global_batch_size=mbs, steps=steps, warmup_steps=1, eval_interval=0, eval_iters=1,
+                     sample_tokens=0, progress=False, compile=args.compile, dropout=0.0,
+                     peak_tflops=args.peak_tflops)
+    m = cfg.model
+    label = f"{args.model}{' compile' if args.compile else ''}"
+    tokens_per_step = mbs * m.seq_len
+    flops = training_flops_per_token(m)
+    peak = peak_tflops(device, args.peak_tflops)
+    print(f"{label}: {preset}, {mbs} x {m.seq_len} tokens per step, {flops / 1e9:.2f} GFLOP per token, "
+          f"peak {peak} TFLOP/s")
+    predicted = predicted_peak_bytes(cfg, device.type) if not args.compile else None
+    gridtrain_times, plain_times, peaks, plain_peaks = [], [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(ROUNDS):
+            times, plain_peak = plain_loop(m, device, args.dtype, mbs, steps, compile=args.compile, seed=r)
+            plain_times.append(times)
+            plain_peaks.append(plain_peak)
+            _free(device)
+            times, used = _gridtrain_run(cfg, device, Path(tmp), f"round{r}")
+            gridtrain_times.append(times)
+            peaks.append(used)
+            _free(device)
+            print(f"round {r}: plain {median_after(plain_times[-1], warmup) * 1e3:.1f} ms, gridtrain "
+                  f"{median_after(times, warmup) * 1e3:.1f} ms per step")
+    ours = median_after([t for ts in gridtrain_times for t in ts[warmup:]], 0)
+    theirs = median_after([t for ts in plain_times for t in ts[warmup:]], 0)
+    plain_row = throughput_row(args.model, args.compile, "plain PyTorch", theirs, tokens_per_step, flops, peak)
+    our_row = throughput_row(args.model, args.compile, "gridtrain train", ours, tokens_per_step, flops, peak)
+    our_row["vs_plain"] = theirs / ours
+    result.add("throughput", plain_row)
+    result.add("throughput", our_row)
+    if device.type == "cuda":
+        measured = max(peaks)
+        result.add("memory", {"run": label, "measured_gib": measured / GIB,
+                              "predicted_gib": predicted / GIB if predicted else None,
+                              "ratio": measured / predicted if predicted else None, "plain_gib": max(plain_peaks) / GIB})
+    hardware = _hardware_key(device)
+    if hardware:
+        expected = predicted_step_s(m, mbs, args.dtype, hardware)
+        result.add("planner", {"run": label, "hardware": hardware, "predicted_ms": expected * 1e3,
+                               "measured_ms": ours * 1e3, "ratio": ours / expected})
+    print(f"{label}: gridtrain {our_row['tokens_per_s']:,.0f} tokens/s, plain {plain_row['tokens_per_s']:,.0f} "
+          f"tokens/s, ratio {our_row['vs_plain']:.3f}")
+    if args.profile:
+        profile_both(cfg, device, args.dtype, warmup + 2)
+    return 0
+
+
+def profile_both(cfg, device: torch.device, dtype: str, steps: int) -> None:
+    """Where each loop's time goes: torch.profiler's top operators over a short run of
+    each (printed to the step's log; not part of the measurement above)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = set_fields(copy.deepcopy(cfg), steps=steps)
+    m, mbs = cfg.model, cfg.training.micro_batch_size
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, run in (("plain PyTorch", lambda: plain_loop(m, device, dtype, mbs, steps, cfg.training.compile)),
+                          ("gridtrain train", lambda: _gridtrain_run(cfg, device, Path(tmp), "profile"))):
+            with profile(activities=activities) as prof:
+                run()
+            _free(device)
+            print(f"--- profile: {name}, {steps} steps (model build included), by {key} ---")
+            print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+
+
+CHECKS = {"environment": environment, "parity": parity, "watchdog": watchdog}
+for _name in ("gpt2", "llama"):
+    CHECKS[f"throughput-{_name}"] = throughput
+    CHECKS[f"throughput-{_name}-compile"] = throughput
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gridtrain.selfcheck.checks")
+    ap.add_argument("name", choices=sorted(CHECKS))
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--result", required=True)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--model", choices=sorted(RUNS), default="gpt2")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--peak-tflops", type=float, default=None)
+    ap.add_argument("--profile", action="store_true", help="throughput: print both loops' top operators")
+    args = ap.parse_args(argv)
+    return CHECKS[args.name](args, Result(args.result))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

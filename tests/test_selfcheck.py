@@ -1,0 +1,155 @@
+"""The GPU self-check's own logic, on the CPU (gridtrain/selfcheck/): the one-line refusal
+without a GPU, the time boxes, the report written step by step, the throughput and MFU
+arithmetic, and one rehearsal of the real steps with ``--device cpu`` on tiny models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gridtrain.selfcheck.baseline import median_after, throughput_row
+from gridtrain.selfcheck.report import Report, StepResult
+from gridtrain.selfcheck.runner import EXIT_REFUSED, REPO, Step, plan_steps, run_step
+
+PY = sys.executable
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+
+
+@no_gpu
+@pytest.mark.spawn
+def test_gpu_check_without_a_gpu_refuses_in_one_line_with_exit_2(tmp_path):
+    done = subprocess.run([PY, "-m", "gridtrain.selfcheck", "--gpu", "--out", str(tmp_path / "r")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_REFUSED
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu-check: no CUDA device is visible"), done.stderr
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+@no_gpu
+@pytest.mark.spawn
+def test_make_gpu_check_refuses_too():
+    done = subprocess.run(["make", "-s", "gpu-check", f"PYTHON={PY}", "GPU_CHECK_OUT=/nonexistent/x"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[0].startswith("gpu-check: no CUDA device is visible"), done.stderr
+
+
+def _python(code: str) -> list[str]:
+    return [PY, "-c", code]
+
+
+@pytest.mark.spawn
+def test_a_step_is_time_boxed_with_its_whole_process_group(tmp_path):
+    marker = tmp_path / "grandchild.pid"
+    # the step's process starts a grandchild that would outlive it, then hangs
+    hang = _python(f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+                   f"'import time; time.sleep(600)']); open({str(marker)!r}, 'w').write(str(p.pid)); "
+                   f"print('hanging', flush=True); time.sleep(600)")
+    began = time.monotonic()
+    result = run_step(Step("hangs", "a step that hangs", 3.0, [hang]), tmp_path, budget_left_s=100)
+    assert time.monotonic() - began < 20
+    assert result.status == "timeout" and "killed after its time box of 3 s" in result.detail
+    assert "hanging" in result.tail
+    pid = int(marker.read_text())
+    time.sleep(0.5)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+
+
+@pytest.mark.spawn
+def test_steps_run_in_order_stop_at_the_first_failure_and_keep_its_last_lines(tmp_path):
+    ran = tmp_path / "ran"
+    step = Step("two", "fails at the second command", 60,
+                [_python("print('first')"), _python("import sys; print('the reason'); sys.exit(3)"),
+                 _python(f"open({str(ran)!r}, 'w')")])
+    result = run_step(step, tmp_path, budget_left_s=60)
+    assert result.status == "fail" and result.detail.startswith("exit code 3")
+    assert result.tail.splitlines()[-1] == "the reason"
+    assert not ran.exists()
+    # the budget left caps the step's own time box
+    capped = run_step(Step("capped", "", 600, [_python("import time; time.sleep(30)")]), tmp_path, budget_left_s=2.0)
+    assert capped.status == "timeout" and "time box of 2 s" in capped.detail and capped.seconds < 10
+
+
+def test_throughput_and_mfu_arithmetic():
+    row = throughput_row("gpt2", False, "plain PyTorch", step_s=0.05, tokens_per_step=16384,
+                         flops_per_token=854e6, peak_tflops=989.0)
+    assert row["tokens_per_s"] == pytest.approx(327680)
+    assert row["tflops"] == pytest.approx(327680 * 854e6 / 1e12)
+    assert row["mfu"] == pytest.approx(row["tflops"] / 989.0)
+    assert row["step_ms"] == pytest.approx(50.0)
+    assert throughput_row("x", False, "y", 1.0, 1, 1.0, None)["mfu"] is None  # no known peak
+    assert median_after([9.0, 1.0, 2.0, 3.0], warmup=1) == 2.0
+    assert median_after([5.0], warmup=3) == 5.0  # too few steps: all of them
+
+
+def test_the_report_is_complete_after_every_step_and_lists_what_did_not_run(tmp_path):
+    report = Report(tmp_path, "python3 -m gridtrain.selfcheck --gpu", "cuda",
+                    planned=[("environment", "versions"), ("throughput-gpt2", "speed"), ("watchdog", "hangs")])
+    report.write()
+    first = json.loads((tmp_path / "report.json").read_text())
+    assert [s["status"] for s in first["steps"]] == ["not run"] * 3
+    assert "still running or killed" in (tmp_path / "report.md").read_text()
+    report.add(StepResult("environment", "versions", "pass", 1.0, data={"environment": {"gpu": "NVIDIA H100"}}))
+    rows = [throughput_row("gpt2", False, "plain PyTorch", 0.05, 16384, 854e6, 989.0),
+            throughput_row("gpt2", False, "gridtrain train", 0.04, 16384, 854e6, 989.0)]
+    rows[1]["vs_plain"] = 0.05 / 0.04
+    report.add(StepResult("throughput-gpt2", "speed", "fail", 30.0, "exit code 1", "the last line",
+                          data={"throughput": rows,
+                                "memory": [{"run": "gpt2", "measured_gib": 18.0, "predicted_gib": 17.0,
+                                            "ratio": 18 / 17, "plain_gib": 20.0}],
+                                "planner": [{"run": "gpt2", "hardware": "h100-sxm", "predicted_ms": 45.0,
+                                             "measured_ms": 40.0, "ratio": 40 / 45}]}))
+    report.write()
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["environment"] == {"gpu": "NVIDIA H100"}
+    assert [s["status"] for s in data["steps"]] == ["pass", "fail", "not run"]
+    assert data["throughput"] == rows and data["memory"][0]["ratio"] == pytest.approx(18 / 17)
+    md = (tmp_path / "report.md").read_text()
+    assert md.startswith("# gridtrain self-check: NVIDIA H100")
+    assert "| gpt2 | False | gridtrain train | 16,384 | 40.0 | 409,600 | 349.8 | 35.4% | 1.250x |" in md
+    assert "| gpt2 | 18.00 | 17.00 | 1.059 | 20.00 |" in md
+    assert "| gpt2 | h100-sxm | 45.0 | 40.0 | 0.889 |" in md
+    assert "### throughput-gpt2 (fail)" in md and "the last line" in md
+    report.finish()
+    report.write()
+    assert "still running" not in (tmp_path / "report.md").read_text()
+
+
+def test_the_gpu_plan_covers_what_the_check_promises(tmp_path):
+    steps = {s.name: s for s in plan_steps("cuda", tmp_path, tiny=False, peak_tflops=None)}
+    assert list(steps)[:2] == ["environment", "gpu-tests"]
+    commands = {name: " ".join(" ".join(c) for c in s.commands) for name, s in steps.items()}
+    assert "tests/test_gpu.py" in commands["gpu-tests"]
+    assert "--nproc 1 --device cuda" in commands["one-rank"] and "--backend" not in commands["one-rank"]  # NCCL
+    for name in ("tp-sp-pp", "dp-zero1-dcp", "zb-h1"):
+        assert "--device cuda --backend gloo" in commands[name]  # ranks sharing the one GPU
+    assert "--save-async" in commands["dp-zero1-dcp"] and "--offload-activations" in commands["dp-zero1-dcp"]
+    assert {f"throughput-{m}{c}" for m in ("gpt2", "llama") for c in ("", "-compile")} <= set(steps)
+    assert sum(s.timeout_s for s in steps.values()) > 570  # the budget, not the boxes, bounds the whole
+
+
+@pytest.mark.spawn
+def test_a_cpu_rehearsal_of_the_measuring_steps(tmp_path):
+    out = tmp_path / "report"
+    done = subprocess.run([PY, "-m", "gridtrain.selfcheck", "--device", "cpu", "--out", str(out), "--peak-tflops",
+                           "1", "--only", "environment,throughput-gpt2"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    data = json.loads((out / "report.json").read_text())
+    assert done.returncode == 0, (done.stdout, [s.get("tail") for s in data["steps"]])
+    assert data["environment"]["torch"] == torch.__version__
+    plain, ours = data["throughput"]
+    assert (plain["loop"], ours["loop"]) == ("plain PyTorch", "gridtrain train")
+    for row in (plain, ours):
+        assert row["tokens_per_step"] == 4 * 64 and row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1
+    assert ours["vs_plain"] == pytest.approx(plain["step_ms"] / ours["step_ms"])
+    (planner,) = data["planner"]
+    assert planner["hardware"] == "cpu" and planner["predicted_ms"] > 0
+    assert "## Throughput" in (out / "report.md").read_text()
