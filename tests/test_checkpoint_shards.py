@@ -7,9 +7,11 @@ every rank's shard at init), so a checkpoint describes exactly what each rank ho
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,7 +131,7 @@ def _status(field: str) -> int:
 def test_save_and_load_need_little_more_host_memory_than_the_state(tmp_path):
     """A bf16 model with flat fp32 optimizer state (about 310 MiB written): a save needs at
     most the largest tensor plus a small constant on top of the rank's own state (one
-    piece cloned at a time: shards.Writer); a load twice the largest tensor (the chunk's
+    piece cloned at a time: dcp_io.Writer); a load twice the largest tensor (the chunk's
     bytes and the tensor torch.load makes of them) plus the constant. Measured as the
     peak resident set of this process (VmHWM, reset before each)."""
     cfg = preset_config("tiny")
@@ -243,3 +245,32 @@ def test_checkpoint_info_describes_a_checkpoint_and_refuses_a_damaged_one(tmp_pa
     assert cli.main(["checkpoint", "info", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "__0_0.distcp has sha256" in err
+
+
+def _module_level_imports(tree):
+    """The modules a file imports when it is imported (not inside a function, a class or
+    an ``if TYPE_CHECKING:`` block)."""
+    stack, found = list(tree.body), []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+            stack += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            stack += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return found
+
+
+def test_dcp_is_imported_only_by_what_writes_or_reads_a_checkpoint():
+    """Importing torch.distributed.checkpoint costs about 1 s per process: no module of the
+    package imports it (or dcp_io.py, which does) at import, so a worker that never saves
+    or loads does not pay for it."""
+    root = Path(checkpoint.__file__).parent.parent
+    offenders = [f"{path.relative_to(root)} imports {name}"
+                 for path in sorted(root.rglob("*.py")) if path.name != "dcp_io.py"
+                 for name in _module_level_imports(ast.parse(path.read_text()))
+                 if name.startswith(("torch.distributed.checkpoint", "gridtrain.checkpoint.dcp_io"))]
+    assert offenders == []

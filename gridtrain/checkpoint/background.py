@@ -22,6 +22,7 @@ run stops with the error, and ``latest`` still names the previous complete check
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from pathlib import Path
@@ -53,6 +54,9 @@ class BackgroundSaver:
         if group is None and dist.is_initialized() and dist.get_world_size() > 1:
             group = dist.new_group(backend="gloo")
         self.group = group
+        # DCP is imported lazily (sharded.py); import it here, on the training thread, so that
+        # a writer thread never imports it while a step runs
+        importlib.import_module("torch.distributed.checkpoint")
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._current: SaveReport | None = None

@@ -34,6 +34,9 @@ is how a checkpoint moves between any dp, pp, vpp, tp, ZeRO and SP.
 Files are sealed (fsync, sha256) by the rank that wrote them; rank 0 writes meta.json
 and the manifest (manifest.py) and moves the directory into place (directories.py), so a
 checkpoint is ``latest`` only when every rank's part and the metadata are complete.
+
+torch.distributed.checkpoint is imported inside the functions that write or read (about
+1 s per process, not paid by runs that never save or load).
 """
 
 from __future__ import annotations
@@ -42,21 +45,19 @@ import json
 import shutil
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from gridtrain.checkpoint.collective import all_gather, broadcast_from_rank0, raise_everywhere
 from gridtrain.checkpoint.directories import new_tmp_dir, step_dir, swap_into_place
 from gridtrain.checkpoint.errors import REDO, CheckpointError, first_line
 from gridtrain.checkpoint.manifest import DCP_METADATA, META, seal, write_atomically, write_manifest_entries
-from gridtrain.checkpoint.shards import LoadPlanner, Placement, SavePlanner, Slab, Writer, single_process
+from gridtrain.checkpoint.shards import Placement, Slab, single_process
 from gridtrain.config import Config
 from gridtrain.optim.interface import Optimizer, StatePiece
 from gridtrain.parallel.tensor_parallel import TensorParallel, shard_spec
@@ -184,6 +185,7 @@ def _own_failure(exc: BaseException, rank: int) -> BaseException | None:
     (a BaseException, its message a traceback per rank) on every rank when any rank
     fails; the rank that failed takes its original exception, the others none (the
     failed rank reports it to them)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # loaded by the save that raised
     if not isinstance(exc, CheckpointException) or not exc.failures:
         return exc
     mine = exc.failures.get(rank)
@@ -209,6 +211,11 @@ def write_state(directory: str | Path, step: int, state: dict[str, Any], meta: d
     over ``group`` (default: the world). Every rank writes its own file through DCP and
     seals it; rank 0 adds meta.json and the manifest and moves the directory into place.
     A failure on any rank raises on every rank and leaves the previous checkpoint as it was."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from gridtrain.checkpoint.dcp_io import SavePlanner, Writer
+
     final = step_dir(directory, step)
     where = f"--save {directory}"
     rank = _rank(group)
@@ -267,8 +274,9 @@ def write_state(directory: str | Path, step: int, state: dict[str, Any], meta: d
 
 def stored_index(path: Path):
     """DCP's metadata of a checked step directory: key -> storage metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
     try:
-        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        return FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as exc:
         raise CheckpointError(f"--load {path}: {DCP_METADATA} cannot be read ({type(exc).__name__}: "
                               f"{first_line(exc)}); {REDO}") from None
@@ -417,36 +425,21 @@ def _zero_vocabulary_padding(model: nn.Module) -> None:
             p.zero_()
 
 
-class _Unreadable(Exception):
-    """A stored file that DCP could not read; the message names it."""
-
-
-class _Reader(dcp.FileSystemReader):
-    """DCP's file reader, one file at a time, so that a failure names the file."""
-
-    def read_data(self, plan, planner):
-        by_file: dict[str, list] = {}
-        for item in plan.items:
-            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, items in by_file.items():
-            try:
-                super().read_data(replace(plan, items=items), planner).wait()
-            except Exception as exc:
-                raise _Unreadable(f"{name} cannot be read ({type(exc).__name__}: {first_line(exc)})") from None
-        return super().read_data(replace(plan, items=[]), planner)
-
-
 def _read(path: Path, state: dict[str, Any], group, where: str) -> None:
     """DCP's collective read of ``state``'s keys into its destinations; a failure on any
     rank is one line on every rank, naming the file where one could not be read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from gridtrain.checkpoint.dcp_io import LoadPlanner, Reader, Unreadable
     try:
         with single_process():
-            dcp.load(state, storage_reader=_Reader(path), planner=LoadPlanner(),
+            dcp.load(state, storage_reader=Reader(path), planner=LoadPlanner(),
                      process_group=group, no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as exc:
         failures = exc.failures if isinstance(exc, CheckpointException) else {}
         cause = failures[min(failures)][0] if failures else exc
-        what = str(cause) if isinstance(cause, _Unreadable) else \
+        what = str(cause) if isinstance(cause, Unreadable) else \
             f"reading failed ({type(cause).__name__}: {first_line(cause)})"
         raise CheckpointError(f"{where}: {what}; {REDO}") from None
 

@@ -19,25 +19,27 @@ overlap it. All a layout has to say is where its pieces lie, as pure arithmetic 
 :class:`Slab` hands such pieces to DCP (its ``__create_write_items__`` /
 ``__create_chunk_list__`` / ``__get_tensor_shard__`` protocol, the one DTensor
 implements) without a device mesh: each piece is a view of the memory it is written
-from or read into, so neither save nor load copies a whole tensor.
+from or read into, so neither save nor load copies a whole tensor. DCP's planners and
+writer that take them are in dcp_io.py, and DCP is imported here only inside the protocol
+methods: importing it costs about 1 s per process, which runs that never save or read
+a checkpoint do not pay.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint import filesystem as dcp_files
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from gridtrain.parallel.tensor_parallel import ShardSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,8 @@ class Slab:
     # ---- the protocol DCP's planners call (as DTensor implements it) ----------------------
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
         props = TensorProperties(dtype=self.dtype)
         return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, view.shape),
@@ -175,76 +179,11 @@ class Slab:
                 for offsets, view in self.pieces.items()]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         return [ChunkStorageMetadata(offsets, view.shape) for offsets, view in self.pieces.items()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         return self.pieces[torch.Size(index.offset)]
-
-
-def _lookup(state_dict: dict, index: MetadataIndex):
-    obj = state_dict[index.fqn]
-    return obj.__get_tensor_shard__(index) if isinstance(obj, Slab) else obj
-
-
-class SavePlanner(DefaultSavePlanner):
-    """DCP's default planner (replicas written once, by the least loaded rank holding
-    them) with :class:`Slab` values."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def lookup_object(self, index: MetadataIndex):
-        return _lookup(self.state_dict, index)
-
-
-class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner with :class:`Slab` destinations."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        # the default one first maps every value it does not know (a Slab) to None
-        self.original_state_dict = self.state_dict = state_dict
-        self.metadata, self.is_coordinator = metadata, is_coordinator
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return _lookup(self.state_dict, index)
-
-
-class Writer(FileSystemWriter):
-    """DCP's file writer (one file per rank, synced), writing one chunk at a time.
-
-    torch's own writer keeps every tensor it wrote in a dictionary until the rank's file
-    is done (for its safetensors option), after cloning each view of a larger storage
-    (so that ``torch.save`` does not write the whole storage): a rank whose pieces are
-    views, a ZeRO-1 shard's boxes of its flat buffers, would hold a second copy of its
-    whole state. Here each view is cloned, written and dropped before the next, so a
-    save needs at most the largest piece on top of the rank's own state. The file format
-    is torch's (``_write_item``), so DCP's reader reads it unchanged.
-    """
-
-    def __init__(self, path):
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-
-    def write_data(self, plan, planner) -> torch.futures.Future:
-        name = f"{plan.storage_data.prefix}0{dcp_files.DEFAULT_SUFFIX}"
-        results = []
-        with open(self.fs.concat_path(self.path, name), "wb") as stream:
-            for item in sorted(plan.items, key=lambda i: i.type != WriteItemType.BYTE_IO):
-                data = planner.resolve_data(item)
-                if isinstance(data, torch.Tensor):
-                    data = data.detach().cpu()
-                    if data.untyped_storage().nbytes() != data.nbytes:
-                        data = data.clone()  # a view: write its own elements only
-                results.append(dcp_files._write_item(self.transforms, stream, data, item, name,
-                                                     self.serialization_format))
-                del data
-            stream.flush()
-            os.fsync(stream.fileno())
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result(results)
-        return future
 
 
 @contextmanager
