@@ -155,7 +155,10 @@ def _patched(fake_mode, device_type: str):
 
     def swap_tensors(t1, t2):
         fake_mode.fake_tensor_converter.meta_converter.tensor_memo.clear()
-        t2.__dict__.update(t1.__dict__)  # swapping exchanges __dict__: keep tp_spec, tied_copy, ...
+        # swapping exchanges __dict__: carry the parameter's own marks (tp_spec, tied_copy,
+        # ...) over, but not the fake tensor's (fake_device: a copy to cuda stayed on cpu)
+        for key, value in t1.__dict__.items():
+            t2.__dict__.setdefault(key, value)
         return original_swap(t1, t2)
 
     patch(torch.utils, "swap_tensors", swap_tensors)
@@ -183,6 +186,8 @@ def _patched(fake_mode, device_type: str):
         def manual_seed(seed):
             states[0] = torch.tensor(list(int(seed).to_bytes(8, "little")) + [0] * 8, dtype=torch.uint8)
 
+        real_count = torch.cuda.device_count()
+        patch(torch.cuda, "device_count", lambda: max(1, real_count))  # this rank's cuda:0 without a GPU
         patch(torch.cuda, "set_device", lambda device: None)
         patch(torch.cuda, "get_rng_state", get_rng_state)
         patch(torch.cuda, "set_rng_state", set_rng_state)

@@ -346,3 +346,27 @@ def _gather_and_scatter_as_before(rank: int, world: int) -> None:
 @pytest.mark.spawn
 def test_single_tensor_collectives_equal_the_list_forms():
     run_on_ranks(_gather_and_scatter_as_before, 2)
+
+
+def test_a_resumed_adam_step_count_sits_where_torch_puts_it():
+    """Resuming on a GPU, the fused AdamW refused a step count left on the CPU ("state_steps
+    is on cpu", found by the GPU self-check); it belongs on the parameter's device for the
+    fused and capturable kernels, on the CPU otherwise, as torch's own AdamW keeps it."""
+    from gridtrain.optim.optimizer import AdamW, adam_step_tensor
+    from gridtrain.optim.interface import StatePiece
+
+    on_meta = torch.nn.Parameter(torch.empty(3, device=META))
+    assert adam_step_tensor(7, on_meta, {"fused": True}).device == META
+    assert adam_step_tensor(7, on_meta, {"fused": None, "capturable": True}).device == META
+    assert adam_step_tensor(7, on_meta, {"fused": None, "capturable": False}).device.type == "cpu"
+    for fused in (True, False):
+        p = torch.nn.Parameter(torch.ones(3))
+        inner = torch.optim.AdamW([p], fused=fused or None)
+        p.grad = torch.ones(3)
+        inner.step()
+        torch_kept = inner.state[p]["step"]
+        wrapped = AdamW(torch.optim.AdamW([p], fused=fused or None))
+        wrapped.loaded(5, [StatePiece(p, 0, {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)})])
+        step = wrapped.inner.state[p]["step"]
+        assert (step.device, step.dtype, float(step)) == (torch_kept.device, torch_kept.dtype, 5.0)
+        wrapped.step()  # the kernel takes it

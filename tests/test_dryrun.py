@@ -205,3 +205,19 @@ def test_same_bytes_as_a_real_run(changes):
     keys = ("parameters", "parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_peak_bytes")
     for r, d in zip(real, dry):
         assert {k: r[k] for k in keys} == {k: d[k] for k in keys}, r["rank"]
+
+
+def test_moving_a_fake_model_to_cuda_moves_it_and_keeps_the_parameters_marks():
+    """The dry run's swap keeps a parameter's own attributes (tp_spec, ...) but took the
+    fake tensor's device with them: on a GPU machine the model stayed on cpu while the
+    batches went to cuda:0 (found by the GPU self-check)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with dryrun._patched(fake, "cuda"), fake:
+        layer = torch.nn.Linear(3, 4)
+        layer.weight.tp_spec = "marked"
+        layer.to(device=torch.device("cuda", 0), dtype=torch.bfloat16)
+        assert layer.weight.device == torch.device("cuda", 0) and layer.weight.dtype == torch.bfloat16
+        assert layer.weight.tp_spec == "marked"
+        assert torch.cuda.device_count() >= 1  # this rank's cuda:0, GPU or not

@@ -32,7 +32,7 @@ from gridtrain.config import ModelConfig
 from gridtrain.parallel.recompute import Recomputation
 from gridtrain.parallel.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: F401
                                        TensorParallel, VocabParallelEmbedding, gather_logits,
-                                       parallel_lm_logits, shard, shard_spec,
+                                       one_rank_cross_entropy, parallel_lm_logits, shard, shard_spec,
                                        vocab_parallel_cross_entropy)
 from gridtrain.runtime.timing import clock_for, median_seconds
 
@@ -185,6 +185,7 @@ class Decoder(nn.Module):
             self.head.tied_copy = cfg.tie_embeddings
         else:
             self.head = None
+        self.compiled_loss: Callable | None = None  # see compile_blocks
 
     def output_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.head is None else self.head
@@ -217,6 +218,8 @@ class Decoder(nn.Module):
                                         tied_in_place=self.head is None)
             if labels is None:
                 return gather_logits(logits, self.cfg.vocab_size, self.tp)
+            if self.compiled_loss is not None:
+                return self.compiled_loss(logits, labels, self.cfg.vocab_size)
             return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
 
     def _run_blocks(self, x: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
@@ -261,9 +264,12 @@ class Decoder(nn.Module):
 
 def compile_blocks(model: nn.Module) -> int:
     """``--compile``: ``torch.compile`` each transformer block's training forward, and so
-    its backward (AOTAutograd), leaving the rest of the step eager: the embedding, the
-    head and loss, the pipeline runtime, gradient hooks and the optimizer. Returns the
-    number of blocks compiled.
+    its backward (AOTAutograd), and, without tensor parallelism, the cross entropy (its
+    upcast to fp32, log-sum-exp and gather fuse: eager, a 50k vocabulary's logits and
+    their gradient exist in fp32, the largest tensors of a small model's step),
+    leaving the rest of the step eager: the embedding, the head's matrix product, the
+    pipeline runtime, gradient hooks and the optimizer. Returns the number of blocks
+    compiled.
 
     Blocks are where the time is and they are all alike, so one compiled graph serves
     every block of a rank (parameters are the graph's inputs). Calls with a key/value
@@ -283,6 +289,9 @@ def compile_blocks(model: nn.Module) -> int:
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compiled = torch.compile(block.layer)
+    for decoder in (m for m in model.modules() if isinstance(m, Decoder)):
+        if decoder.tp.size == 1 and any(c.post_process for c in decoder.chunks):
+            decoder.compiled_loss = torch.compile(one_rank_cross_entropy)
     return len(blocks)
 
 

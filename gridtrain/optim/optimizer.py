@@ -153,8 +153,11 @@ class AdamW:
     def loaded(self, step: int | None, filled: list[StatePiece]) -> None:
         for piece in filled:
             p = piece.param
-            self.inner.state[p] = {"step": torch.tensor(float(step or 0)),
+            self.inner.state[p] = {"step": adam_step_tensor(step or 0, p, self._group_of(p)),
                                    **{what: flat.view_as(p) for what, flat in piece.tensors.items()}}
+
+    def _group_of(self, p: nn.Parameter) -> dict:
+        return next(g for g in self.inner.param_groups if any(q is p for q in g["params"]))
 
     @torch.no_grad()
     def load_state_by_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
@@ -164,8 +167,19 @@ class AdamW:
             master = state.pop("master", None)
             if master is not None:
                 p.copy_(master)
+            if "step" in state:
+                state["step"] = adam_step_tensor(float(state["step"]), p, self._group_of(p))
             if state:
                 self.inner.state[p] = state
+
+
+def adam_step_tensor(step: float, param: torch.Tensor, group: dict) -> torch.Tensor:
+    """AdamW's step count as torch keeps it: on the parameter's device (fp32) for the
+    fused and capturable kernels, which refuse it anywhere else ("state_steps is on cpu",
+    found resuming on a GPU), on the CPU otherwise."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(float(step), dtype=torch.float32, device=param.device)
+    return torch.tensor(float(step))
 
 
 def as_optimizer(optimizer: torch.optim.Optimizer | Optimizer | None) -> Optimizer | None:

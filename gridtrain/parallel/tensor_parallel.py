@@ -326,12 +326,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                                  tp: TensorParallel) -> torch.Tensor:
     """Per-token losses ``[b, s]`` (0 where the label is IGNORE_INDEX), in fp32 or wider."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if tp.size == 1:
-        losses = F.cross_entropy(logits[..., :vocab_size].flatten(0, 1), labels.flatten(),
-                                 ignore_index=IGNORE_INDEX, reduction="none")
-        return losses.view_as(labels)
+        return one_rank_cross_entropy(logits, labels, vocab_size)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return _VocabParallelCrossEntropy.apply(logits, labels, vocab_size, tp.comm)
+
+
+def one_rank_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The whole vocabulary on one rank: torch's cross entropy over the unpadded columns,
+    in fp32 or wider. Eager, it materializes the logits in fp32 (and their gradient): with
+    GPT-2's 50k vocabulary that is most of a small model's activation memory; compiled
+    (``--compile``: ``Decoder.compiled_loss``), the upcast, log-sum-exp and gather fuse."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    losses = F.cross_entropy(logits[..., :vocab_size].flatten(0, 1), labels.flatten(),
+                             ignore_index=IGNORE_INDEX, reduction="none")
+    return losses.view_as(labels)
 
 
 # ---- data ------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import torch
@@ -213,7 +214,6 @@ def throughput(args, result: Result) -> int:
     peak = peak_tflops(device, args.peak_tflops)
     print(f"{label}: {preset}, {mbs} x {m.seq_len} tokens per step, {flops / 1e9:.2f} GFLOP per token, "
           f"peak {peak} TFLOP/s")
-    predicted = predicted_peak_bytes(cfg, device.type) if not args.compile else None
     gridtrain_times, plain_times, peaks, plain_peaks = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(ROUNDS):
@@ -234,8 +234,18 @@ def throughput(args, result: Result) -> int:
     our_row["vs_plain"] = theirs / ours
     result.add("throughput", plain_row)
     result.add("throughput", our_row)
+    print(f"{label}: gridtrain {our_row['tokens_per_s']:,.0f} tokens/s, plain {plain_row['tokens_per_s']:,.0f} "
+          f"tokens/s, ratio {our_row['vs_plain']:.3f}")
+    # the predictions come after the measurement: one that fails costs its own row only
+    failed = 0
     if device.type == "cuda":
         measured = max(peaks)
+        try:
+            predicted = predicted_peak_bytes(cfg, device.type) if not args.compile else None
+        except Exception as e:  # noqa: BLE001 -- reported, and the step fails
+            predicted, failed = None, failed + 1
+            print(f"the dry run failed: {traceback.format_exc()}")
+            result.add("errors", {"run": label, "what": "dry run", "error": str(e).splitlines()[0][:300]})
         result.add("memory", {"run": label, "measured_gib": measured / GIB,
                               "predicted_gib": predicted / GIB if predicted else None,
                               "ratio": measured / predicted if predicted else None, "plain_gib": max(plain_peaks) / GIB})
@@ -244,11 +254,9 @@ def throughput(args, result: Result) -> int:
         expected = predicted_step_s(m, mbs, args.dtype, hardware)
         result.add("planner", {"run": label, "hardware": hardware, "predicted_ms": expected * 1e3,
                                "measured_ms": ours * 1e3, "ratio": ours / expected})
-    print(f"{label}: gridtrain {our_row['tokens_per_s']:,.0f} tokens/s, plain {plain_row['tokens_per_s']:,.0f} "
-          f"tokens/s, ratio {our_row['vs_plain']:.3f}")
     if args.profile:
         profile_both(cfg, device, args.dtype, warmup + 2)
-    return 0
+    return 1 if failed else 0
 
 
 def profile_both(cfg, device: torch.device, dtype: str, steps: int) -> None:
