@@ -85,3 +85,24 @@ def test_adamw_norm_and_clipping_match_torch():
     assert norm == pytest.approx(float(expected), rel=1e-6)
     for c, p in zip(copies, params):
         torch.testing.assert_close(p.grad, c.grad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_finished_run_frees_its_model(dtype):
+    """Found on a GPU: device memory grew by one model per ``pretrain`` call in a process
+    (the gradient hooks made a cycle through autograd's C++ nodes, which Python's
+    collector cannot see)."""
+    import gc
+    import weakref
+
+    from gridtrain.training.loop import pretrain
+    from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
+
+    result = pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step,
+                      tiny_config(dtype=dtype, steps=2))
+    model = weakref.ref(result.model)
+    parameter = weakref.ref(next(result.model.parameters()))
+    del result
+    gc.collect()
+    assert model() is None and parameter() is None

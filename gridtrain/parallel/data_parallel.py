@@ -43,6 +43,7 @@ for the rest of backward).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -206,9 +207,10 @@ class GradientReducer:
         self.next_bucket = 0
         self.clock = clock_for(device)
         self.stats = OverlapStats(self.clock)
+        hook = _weak_hook(self._on_grad)
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
-            p.grad_ready_hook = self._on_grad  # for gradients accumulated outside autograd (ZB's W)
+            p.register_post_accumulate_grad_hook(hook)
+            p.grad_ready_hook = hook  # for gradients accumulated outside autograd (ZB's W)
 
     def _make_buckets(self, bounds: list[tuple[int, int]]) -> list[Bucket]:
         buckets, at = [], 0
@@ -327,6 +329,22 @@ class GradientReducer:
 
     def bytes_per_step(self) -> int:
         return self.buffer.numel() * self.buffer.element_size() if self.dp.size > 1 else 0
+
+
+def _weak_hook(method):
+    """A gradient hook that calls ``method`` while its object lives. Hooks live on the
+    parameters, which autograd's C++ nodes also hold, so a cycle parameter -> hook ->
+    reducer -> parameter is invisible to Python's collector: with a strong hook every
+    finished run in a process kept its model, gradient buffer and optimizer alive (seen
+    on a GPU as device memory growing by one model per ``pretrain`` call)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param):
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook
 
 
 def _buffer_device(device: torch.device | str | None, dp: CommGroup,

@@ -338,8 +338,12 @@ def one_rank_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_siz
     GPT-2's 50k vocabulary that is most of a small model's activation memory; compiled
     (``--compile``: ``Decoder.compiled_loss``), the upcast, log-sum-exp and gather fuse."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    losses = F.cross_entropy(logits[..., :vocab_size].flatten(0, 1), labels.flatten(),
-                             ignore_index=IGNORE_INDEX, reduction="none")
+    if logits.shape[-1] > vocab_size:
+        # the padding columns out of the softmax, in place: exp(-inf) adds exactly 0 and
+        # gets a zero gradient; slicing them off instead hands the kernels a
+        # non-contiguous tensor, which they copy whole (forward and backward)
+        logits[..., vocab_size:] = float("-inf")
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
     return losses.view_as(labels)
 
 

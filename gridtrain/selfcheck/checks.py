@@ -92,9 +92,15 @@ def _nvidia_smi(field: str) -> str:
 
 
 def _git(*args: str) -> str:
+    """``git args`` in this package's checkout; "unknown" where the package is not the
+    root of one (a copied tree inside another repository would name that one's commit)."""
+    root = Path(__file__).resolve().parents[2]
     try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parents[2])
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=10,
+                             cwd=root).stdout.strip()
+        if not top or Path(top).resolve() != root:
+            return "unknown (not a git checkout)"
+        out = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=root)
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
@@ -159,11 +165,13 @@ def _gridtrain_run(cfg, device: torch.device, work: Path, label: str) -> tuple[l
 
     metrics = work / f"{label}.jsonl"
     cfg = set_fields(copy.deepcopy(cfg), metrics_file=str(metrics))
+    before = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)  # what earlier runs left: not this run's
     result = pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg)
     del result
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else 0
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     return [r["step_time_s"] for r in rows], peak
 

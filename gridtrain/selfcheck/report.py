@@ -110,8 +110,9 @@ class Report:
                         [("run", "run", "{}"), ("measured GiB", "measured_gib", "{:.2f}"),
                          ("dry run GiB", "predicted_gib", "{:.2f}"), ("measured / predicted", "ratio", "{:.3f}"),
                          ("plain PyTorch GiB", "plain_gib", "{:.2f}")],
-                        "Measured: torch.cuda.max_memory_allocated over the gridtrain run; predicted: "
-                        "`gridtrain train --dry-run` of the same layout (fake tensors).")
+                        "Measured: torch.cuda.max_memory_allocated over the whole gridtrain run, less what "
+                        "was allocated when it started; predicted: `gridtrain train --dry-run` of the same "
+                        "layout (fake tensors).")
         lines += _table("Step time: planner vs measured", d["planner"],
                         [("run", "run", "{}"), ("hardware", "hardware", "{}"),
                          ("predicted ms", "predicted_ms", "{:.1f}"), ("measured ms", "measured_ms", "{:.1f}"),
