@@ -16,7 +16,7 @@ from gridtrain.config import Config, preset_config
 from gridtrain.parallel.data_parallel import GradientReducer, bucket_bounds
 from gridtrain.models.decoder import Decoder, init_parameters
 from tests.harness import run_on_ranks
-from tests.training import relative_difference, tiny_config, train_in_process, train_layout
+from tests.training import relative_difference, tiny_config, train_in_process, train_layout, train_layouts
 
 
 def _config(**parallel) -> Config:
@@ -91,11 +91,26 @@ def test_3d_layout_trains_the_single_process_model(dp, pp, tp, schedule):
     :func:`_recompute_mode`; the reference recomputes nothing); interleaving uses 2 chunks
     per rank at pp 2 (at pp 4 the 4 blocks leave one per rank, so one chunk: the schedule
     without interleaving)."""
+    for run in _matrix_runs(dp * pp * tp)[(dp, pp, tp), schedule]:
+        assert_matches_reference(run)
+
+
+def _cell_config(layout: tuple[int, int, int], schedule: str) -> Config:
+    dp, pp, tp = layout
     vpp = 2 if schedule == "interleaved-1f1b" and pp > 1 and 4 % (2 * pp) == 0 else 1
     cfg = _config(dp=dp, pp=pp, tp=tp, vpp=vpp, schedule=schedule, sequence_parallel=tp > 1)
-    cfg.activations.recompute = _recompute_mode((dp, pp, tp), schedule)
-    for run in train_layout(cfg, dp * pp * tp):
-        assert_matches_reference(run)
+    cfg.activations.recompute = _recompute_mode(layout, schedule)
+    return cfg
+
+
+@functools.cache
+def _matrix_runs(world: int) -> dict:
+    """Every cell of this world size, trained one after another on the same spawned
+    ranks: one spawn per world size instead of one per cell (a spawn of 8 ranks costs
+    about 10 s of imports on 2 cores before the first step)."""
+    cells = [(layout, s) for layout in LAYOUTS if layout[0] * layout[1] * layout[2] == world for s in SCHEDULES]
+    runs = train_layouts([_cell_config(*cell) for cell in cells], world, timeout_s=1500)
+    return dict(zip(cells, runs))
 
 
 # ---- the reducer against torch DDP, and its counts --------------------------------------------

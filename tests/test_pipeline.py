@@ -4,6 +4,8 @@ the split backward, and checkpoints that move between layouts."""
 
 from __future__ import annotations
 
+import functools
+
 import subprocess
 import sys
 
@@ -18,7 +20,7 @@ from gridtrain.parallel.pipeline.validate import in_flight_bound
 from gridtrain.training.providers import unit_costs
 from gridtrain.parallel.split_backward import WeightGradStore
 from gridtrain.parallel.tensor_parallel import TensorParallel
-from tests.training import relative_difference, tiny_config, train_in_process, train_layout
+from tests.training import relative_difference, tiny_config, train_in_process, train_layout, train_layouts
 
 N_LAYER = 8  # enough blocks for 4 stages x 2 chunks
 
@@ -66,8 +68,7 @@ def test_pipeline_trains_the_single_process_model(pp, schedule, micro_batches):
     stage and one all-reduce of the step's scalars (norm, loss, flag), besides the
     point-to-point sends (one per micro-batch, chunk and direction)."""
     vpp = 2 if schedule == "interleaved-1f1b" else 1
-    cfg = _config(micro_batches, pp=pp, vpp=vpp, schedule=schedule)
-    runs = train_layout(cfg, pp)
+    runs = _pipeline_runs(pp)[schedule, micro_batches]
     reference = _reference(micro_batches)
     held = set()
     for stage, run in enumerate(runs):
@@ -81,11 +82,25 @@ def test_pipeline_trains_the_single_process_model(pp, schedule, micro_batches):
     assert held - {"head"} == reference["state"].keys()  # no layer dropped or duplicated
 
 
+UNEVEN = {2: [3, 5], 4: [1, 3, 0, 4]}
+
+
+@functools.cache
+def _pipeline_runs(pp: int) -> dict:
+    """Every schedule case of ``pp`` stages and its uneven split, trained one after another
+    on the same spawned ranks (one spawn per pipeline depth, not one per case)."""
+    cases = [(schedule, m) for p, schedule, m in CASES if p == pp]
+    cfgs = [_config(m, pp=pp, vpp=2 if schedule == "interleaved-1f1b" else 1, schedule=schedule)
+            for schedule, m in cases]
+    cfgs.append(_config(8, pp=pp, pp_layers=UNEVEN[pp], schedule="1f1b"))
+    runs = train_layouts(cfgs, pp, timeout_s=900)
+    return {**dict(zip(cases, runs)), "uneven": runs[-1]}
+
+
 @pytest.mark.spawn
-@pytest.mark.parametrize("pp,layers", [(2, [3, 5]), (4, [1, 3, 0, 4])])
+@pytest.mark.parametrize("pp,layers", list(UNEVEN.items()))
 def test_uneven_layer_split_trains_the_same_model(pp, layers):
-    cfg = _config(8, pp=pp, pp_layers=layers, schedule="1f1b")
-    runs = train_layout(cfg, pp)
+    runs = _pipeline_runs(pp)["uneven"]
     for stage, run in enumerate(runs):
         assert_stage_matches(run, _reference(8))
         blocks = {int(n.split(".")[1]) for n in run["state"] if n.startswith("blocks.")}
@@ -96,8 +111,7 @@ def test_uneven_layer_split_trains_the_same_model(pp, layers):
 def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_p():
     """Counted on the real runtime, not timed: GPipe keeps all m, 1F1B at most p - s."""
     m, pp = 8, 4
-    peaks = {s: [r["peak_in_flight"] for r in train_layout(_config(m, pp=pp, schedule=s), pp)]
-             for s in ("gpipe", "1f1b")}
+    peaks = {s: [r["peak_in_flight"] for r in _pipeline_runs(pp)[s, m]] for s in ("gpipe", "1f1b")}
     assert peaks["gpipe"] == [m] * pp
     assert peaks["1f1b"] == [pp - s for s in range(pp)]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,8 @@ from gridtrain.config import Config
 from gridtrain.models.decoder import Decoder
 from gridtrain.parallel.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
 from gridtrain.parallel.tensor_parallel import ShardSpec, TensorParallel, shard, shard_spec, unshard
-from tests.training import FP32_WEIGHT_RTOL, assert_same_training, tiny_config, train_in_process, train_layout
+from tests.training import (FP32_WEIGHT_RTOL, assert_same_training, tiny_config, train_in_process, train_layout,
+                            train_layouts)
 
 # ---- shards and RNG as data (no processes) -------------------------------------------------
 
@@ -115,10 +118,27 @@ def test_tensor_parallel_trains_the_single_process_model(tp, sequence_parallel, 
     rtol, weight_rtol = (1e-9, 1e-9) if dtype == "fp64" else (1e-5, FP32_WEIGHT_RTOL)
     cfg = _parity_config(tp, sequence_parallel, dtype)
     reference = train_in_process(tiny_config(dtype=dtype))
-    runs = train_layout(cfg, tp)
+    runs = _tp_runs(tp)[sequence_parallel, dtype]
     for rank, run in enumerate(runs):
         expected = dict(reference, state=_reference_shards(reference, cfg, tp, rank))
         assert_same_training(run, expected, rtol, weight_rtol)
+
+
+def _traffic_config(sequence_parallel: bool) -> Config:
+    cfg = _parity_config(2, sequence_parallel, "fp64")
+    cfg.training.steps = 2
+    return cfg
+
+
+@functools.cache
+def _tp_runs(tp: int) -> dict:
+    """The parity cases of ``tp`` ranks (and, at tp 2, the traffic counts' runs) trained one
+    after another on the same spawned ranks: one spawn per tp size."""
+    cases = [(sp, dtype) for t, sp, dtype in PARITY if t == tp]
+    cfgs = [_parity_config(tp, sp, dtype) for sp, dtype in cases]
+    traffic = [("traffic", sp) for sp in (False, True)] if tp == 2 else []
+    cfgs += [_traffic_config(sp) for _, sp in traffic]
+    return dict(zip(cases + traffic, train_layouts(cfgs, tp, timeout_s=900)))
 
 
 # ---- bytes moved --------------------------------------------------------------------------
@@ -160,9 +180,8 @@ def _tp_bytes(step_bytes: dict[str, int]) -> dict[str, int]:
 @pytest.mark.spawn
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp_traffic_of_a_step_equals_the_analytic_count(sequence_parallel):
-    cfg = _parity_config(2, sequence_parallel, "fp64")
-    cfg.training.steps = 2
-    runs = train_layout(cfg, 2)
+    cfg = _traffic_config(sequence_parallel)
+    runs = _tp_runs(2)["traffic", sequence_parallel]
     expected = expected_tp_bytes(cfg, sequence_parallel, element_size=8)
     for run in runs:
         for step_bytes in run["step_bytes"]:
