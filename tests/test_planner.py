@@ -347,7 +347,8 @@ def test_prediction_json_has_the_issues_keys():
     p = predict(job, Layout(dp=2, tp=2, pp=2, micro_batch_size=2, recompute="selective", sequence_parallel=True,
                             zero=1))
     data = p.as_json()
-    assert set(data) == ISSUE_KEYS | {"breakdown_s"}
+    assert set(data) == ISSUE_KEYS | {"breakdown_s", "pp_layers"}
+    assert data["pp_layers"] == [4, 4]
     assert set(data["breakdown_s"]) == {"compute", "tp_comm", "bubble", "dp_exposed", "optimizer"}
     assert (data["dp"], data["tp"], data["pp"], data["micro_batch_size"], data["zero"]) == (2, 2, 2, 2, 1)
     assert data["tokens_per_s_per_gpu"] == pytest.approx(32 * GPT.seq_len / p.step_time_s / 8)
@@ -362,7 +363,8 @@ def test_prediction_json_has_the_issues_keys():
 # ---- the search -------------------------------------------------------------------------------------------
 
 def _divides(lay: Layout, m: ModelConfig, gpus: int, batch: int, node: int = 8) -> bool:
-    return (lay.dp * lay.tp * lay.pp == gpus and m.n_layer % (lay.pp * lay.vpp) == 0
+    even = m.n_layer % (lay.pp * lay.vpp) == 0
+    return (lay.dp * lay.tp * lay.pp == gpus and (even or (lay.vpp == 1 and lay.pp_partition == "parameters"))
             and batch % (lay.micro_batch_size * lay.dp) == 0 and m.n_head % lay.tp == 0 and lay.tp <= node
             and (lay.vpp == 1 or lay.schedule == "interleaved-1f1b"))
 
@@ -444,7 +446,7 @@ def test_plan_json_parses(capsys, no_process_may_start):
     data = json.loads(capsys.readouterr().out)
     assert len(data["layouts"]) == 2
     for row in data["layouts"]:
-        assert set(row) == ISSUE_KEYS | {"breakdown_s"}
+        assert set(row) == ISSUE_KEYS | {"breakdown_s", "pp_layers"}
         assert row["recompute"] == "full" and row["fits"] and row["dp"] * row["tp"] * row["pp"] == 8
     assert data["layouts"][0]["step_time_s"] <= data["layouts"][1]["step_time_s"]
 
@@ -466,3 +468,32 @@ def test_bad_plan_is_one_line_with_status_2(case, capsys, no_process_may_start):
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and captured.err.startswith("gridtrain: error: "), captured.err
     assert expected in captured.err
+
+
+def test_layers_that_do_not_divide_over_the_stages_get_the_runtimes_balanced_split():
+    """BLOOM-176B (70 layers on pp 12) and Llama 3.1 405B (126 on pp 16) trained with
+    uneven stages; the planner plans them with the runtime's split by parameters and
+    prints it as --pp-layers, which gridtrain train accepts and runs as planned."""
+    from gridtrain.memory.model import block_partition
+    from gridtrain.parallel.pipeline.partition import check_counts
+    from gridtrain.planner.command import torchrun_command
+
+    model = replace(LLAMA, n_layer=10)
+    job = Job(model, 16, A100, "bf16")
+    found = list(layouts(job, 8, Fixed(tp=2, pp=4)))
+    assert found and all(lay.pp_partition == "parameters" and lay.vpp == 1 for lay in found)
+    p = predict(job, found[0])
+    assert sum(p.pp_layers) == 10 and len(p.pp_layers) == 4 and max(p.pp_layers) - min(p.pp_layers) <= 1
+    grid = ProcessGrid(world_size=8, tp=2, pp=4, dp=1)
+    assert [len(ids) for ids in block_partition(config_of(job, p.layout), grid)] == p.pp_layers
+    check_counts(p.pp_layers, 4, 10)
+    args = cli.build_parser().parse_args(["plan", "--arch", "llama", "--n-layer", "10", "--seq-len", "64",
+                                          "--global-batch-size", "16", "--gpus", "8", "--hardware", "a100-80gb"])
+    command = torchrun_command(args, p, 8)
+    assert f"--pp-layers {','.join(map(str, p.pp_layers))}" in command
+    train = cli.config_from_args(cli.build_parser().parse_args(command.split("-m gridtrain ")[1].split()))
+    assert train.parallel.pp_layers == p.pp_layers
+    assert p.as_json()["pp_layers"] == p.pp_layers
+    # evenly divided layouts keep the uniform split and print no --pp-layers
+    even = predict(job, next(iter(layouts(job, 8, Fixed(tp=4, pp=2)))))
+    assert even.layout.pp_partition == "uniform" and "--pp-layers" not in torchrun_command(args, even, 8)

@@ -70,7 +70,9 @@ def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
              " ".join(model_flags(args)),
              f"--seq-len {args.seq_len} --global-batch-size {args.global_batch_size} --dtype {args.dtype}",
              f"--tp {lay.tp} --pp {lay.pp} --micro-batch-size {lay.micro_batch_size} --schedule {lay.schedule}",
-             f"--vpp {lay.vpp}" if lay.vpp > 1 else "", f"--recompute {lay.recompute}",
+             f"--vpp {lay.vpp}" if lay.vpp > 1 else "",
+             f"--pp-layers {','.join(map(str, p.pp_layers))}" if lay.pp_partition != "uniform" else "",
+             f"--recompute {lay.recompute}",
              "--sequence-parallel" if lay.sequence_parallel else "", f"--zero {lay.zero}" if lay.zero else ""]
     return " ".join(x for x in parts if x)
 
@@ -78,6 +80,7 @@ def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
 def describe(p: Prediction) -> str:
     lay = p.layout
     name = (f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp}" + (f" x vpp {lay.vpp}" if lay.vpp > 1 else "")
+            + (f" (layers {','.join(map(str, p.pp_layers))})" if lay.pp_partition != "uniform" else "")
             + f", micro-batch {lay.micro_batch_size}, {lay.schedule}, recompute {lay.recompute}"
             + (", SP" if lay.sequence_parallel else "") + (", ZeRO-1" if lay.zero else ""))
     fits = "fits" if p.fits else "DOES NOT FIT"

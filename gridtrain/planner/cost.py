@@ -94,6 +94,7 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     zero: int = 0
+    pp_partition: str = "uniform"  # "parameters" where the layers do not divide evenly
 
     @property
     def gpus(self) -> int:
@@ -134,6 +135,7 @@ class Prediction:
     gpus: int
     peak_flops: float
     parts: dict[str, float] = field(default_factory=dict)
+    pp_layers: list[int] = field(default_factory=list)  # blocks per virtual stage (--pp-layers)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -155,7 +157,7 @@ class Prediction:
         lay = self.layout
         return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "micro_batch_size": lay.micro_batch_size,
                 "schedule": lay.schedule, "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel,
-                "zero": lay.zero, "step_time_s": self.step_time_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "zero": lay.zero, "pp_layers": self.pp_layers, "step_time_s": self.step_time_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
                 "model_tflops_per_gpu": self.model_tflops_per_gpu,
                 "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
                 "memory_gb_per_gpu": self.memory_bytes / 1e9, "fits": self.fits,
@@ -332,7 +334,7 @@ def p2p_seconds(job: Job, lay: Layout) -> float:
 def config_of(job: Job, lay: Layout) -> Config:
     cfg = Config(model=job.model, preset="")
     cfg.parallel = replace(cfg.parallel, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, schedule=lay.schedule,
-                           sequence_parallel=lay.sequence_parallel, zero=lay.zero)
+                           sequence_parallel=lay.sequence_parallel, zero=lay.zero, pp_partition=lay.pp_partition)
     cfg.training = replace(cfg.training, micro_batch_size=lay.micro_batch_size,
                            global_batch_size=job.global_batch_size, dtype=job.dtype)
     cfg.activations = replace(cfg.activations, recompute=lay.recompute)
@@ -400,7 +402,7 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
     return Prediction(layout=lay, step_time_s=step, compute_s=busy, tp_comm_s=tp_comm, bubble_s=makespan - busy,
                       dp_exposed_s=exposed + gather, optimizer_s=optimizer, memory_bytes=mem,
                       fits=mem <= hw.usable_memory_bytes, model_flops=model_flops, hardware_flops=hardware_flops,
-                      tokens=tokens, gpus=lay.gpus, peak_flops=hw.peak_flops(job.dtype))
+                      tokens=tokens, gpus=lay.gpus, peak_flops=hw.peak_flops(job.dtype), pp_layers=layers)
 
 
 def _rank_parameters(cfg: Config, grid: ProcessGrid) -> int:

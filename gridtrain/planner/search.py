@@ -14,6 +14,8 @@ after every one that does.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -62,14 +64,20 @@ def layouts(job: Job, gpus: int, fixed: Fixed = Fixed()) -> Iterable[Layout]:
                 continue
             dp = gpus // (tp * pp)
             for vpp in VIRTUAL_STAGES:
-                if (fixed.vpp is not None and vpp != fixed.vpp) or m.n_layer % (pp * vpp) or (vpp > 1 and pp == 1):
+                if (fixed.vpp is not None and vpp != fixed.vpp) or m.n_layer < pp * vpp or (vpp > 1 and pp == 1):
                     continue
+                if vpp > 1 and m.n_layer % (pp * vpp):
+                    continue  # interleaving only with equal chunks
+                # layers that do not divide evenly over the stages: the runtime's balanced
+                # split by parameters (--pp-layers printed), as BLOOM and Llama 3.1 405B ran
+                split = "uniform" if m.n_layer % pp == 0 else "parameters"
                 for mbs in MICRO_BATCHES:
                     if fixed.micro_batch_size is not None and mbs != fixed.micro_batch_size:
                         continue
                     if job.global_batch_size % (mbs * dp):
                         continue
-                    yield from _variants(job, Layout(dp=dp, tp=tp, pp=pp, vpp=vpp, micro_batch_size=mbs), fixed)
+                    yield from _variants(job, Layout(dp=dp, tp=tp, pp=pp, vpp=vpp, micro_batch_size=mbs,
+                                                     pp_partition=split), fixed)
 
 
 def _variants(job: Job, base: Layout, fixed: Fixed) -> Iterable[Layout]:
@@ -101,7 +109,7 @@ def rough_step(job: Job, lay: Layout) -> float:
     block = block_cost(job, lay)
     hf, hb, hw_ = head_cost(job, lay)
     m = micro_batches(job, lay)
-    per_mb = job.model.n_layer / lay.pp * (block.f + block.b + block.w) + (hf + hb + hw_) / lay.pp
+    per_mb = math.ceil(job.model.n_layer / lay.pp) * (block.f + block.b + block.w) + (hf + hb + hw_) / lay.pp
     # ZB-H1 as 1F1B: the runtime's blocking sends hold its deferred weight gradients back
     # (pipeline/simulate.py, rendezvous), so only the simulator can tell them apart
     bubble = (lay.pp - 1) / (lay.vpp * m)
