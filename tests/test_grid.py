@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from gridtrain.parallel.grid import GridCoord, GridError, ProcessGrid
+from gridtrain.parallel.grid import GridCoord, GridError, ProcessGrid, create_process_groups
 
 # The worked example of DESIGN.md: 16 ranks, tp=2, dp=2, pp=4.
 TP_GROUPS_16 = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
@@ -199,3 +199,52 @@ def test_coordinate_out_of_range() -> None:
     grid = ProcessGrid.build(8, tp=2, pp=2)
     with pytest.raises(GridError, match=r"pp index 2 is outside \[0, 2\)"):
         grid.rank_of(dp=0, pp=2, tp=0)
+
+
+# ---- the context-parallel dimension (rank arithmetic) ----------------------------------------------
+
+def test_cp_sits_between_tp_and_dp_as_in_megatron():
+    grid = ProcessGrid.build(16, tp=2, pp=2, cp=2)
+    assert grid.dp == 2 and grid.describe() == "16 ranks = dp 2 x pp 2 x cp 2 x tp 2"
+    assert [tuple(grid.coords(r)) for r in (1, 2, 4, 8)] == [(0, 0, 1, 0), (0, 0, 0, 1), (1, 0, 0, 0),
+                                                             (0, 1, 0, 0)]  # (dp, pp, tp, cp)
+    assert grid.cp_group(5) == [5, 7]  # the ring: tp apart
+    assert grid.dp_cp_group(5) == [1, 3, 5, 7]  # where dense gradients are summed
+    assert grid.tp_group(5) == [4, 5] and grid.dp_group(5) == [1, 5] and grid.pp_group(5) == [5, 13]
+    assert grid.model_parallel_group(5) == [4, 5, 12, 13]  # one replica of the model for cp rank 1
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp", [(1, 2, 1, 1), (2, 2, 1, 2), (1, 4, 2, 1), (2, 3, 2, 2)])
+def test_every_group_kind_tiles_the_world_once_with_cp(tp, cp, dp, pp):
+    world = tp * cp * dp * pp
+    grid = ProcessGrid.build(world, tp=tp, pp=pp, cp=cp)
+    assert grid.dp == dp
+    assert sorted(grid.coords(r) for r in range(world)) == sorted(
+        GridCoord(d, p, t, k) for d, p, t, k in itertools.product(range(dp), range(pp), range(tp), range(cp)))
+    for r in range(world):
+        assert grid.rank_of(*grid.coords(r)) == r
+    for groups, size in ((grid.all_tp_groups(), tp), (grid.all_cp_groups(), cp), (grid.all_dp_groups(), dp),
+                         (grid.all_dp_cp_groups(), dp * cp), (grid.all_pp_groups(), pp),
+                         (grid.all_model_parallel_groups(), tp * pp)):
+        assert all(len(g) == size for g in groups)
+        assert sorted(r for g in groups for r in g) == list(range(world))
+    for r in range(world):
+        assert set(grid.dp_cp_group(r)) == {x for k in grid.cp_group(r) for x in grid.dp_group(k)}
+
+
+def test_a_grid_without_cp_is_unchanged():
+    grid = ProcessGrid.build(8, tp=2, pp=2)
+    assert grid.cp == 1 and grid.all_dp_cp_groups() == grid.all_dp_groups()
+    assert grid.all_cp_groups() == [[r] for r in range(8)]
+    assert grid.describe() == "8 ranks = dp 2 x pp 2 x tp 2"
+
+
+def test_cp_sizes_are_checked_in_one_line():
+    with pytest.raises(GridError, match=r"^world size 12 is not divisible by tp=2 x cp=4 x pp=1;"):
+        ProcessGrid.build(12, tp=2, cp=4)
+    with pytest.raises(GridError, match="cp=0 must be >= 1"):
+        ProcessGrid.build(8, cp=0)
+    with pytest.raises(GridError, match="cp index 2 is outside"):
+        ProcessGrid.build(4, cp=2).rank_of(0, 0, 0, 2)
+    with pytest.raises(GridError, match="context-parallel groups are not made yet"):
+        create_process_groups(ProcessGrid.build(4, cp=2), 0)

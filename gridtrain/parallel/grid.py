@@ -11,13 +11,16 @@ over the whole world, so every rank must create every group in the same order;
 the ``all_*_groups`` methods give that order and ``create_process_groups``
 walks it.
 
-Layout (Megatron's default order): TP varies fastest, then DP, then PP::
+Layout (Megatron's order): TP varies fastest, then CP (context parallel: ranks that
+split a sequence), then DP, then PP::
 
-    rank = pp_idx * (dp * tp) + dp_idx * tp + tp_idx
+    rank = pp_idx * (dp * cp * tp) + dp_idx * (cp * tp) + cp_idx * tp + tp_idx
 
 TP neighbours are adjacent ranks (on GPUs: the same node, the fastest links,
-which TP needs most); pipeline stages are the furthest apart (PP sends the
-least data).
+which TP needs most), CP next (its ring passes keys and values every layer);
+pipeline stages are the furthest apart (PP sends the least data). With cp = 1 the
+layout is the three-axis one. The live groups (second half) do not make CP groups yet:
+a grid with cp > 1 is refused there.
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ class GridError(ValueError):
 
 
 class GridCoord(NamedTuple):
-    """Where a rank sits in the grid: its data, pipeline and tensor parallel indices."""
+    """Where a rank sits in the grid: its data, pipeline, tensor and context parallel indices."""
 
     dp: int
     pp: int
     tp: int
+    cp: int = 0
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -52,7 +56,7 @@ def _check_positive(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class ProcessGrid:
-    """A ``dp x pp x tp`` grid of ``world_size`` ranks; construct with :meth:`build`.
+    """A ``dp x pp x cp x tp`` grid of ``world_size`` ranks; construct with :meth:`build`.
 
     The grid is a value: pass it explicitly to whatever needs rank arithmetic
     instead of keeping a module-level "current grid".
@@ -62,23 +66,25 @@ class ProcessGrid:
     tp: int
     pp: int
     dp: int
+    cp: int = 1
 
     def __post_init__(self) -> None:
         """Validate here too, so a grid made without ``build`` cannot be inconsistent."""
-        for name in ("world_size", "tp", "pp", "dp"):
+        for name in ("world_size", "tp", "pp", "dp", "cp"):
             _check_positive(name, getattr(self, name))
-        if self.tp * self.pp * self.dp != self.world_size:
+        if self.tp * self.pp * self.dp * self.cp != self.world_size:
+            cp = f" x cp={self.cp}" if self.cp > 1 else ""
             raise GridError(
-                f"dp={self.dp} x pp={self.pp} x tp={self.tp} = "
-                f"{self.dp * self.pp * self.tp} does not equal world size "
+                f"dp={self.dp} x pp={self.pp}{cp} x tp={self.tp} = "
+                f"{self.dp * self.pp * self.cp * self.tp} does not equal world size "
                 f"{self.world_size}; choose sizes whose product is the world size"
             )
 
     @classmethod
     def build(
-        cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None
+        cls, world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1
     ) -> ProcessGrid:
-        """Build a grid, inferring ``dp = world_size / (tp * pp)`` when dp is None.
+        """Build a grid, inferring ``dp = world_size / (tp * cp * pp)`` when dp is None.
 
         Inferring dp is what users expect from Megatron and torchrun: they pick
         the model-parallel sizes and let the world size set the replica count.
@@ -86,15 +92,17 @@ class ProcessGrid:
         _check_positive("world_size", world_size)
         _check_positive("tp", tp)
         _check_positive("pp", pp)
+        _check_positive("cp", cp)
         if dp is None:
-            if world_size % (tp * pp) != 0:
+            if world_size % (tp * cp * pp) != 0:
+                with_cp = f" x cp={cp}" if cp > 1 else ""
                 raise GridError(
-                    f"world size {world_size} is not divisible by tp={tp} x pp={pp}; "
+                    f"world size {world_size} is not divisible by tp={tp}{with_cp} x pp={pp}; "
                     "choose sizes whose product divides the world size"
                 )
-            dp = world_size // (tp * pp)
+            dp = world_size // (tp * cp * pp)
         _check_positive("dp", dp)
-        return cls(world_size=world_size, tp=tp, pp=pp, dp=dp)
+        return cls(world_size=world_size, tp=tp, pp=pp, dp=dp, cp=cp)
 
     # ---- coordinates -------------------------------------------------------
 
@@ -110,20 +118,22 @@ class ProcessGrid:
             )
 
     def coords(self, rank: int) -> GridCoord:
-        """The (dp, pp, tp) coordinate of ``rank``."""
+        """The (dp, pp, tp, cp) coordinate of ``rank``."""
         self._check_rank(rank)
-        pp_idx, rest = divmod(rank, self.dp * self.tp)
-        dp_idx, tp_idx = divmod(rest, self.tp)
-        return GridCoord(dp=dp_idx, pp=pp_idx, tp=tp_idx)
+        pp_idx, rest = divmod(rank, self.dp * self.cp * self.tp)
+        dp_idx, rest = divmod(rest, self.cp * self.tp)
+        cp_idx, tp_idx = divmod(rest, self.tp)
+        return GridCoord(dp=dp_idx, pp=pp_idx, tp=tp_idx, cp=cp_idx)
 
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        """The rank at coordinate (dp, pp, tp); the inverse of :meth:`coords`."""
-        for name, idx, size in (("dp", dp, self.dp), ("pp", pp, self.pp), ("tp", tp, self.tp)):
+    def rank_of(self, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        """The rank at coordinate (dp, pp, tp, cp); the inverse of :meth:`coords`."""
+        for name, idx, size in (("dp", dp, self.dp), ("pp", pp, self.pp), ("tp", tp, self.tp),
+                                ("cp", cp, self.cp)):
             if not 0 <= idx < size:
                 raise GridError(
                     f"{name} index {idx} is outside [0, {size}); pass an index below {name}={size}"
                 )
-        return pp * (self.dp * self.tp) + dp * self.tp + tp
+        return pp * (self.dp * self.cp * self.tp) + dp * (self.cp * self.tp) + cp * self.tp + tp
 
     def dp_rank(self, rank: int) -> int:
         """Index of ``rank`` within its data-parallel group (which replica it is)."""
@@ -137,30 +147,46 @@ class ProcessGrid:
         """Index of ``rank`` within its tensor-parallel group (which shard it holds)."""
         return self.coords(rank).tp
 
+    def cp_rank(self, rank: int) -> int:
+        """Index of ``rank`` within its context-parallel group (which sequence chunks it holds)."""
+        return self.coords(rank).cp
+
     # ---- groups of one rank ------------------------------------------------
 
     def tp_group(self, rank: int) -> list[int]:
-        """Ranks that split the same layers: same dp and pp, every tp index."""
+        """Ranks that split the same layers: same dp, pp and cp, every tp index."""
         c = self.coords(rank)
-        return [self.rank_of(c.dp, c.pp, t) for t in range(self.tp)]
+        return [self.rank_of(c.dp, c.pp, t, c.cp) for t in range(self.tp)]
+
+    def cp_group(self, rank: int) -> list[int]:
+        """Ranks that split the same sequences: same dp, pp and tp, every cp index (the ring)."""
+        c = self.coords(rank)
+        return [self.rank_of(c.dp, c.pp, c.tp, k) for k in range(self.cp)]
 
     def dp_group(self, rank: int) -> list[int]:
-        """Ranks that hold replicas of the same shard: same pp and tp, every dp index."""
+        """Ranks that hold replicas of the same shard and the same tokens' positions: same
+        pp, tp and cp, every dp index."""
         c = self.coords(rank)
-        return [self.rank_of(d, c.pp, c.tp) for d in range(self.dp)]
+        return [self.rank_of(d, c.pp, c.tp, c.cp) for d in range(self.dp)]
+
+    def dp_cp_group(self, rank: int) -> list[int]:
+        """Ranks whose gradients of the same shard are summed: same pp and tp, every dp and
+        cp index (each cp rank holds the whole layer but only part of the tokens)."""
+        c = self.coords(rank)
+        return sorted(self.rank_of(d, c.pp, c.tp, k) for d in range(self.dp) for k in range(self.cp))
 
     def pp_group(self, rank: int) -> list[int]:
-        """The stages of rank's pipeline, first stage first: same dp and tp, every pp index."""
+        """The stages of rank's pipeline, first stage first: same dp, tp and cp, every pp index."""
         c = self.coords(rank)
-        return [self.rank_of(c.dp, p, c.tp) for p in range(self.pp)]
+        return [self.rank_of(c.dp, p, c.tp, c.cp) for p in range(self.pp)]
 
     def model_parallel_group(self, rank: int) -> list[int]:
-        """All ranks that together hold one whole model replica (same dp index).
+        """All ranks that together hold one whole model replica (same dp and cp index).
 
         Gradient-norm clipping and loss reporting reduce over this group.
         """
         c = self.coords(rank)
-        return sorted(self.rank_of(c.dp, p, t) for p in range(self.pp) for t in range(self.tp))
+        return sorted(self.rank_of(c.dp, p, t, c.cp) for p in range(self.pp) for t in range(self.tp))
 
     def embedding_group(self, rank: int) -> list[int]:
         """First and last stage of rank's pipeline (just the one stage when pp == 1).
@@ -174,23 +200,37 @@ class ProcessGrid:
     # ---- all groups of one kind, in a fixed order --------------------------
 
     def all_tp_groups(self) -> list[list[int]]:
-        """Every TP group, ordered by (pp, dp); the same order on every rank."""
-        first_ranks = [self.rank_of(d, p, 0) for p in range(self.pp) for d in range(self.dp)]
+        """Every TP group, ordered by (pp, dp, cp); the same order on every rank."""
+        first_ranks = [self.rank_of(d, p, 0, k) for p in range(self.pp) for d in range(self.dp)
+                       for k in range(self.cp)]
         return [self.tp_group(r) for r in first_ranks]
 
+    def all_cp_groups(self) -> list[list[int]]:
+        """Every CP group, ordered by (pp, dp, tp)."""
+        first_ranks = [self.rank_of(d, p, t, 0) for p in range(self.pp) for d in range(self.dp)
+                       for t in range(self.tp)]
+        return [self.cp_group(r) for r in first_ranks]
+
     def all_dp_groups(self) -> list[list[int]]:
-        """Every DP group, ordered by (pp, tp)."""
-        first_ranks = [self.rank_of(0, p, t) for p in range(self.pp) for t in range(self.tp)]
+        """Every DP group, ordered by (pp, cp, tp)."""
+        first_ranks = [self.rank_of(0, p, t, k) for p in range(self.pp) for k in range(self.cp)
+                       for t in range(self.tp)]
         return [self.dp_group(r) for r in first_ranks]
 
+    def all_dp_cp_groups(self) -> list[list[int]]:
+        """Every DP x CP group, ordered by (pp, tp)."""
+        return [self.dp_cp_group(self.rank_of(0, p, t, 0)) for p in range(self.pp) for t in range(self.tp)]
+
     def all_pp_groups(self) -> list[list[int]]:
-        """Every pipeline, ordered by (dp, tp), i.e. by its first-stage rank."""
-        first_ranks = [self.rank_of(d, 0, t) for d in range(self.dp) for t in range(self.tp)]
+        """Every pipeline, ordered by (dp, cp, tp), i.e. by its first-stage rank."""
+        first_ranks = [self.rank_of(d, 0, t, k) for d in range(self.dp) for k in range(self.cp)
+                       for t in range(self.tp)]
         return [self.pp_group(r) for r in first_ranks]
 
     def all_model_parallel_groups(self) -> list[list[int]]:
-        """Every model-parallel group, ordered by dp index."""
-        return [self.model_parallel_group(self.rank_of(d, 0, 0)) for d in range(self.dp)]
+        """Every model-parallel group, ordered by (dp, cp)."""
+        return [self.model_parallel_group(self.rank_of(d, 0, 0, k)) for d in range(self.dp)
+                for k in range(self.cp)]
 
     def all_embedding_groups(self) -> list[list[int]]:
         """Every embedding group, one per pipeline, in :meth:`all_pp_groups` order."""
@@ -213,20 +253,22 @@ class ProcessGrid:
         schedules do send from the last stage's chunk to the first stage's next chunk.
         """
         c = self.coords(rank)
-        return self.rank_of(c.dp, (c.pp + 1) % self.pp, c.tp)
+        return self.rank_of(c.dp, (c.pp + 1) % self.pp, c.tp, c.cp)
 
     def prev_pp_rank(self, rank: int) -> int:
         """The rank of the previous stage, wrapping from the first stage to the last."""
         c = self.coords(rank)
-        return self.rank_of(c.dp, (c.pp - 1) % self.pp, c.tp)
+        return self.rank_of(c.dp, (c.pp - 1) % self.pp, c.tp, c.cp)
 
     def tp_src_rank(self, rank: int) -> int:
         """First rank of rank's TP group: it reads the batch and broadcasts it to the group."""
         return self.tp_group(rank)[0]
 
     def describe(self) -> str:
-        """A short human summary, e.g. ``"16 ranks = dp 2 x pp 4 x tp 2"``."""
-        return f"{self.world_size} ranks = dp {self.dp} x pp {self.pp} x tp {self.tp}"
+        """A short human summary, e.g. ``"16 ranks = dp 2 x pp 4 x tp 2"`` (``x cp C`` when
+        the sequence is split)."""
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        return f"{self.world_size} ranks = dp {self.dp} x pp {self.pp}{cp} x tp {self.tp}"
 
 
 # ---- live process groups ---------------------------------------------------
@@ -301,6 +343,8 @@ def create_process_groups(
     """
     import torch.distributed as dist
 
+    if grid.cp > 1:
+        raise GridError(f"{grid.describe()}: context-parallel groups are not made yet; use cp 1")
     _check_world(grid, rank)
     mine: dict[str, ProcessGroup] = {}
     for kind, rank_lists in _group_kinds(grid):
