@@ -18,7 +18,8 @@ from gridtrain.selfcheck.report import Report, StepResult
 from gridtrain.selfcheck.runner import EXIT_REFUSED, REPO, Step, plan_steps, run_step
 
 PY = sys.executable
-no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(),
+                            reason="checks the refusal where no GPU is visible; with one, the check runs instead")
 
 
 @no_gpu
