@@ -153,11 +153,20 @@ class ParallelConfig:
     nproc: int | None = option(None, range=">= 1", help="spawn N local worker processes (not under torchrun)",
                                doc="spawn N local worker processes; under `torchrun`, WORLD_SIZE/RANK come from "
                                    "the environment")
-    dp: int | None = option(None, range=">= 1", hint="; or leave it out to use world / (tp x pp)", metavar="D",
-                            help="data-parallel size (default: world / (tp * pp))",
-                            doc="data-parallel size; dp x tp x pp must equal the world size (default: "
-                                "world / (tp x pp))")
+    dp: int | None = option(None, range=">= 1", hint="; or leave it out to use world / (tp x cp x pp)",
+                            metavar="D", help="data-parallel size (default: world / (tp * cp * pp))",
+                            doc="data-parallel size; dp x cp x tp x pp must equal the world size (default: "
+                                "world / (tp x cp x pp))")
     tp: int = option(1, range=">= 1", metavar="T", help="tensor-parallel size")
+    cp: int = option(1, range=">= 1", metavar="C",
+                     help="context-parallel size: each sequence split over C ranks (2C chunks, load-balanced)",
+                     doc="context-parallel size: each sequence is cut into 2 x C chunks and cp rank r holds "
+                         "chunks r and 2C-1-r; dp x cp x tp x pp must equal the world size")
+    cp_comm: str = option("ring", metavar="M", choices=("ring", "allgather"), help="ring | allgather: how attention reaches the other cp ranks' "
+                                                    "keys and values",
+                          doc="`ring` (default: key/value blocks passed around the cp ranks, overlapped with "
+                              "attention) or `allgather` (keys and values all-gathered, gradients "
+                              "reduce-scattered)")
     pp: int = option(1, range=">= 1", metavar="P", help="pipeline-parallel size")
     vpp: int = option(1, range=">= 1", metavar="V", help="model chunks per pipeline rank (interleaved schedule)")
     schedule: str = option("1f1b", metavar="S", help="gpipe | 1f1b | interleaved-1f1b | zb-h1",

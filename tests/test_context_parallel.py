@@ -100,3 +100,69 @@ def test_ring_and_all_gather_attention_equal_one_process(cp):
         assert torch.allclose(gathered[0], expected, rtol=0, atol=1e-12)
     assert [ring_source(cp, 0, t) for t in range(cp)] == [0, *range(cp - 1, 0, -1)]
     assert skipped == 0  # zig-zag: every rank's second chunk sees every block in part
+
+
+# ---- across processes: the autograd attention of the cp group -------------------------------
+
+
+def _one_process_attention(q, k, v):
+    """Causal grouped-query attention of one process, with its input gradients for the
+    upstream gradient ``w`` (the same on every rank's share)."""
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+    return out, leaves
+
+
+def _check_cp_attention(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from gridtrain.parallel.comm import ByteCounter, CommGroup
+    from gridtrain.parallel.context_parallel import ContextParallel, attention
+
+    results = {}
+    groups = {4: dist.new_group([0, 1, 2, 3]), 2: [dist.new_group([0, 1]), dist.new_group([2, 3])]}
+    b, heads, kv_heads, d = 2, 4, 2, 8
+    for cp in (2, 4):
+        group = groups[4] if cp == 4 else groups[2][rank // 2]
+        r = rank % cp
+        s = 4 * cp
+        g = torch.Generator().manual_seed(cp)
+        q = torch.randn(b, heads, s, d, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(b, kv_heads, s, d, generator=g, dtype=torch.float64) for _ in range(2))
+        w = torch.randn(b, heads, s, d, generator=g, dtype=torch.float64)
+        full, leaves = _one_process_attention(q, k, v)
+        (full * w).sum().backward()
+        for mode in ("ring", "allgather"):
+            counter = ByteCounter()
+            ctx = ContextParallel(CommGroup.of("cp", group, counter), mode)
+            mine = [split_sequence(x, cp, r, dim=2).requires_grad_() for x in (q, k, v)]
+            out = attention(*mine, ctx)
+            (out * split_sequence(w, cp, r, dim=2)).sum().backward()
+            errors = [(out - split_sequence(full, cp, r, dim=2)).abs().max().item()]
+            errors += [(m.grad - split_sequence(leaf.grad, cp, r, dim=2)).abs().max().item()
+                       for m, leaf in zip(mine, leaves)]
+            results[(cp, mode)] = (max(errors), dict(counter.bytes))
+    return results
+
+
+@pytest.mark.spawn
+def test_cp_attention_across_ranks_equals_one_process_and_counts_its_bytes():
+    """Ring and all-gather attention on live cp groups of 2 and 4 gloo ranks (grouped
+    queries: 4 heads reading 2 key/value heads), fp64: outputs and the gradients of
+    queries, keys and values equal one process's to 1e-12; the bytes each rank sends are
+    the closed forms (only the 2 kv heads travel; their gradients in the fp64 width)."""
+    from tests.harness import run_on_ranks
+
+    per_rank = run_on_ranks(_check_cp_attention, 4)
+    b, kv_heads, d, e = 2, 2, 8, 8
+    for cp in (2, 4):
+        local = 4 * cp // cp
+        kv = 2 * b * kv_heads * local * d * e  # one rank's keys and values
+        for rank_results in per_rank:
+            err, counted = rank_results[(cp, "ring")]
+            assert err < 1e-12
+            # forward: cp - 1 passes; backward: cp - 1 passes of the block, cp of its gradient
+            assert counted == {("send", "cp"): (cp - 1) * kv + (cp - 1) * kv + cp * kv}
+            err, counted = rank_results[(cp, "allgather")]
+            assert err < 1e-12
+            assert counted == {("all_gather", "cp"): cp * kv, ("reduce_scatter", "cp"): cp * kv}

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from gridtrain.parallel.grid import GridCoord, GridError, ProcessGrid, create_process_groups
+from gridtrain.parallel.grid import GridCoord, GridError, ProcessGrid
 
 # The worked example of DESIGN.md: 16 ranks, tp=2, dp=2, pp=4.
 TP_GROUPS_16 = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
@@ -246,5 +246,15 @@ def test_cp_sizes_are_checked_in_one_line():
         ProcessGrid.build(8, cp=0)
     with pytest.raises(GridError, match="cp index 2 is outside"):
         ProcessGrid.build(4, cp=2).rank_of(0, 0, 0, 2)
-    with pytest.raises(GridError, match="context-parallel groups are not made yet"):
-        create_process_groups(ProcessGrid.build(4, cp=2), 0)
+
+
+def test_the_cp_groups_are_made_only_when_cp_splits():
+    """Every rank walks the same list of groups: with cp 1 exactly the groups a
+    three-axis run makes; with cp > 1 the cp rings and the dp x cp groups after them."""
+    from gridtrain.parallel.grid import _group_kinds
+
+    assert [kind for kind, _ in _group_kinds(ProcessGrid.build(8, tp=2, pp=2))] == ["tp", "dp", "pp", "mp",
+                                                                                      "embedding"]
+    kinds = dict(_group_kinds(ProcessGrid.build(8, tp=2, cp=2, pp=2)))
+    assert kinds["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert kinds["dp_cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -100,7 +100,7 @@ def layout_of(cfg: Config, ctx) -> dict[str, Any]:
     grid = getattr(ctx, "grid", None)
     return {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "dp": grid.dp if grid else 1, "tp": grid.tp if grid else 1, "pp": grid.pp if grid else 1,
-            "vpp": cfg.parallel.vpp, "schedule": cfg.parallel.schedule, "zero": cfg.parallel.zero,
+            "cp": grid.cp if grid else 1, "vpp": cfg.parallel.vpp, "schedule": cfg.parallel.schedule, "zero": cfg.parallel.zero,
             "sequence_parallel": cfg.parallel.sequence_parallel, "dtype": cfg.training.dtype}
 
 
@@ -109,7 +109,7 @@ def layout_of(cfg: Config, ctx) -> dict[str, Any]:
 
 def writes(key: str, param: torch.Tensor, ctx, dp_copies: bool = True) -> bool:
     """Whether this rank writes ``key``'s pieces of ``param``: of the ranks that hold the
-    same pieces (its DP replicas when ``dp_copies``, and the TP ranks holding the same
+    same pieces (its DP and CP replicas when ``dp_copies``, and the TP ranks holding the same
     slice: all of them for a replicated parameter, ``spec.replicas`` for shared kv
     heads), the one a stable hash of the key picks, so that every piece is written once
     and the writes spread over the replicas. Decided before anything is staged: a rank
@@ -118,8 +118,9 @@ def writes(key: str, param: torch.Tensor, ctx, dp_copies: bool = True) -> bool:
         return True
     spec, tp = shard_spec(param), ctx.tp
     tp_copies = tp.size if spec is None else (spec.replicas if tp.size > 1 else 1)
-    dp = ctx.grid.dp if dp_copies else 1
-    index = (ctx.coords.dp if dp_copies else 0) * tp_copies + tp.rank % tp_copies
+    replicas = getattr(ctx, "dp_cp", None) or ctx.dp  # dp x cp: every rank of it holds the same pieces
+    dp = replicas.size if dp_copies else 1
+    index = (replicas.rank if dp_copies else 0) * tp_copies + tp.rank % tp_copies
     return zlib.crc32(key.encode()) % (dp * tp_copies) == index
 
 
@@ -451,5 +452,5 @@ def _same_layout(meta: dict[str, Any], model: nn.Module, ctx) -> bool:
     grid = getattr(ctx, "grid", None)
     here = {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "dp": grid.dp if grid else 1, "tp": grid.tp if grid else 1, "pp": grid.pp if grid else 1,
-            "vpp": len(getattr(model, "chunks", [None]))}
-    return all(saved.get(k) == v for k, v in here.items())
+            "vpp": len(getattr(model, "chunks", [None])), "cp": grid.cp if grid else 1}
+    return all(saved.get(k, 1 if k == "cp" else None) == v for k, v in here.items())

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.config import ModelConfig
+from gridtrain.parallel import context_parallel
+from gridtrain.parallel.context_parallel import ContextParallel
 from gridtrain.parallel.recompute import Recomputation
 from gridtrain.parallel.rng import RNGStatesTracker
 from gridtrain.parallel.tensor_parallel import TensorParallel
@@ -70,11 +72,18 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout
 class SelfAttention(nn.Module):
     """What both architectures' attention layers share: ``n_head / tp`` whole query heads
     per TP rank, the core (recomputed under selective recomputation) and, for the
-    op-by-op core, the causal bias. Subclasses make q, k, v and project the result."""
+    op-by-op core, the causal bias. Subclasses make q, k, v and project the result.
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation):
+    Under context parallelism (``cp`` of more than one rank) the core is
+    :func:`context_parallel.attention` over every cp rank's keys and values, for either
+    core kind. Selective recomputation does not recompute it: it keeps no ``s x s``
+    tensor to drop, and recomputing it would repeat its communication."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation,
+                 cp: ContextParallel | None = None):
         super().__init__()
         self.tp, self.recompute = tp, recompute
+        self.cp = cp or ContextParallel()
         self.local_heads = cfg.n_head // tp.size
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
@@ -88,6 +97,8 @@ class SelfAttention(nn.Module):
         ``cache``, ``k`` and ``v`` join the cached ones and the queries attend over all."""
         if cache is not None:
             y = self.core(*cache.append(q, k, v))
+        elif self.cp.size > 1:
+            y = context_parallel.attention(q, k, v, self.cp)
         elif self.recompute.selective:
             y = self.recompute.checkpoint(self.core, q, k, v)
         else:

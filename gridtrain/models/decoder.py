@@ -29,6 +29,7 @@ from gridtrain.models import llama
 from gridtrain.runtime import activation_meter as memory
 from gridtrain.models.attention import KVCache, LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
+from gridtrain.parallel.context_parallel import ContextParallel
 from gridtrain.parallel.recompute import Recomputation
 from gridtrain.parallel.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: F401
                                        TensorParallel, VocabParallelEmbedding, gather_logits,
@@ -45,8 +46,9 @@ class CausalSelfAttention(SelfAttention):
     recomputes exactly this core.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation):
-        super().__init__(cfg, tp, recompute)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation,
+                 cp: ContextParallel | None = None):
+        super().__init__(cfg, tp, recompute, cp)
         self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, tp, parts=3)
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp)
         self.proj.weight.residual_projection = True  # scaled init, see init_parameters
@@ -85,13 +87,14 @@ class Block(nn.Module):
     grouped-query attention with rotary positions from the shared ``rotary``, SwiGLU)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation,
-                 rotary: llama.Rotary | None = None):
+                 rotary: llama.Rotary | None = None, cp: ContextParallel | None = None):
         super().__init__()
         self.tp = tp
         is_llama = cfg.arch == "llama"
         norm = llama.rms_norm if is_llama else layer_norm
         self.ln1 = norm(cfg, tp)
-        self.attn = llama.Attention(cfg, tp, recompute, rotary) if is_llama else CausalSelfAttention(cfg, tp, recompute)
+        self.attn = (llama.Attention(cfg, tp, recompute, rotary, cp) if is_llama
+                     else CausalSelfAttention(cfg, tp, recompute, cp))
         self.ln2 = norm(cfg, tp)
         self.mlp = llama.SwiGLU(cfg, tp) if is_llama else MLP(cfg, tp)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -116,9 +119,9 @@ class Embedding(nn.Module):
     rotary, inside attention); the token table is padded (see ModelConfig) and split over
     TP by vocabulary rows."""
 
-    def __init__(self, cfg: ModelConfig, padded_vocab: int, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, padded_vocab: int, tp: TensorParallel, cp: ContextParallel | None = None):
         super().__init__()
-        self.tp = tp
+        self.tp, self.cp = tp, cp or ContextParallel()
         self.word = VocabParallelEmbedding(padded_vocab, cfg.d_model, tp)
         self.word.weight.vocab_rows = cfg.vocab_size  # rows past this are padding
         if cfg.arch == "gpt2":
@@ -129,11 +132,16 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """``tokens`` at positions ``offset`` on (after those in a key/value cache)."""
+        """``tokens`` at positions ``offset`` on (after those in a key/value cache); under
+        context parallelism, at this cp rank's true positions."""
         x = self.word(tokens)  # [b, s / tp, d] under sequence parallelism
         if self.position is not None:
             first = self.tp.rank * x.shape[1] if self.tp.sequence_parallel else offset
-            x = x + self.position(torch.arange(first, first + x.shape[1], device=tokens.device))
+            if self.cp.size > 1:  # the cp rank's chunks (its tp share of them under SP)
+                positions = self.cp.positions(tokens.shape[1], tokens.device)[first:first + x.shape[1]]
+            else:
+                positions = torch.arange(first, first + x.shape[1], device=tokens.device)
+            x = x + self.position(positions)
         with self.tp.sharded_dropout():
             return self.dropout(x)
 
@@ -154,26 +162,29 @@ class Decoder(nn.Module):
     the embedding (``pre_process``) or the final norm, head and loss (``post_process``),
     as Megatron's model_provider flags do. A rank with several chunks (interleaved
     schedule) holds them in one module, so parameter names stay global. ``tp`` says how
-    each layer is split (default: not at all), ``recompute`` which activations are
-    recomputed rather than kept (default: none).
+    each layer is split (default: not at all), ``cp`` over which ranks each sequence is
+    split (default: none; then inputs and labels are this cp rank's two chunks,
+    context_parallel.split_sequence), ``recompute`` which activations are recomputed
+    rather than kept (default: none).
     """
 
     def __init__(self, cfg: ModelConfig, *, layer_ids: Iterable[int] | None = None,
                  pre_process: bool = True, post_process: bool = True,
                  tp: TensorParallel | None = None, chunks: list[ChunkSpec] | None = None,
-                 recompute: Recomputation | None = None):
+                 recompute: Recomputation | None = None, cp: ContextParallel | None = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
+        self.cp = cp = cp or ContextParallel()
         self.recompute = recompute = recompute or Recomputation(rng=tp.rng)
         ids = tuple(range(cfg.n_layer) if layer_ids is None else layer_ids)
         self.chunks = chunks or [ChunkSpec(ids, pre_process, post_process)]
         has_embedding = any(c.pre_process for c in self.chunks)
         has_head = any(c.post_process for c in self.chunks)
         self.padded_vocab = cfg.padded_vocab_size(tp.size)
-        self.embedding = Embedding(cfg, self.padded_vocab, tp) if has_embedding else None
+        self.embedding = Embedding(cfg, self.padded_vocab, tp, cp) if has_embedding else None
         rotary = llama.Rotary(cfg) if cfg.arch == "llama" else None  # one table for all blocks
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, recompute, rotary)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, recompute, rotary, cp)
                                      for c in self.chunks for i in c.layer_ids})
         self.final_norm = (llama.rms_norm if cfg.arch == "llama" else layer_norm)(cfg, tp) if has_head else None
         if has_head and not (cfg.tie_embeddings and has_embedding):
@@ -246,7 +257,8 @@ class Decoder(nn.Module):
     def _check_cache(self, cache: KVCache | None, tokens: int) -> None:
         """A key/value cache serves only a whole model in one process, within its context."""
         whole = len(self.chunks) == 1 and self.chunks[0].pre_process and self.chunks[0].post_process
-        if self.tp.size != 1 or self.tp.sequence_parallel or not whole or len(self.blocks) != self.cfg.n_layer:
+        if (self.tp.size != 1 or self.tp.sequence_parallel or self.cp.size != 1 or not whole
+                or len(self.blocks) != self.cfg.n_layer):
             raise ValueError("a key/value cache needs the whole model in one process (tp 1, no pipeline stages, "
                              "no sequence parallelism): gather it first (checkpoint.gather_model)")
         if cache is not None and cache.length + tokens > cache.max_len:

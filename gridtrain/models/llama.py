@@ -43,6 +43,7 @@ from torch import nn
 
 from gridtrain.models.attention import LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
+from gridtrain.parallel.context_parallel import ContextParallel
 from gridtrain.parallel.recompute import Recomputation
 from gridtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, column_linears
 
@@ -150,10 +151,15 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """``x`` ``[b, heads, s, head_dim]`` at positions offset..offset+s-1, rotated."""
-        end = offset + x.shape[-2]
-        return x * self.cos[offset:end] + rotate_half(x) * self.sin[offset:end]
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[b, heads, s, head_dim]`` at positions offset..offset+s-1 (or at
+        ``positions``: a context-parallel rank's true positions), rotated."""
+        if positions is not None:
+            cos, sin = self.cos[positions], self.sin[positions]
+        else:
+            end = offset + x.shape[-2]
+            cos, sin = self.cos[offset:end], self.sin[offset:end]
+        return x * cos + rotate_half(x) * sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -170,8 +176,9 @@ class Attention(SelfAttention):
     each rank computes ``n_head / tp`` query heads and holds the key/value heads they
     read (replicated when tp exceeds the kv head count)."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation, rotary: Rotary):
-        super().__init__(cfg, tp, recompute)
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation, rotary: Rotary,
+                 cp: ContextParallel | None = None):
+        super().__init__(cfg, tp, recompute, cp)
         self.rotary = rotary
         kv = cfg.kv_heads
         self.local_kv_heads = len(kv_heads_of_rank(cfg.n_head, kv, tp.size, tp.rank))
@@ -185,8 +192,9 @@ class Attention(SelfAttention):
         q, k, v = column_linears(x, [self.q.weight, self.k.weight, self.v.weight], self.tp)
         b, s, _ = q.shape
         offset = 0 if cache is None else cache.offset  # positions after the cached tokens
-        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2), offset)
-        k = self.rotary(k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2), offset)
+        positions = self.cp.positions(s, x.device) if self.cp.size > 1 else None  # this cp rank's chunks
+        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2), offset, positions)
+        k = self.rotary(k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2), offset, positions)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         return self.proj(self.attend(q, k, v, cache))
 

@@ -77,7 +77,8 @@ def step_scalars(optimizer: Optimizer, ctx: DistributedContext, loss: torch.Tens
     two) and a read for each: this rank's share of the squared global norm, of the mean
     loss (``loss``: this DP rank's loss sum over the global token count, on the last
     stage; None elsewhere) and of the non-finite flags, as one fp64 vector summed over
-    the model-parallel group, then over DP.
+    the model-parallel group, then over DP x CP (each cp rank's loss sum is over its own
+    chunks of the sequences: their sum is the whole batch's).
 
     Each share is counted once: the optimizer says which gradients this rank counts in
     the norm (interface.py: TP-replicated copies beyond the first TP rank, the tied head
@@ -92,7 +93,7 @@ def step_scalars(optimizer: Optimizer, ctx: DistributedContext, loss: torch.Tens
              optimizer.nonfinite().to(device=device) if check_finite else zero]
     sums = torch.stack(parts)
     ctx.mp.all_reduce(sums)
-    ctx.dp.all_reduce(sums)
+    ctx.dp_cp.all_reduce(sums)
     # the dry run's stand-in: a norm above the clip limit (so clipping runs), finite
     stand_in = [(2.0 * max_norm if max_norm > 0 else 1.0) ** 2, 0.0, 0.0]
     norm_sq, mean_loss, bad = host_sync.read("step_scalars", sums, lambda t: t.tolist(), stand_in=stand_in)

@@ -272,6 +272,35 @@ class CommGroup:
         rec = self.recorder.issue("reduce_scatter", self.name, self.ranks, _nbytes(tensor))
         return Pending(self, rec, tensor, lambda: _reduce_scatter_blocks(self, out, blocks), out)
 
+    def start_ring_step(self, send: torch.Tensor, recv: torch.Tensor) -> "Pending":
+        """One step of a ring: send ``send`` to the next member (``rank + 1``) and receive
+        ``recv`` (a buffer of the same shape and dtype) from the previous one, posted as
+        one ``batch_isend_irecv``; ``wait()`` returns ``recv`` filled. Counted as a
+        ``send`` of ``send``'s bytes; recorded as a send and a receive with their peers.
+
+        Every member must post its ring steps in the same order (point-to-point messages
+        between two ranks are matched in the order they are posted). Under gloo on CUDA
+        both are staged through host memory (:meth:`p2p_via_host`)."""
+        if self.size == 1:
+            return Pending.ready(recv.copy_(send))
+        self.check_device("send", send)
+        self.check_device("recv", recv)
+        send = send.contiguous()
+        self.counter.add("send", self.name, send)
+        staged_send, landed = send, recv
+        if self.p2p_via_host(send):
+            staged_send, landed = send.cpu(), torch.empty_like(recv, device="cpu")
+        to = self.global_rank((self.rank + 1) % self.size)
+        frm = self.global_rank((self.rank - 1) % self.size)
+        nbytes = _nbytes(send)
+        recs = [self.recorder.issue("send", self.name, self.ranks, nbytes, peer=to),
+                self.recorder.issue("recv", self.name, self.ranks, nbytes, peer=frm)]
+        ops = [dist.P2POp(dist.isend, staged_send, to, self.group), dist.P2POp(dist.irecv, landed, frm, self.group)]
+        pending = Pending(self, recs, send, lambda: dist.batch_isend_irecv(ops), recv)
+        if landed is not recv:
+            pending.then(lambda r: r.copy_(landed))
+        return pending
+
     def own_slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         if self.size == 1:
             return tensor
@@ -314,24 +343,29 @@ def _reduce_scatter_blocks(group: CommGroup, out: torch.Tensor, blocks: torch.Te
 
 
 class Pending:
-    """A collective issued asynchronously (``async_op``): :meth:`wait` waits for it, once,
-    and returns its result.
+    """Collectives or point-to-point operations issued asynchronously (``async_op``):
+    :meth:`wait` waits for them, once, and returns the result.
 
-    The flight recorder sees it issued when it is issued and waited for from the moment
-    :meth:`wait` is called, so a hang report tells an op still travelling behind
-    computation from one this rank is blocked on. ``issue`` is called at once; an op that
-    raises while being issued is recorded as done (it failed, it does not hang)."""
+    The flight recorder sees each operation issued when it is issued and waited for from
+    the moment :meth:`wait` is called, so a hang report tells an op still travelling
+    behind computation from one this rank is blocked on. ``issue`` is called at once and
+    returns a work handle or a list of them (a batch of sends and receives); ``rec`` is
+    one record or a list. An op that raises while being issued is recorded as done (it
+    failed, it does not hang)."""
 
     def __init__(self, group: CommGroup | None, rec, tensor: torch.Tensor | None, issue, result) -> None:
-        self.group, self.rec, self.tensor, self._then = group, rec, tensor, None
+        self.group, self.tensor, self._then = group, tensor, None
+        self.recs = [] if rec is None else list(rec) if isinstance(rec, list) else [rec]
         self.result = result
-        self.work = None
+        self.works: list = []
         if issue is not None:
             try:
-                self.work = issue()
+                work = issue()
             except BaseException:
-                group.done(rec, tensor)
+                for r in self.recs:
+                    group.done(r, tensor)
                 raise
+            self.works = list(work) if isinstance(work, list) else [work]
 
     @classmethod
     def ready(cls, result) -> "Pending":
@@ -345,17 +379,20 @@ class Pending:
         return self
 
     def is_completed(self) -> bool:
-        """Whether the collective has finished (without waiting; True once waited for)."""
-        return self.work is None or self.work.is_completed()
+        """Whether the operations have finished (without waiting; True once waited for)."""
+        return all(w.is_completed() for w in self.works)
 
     def wait(self):
-        if self.work is not None:
-            self.group.recorder.wait(self.rec, self.tensor)
+        if self.works:
+            for rec in self.recs:
+                self.group.recorder.wait(rec, self.tensor)
             try:
-                self.work.wait()
+                for work in self.works:  # NCCL coalesces a batch into fewer works than operations
+                    work.wait()
             finally:
-                self.group.done(self.rec, self.tensor)
-            self.work = None
+                for rec in self.recs:
+                    self.group.done(rec, self.tensor)
+            self.works = []
         if self._then is not None:
             self.result, self._then = self._then(self.result), None
         return self.result

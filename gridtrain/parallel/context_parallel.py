@@ -1,9 +1,9 @@
 """Context parallelism's arithmetic: which tokens a cp rank holds, and how attention over
 key/value blocks held by other ranks is put together exactly.
 
-Pure functions on tensors (no process group), each checked against one process's
-attention (tests/test_context_parallel.py). Training does not use them yet: there is no
-``--cp`` axis so far.
+The split and the merge are pure functions on tensors (no process group), each checked
+against one process's attention (tests/test_context_parallel.py); :func:`attention` puts
+them to work across the ranks of a cp group, in one of two ways (``--cp-comm``).
 
 **The load-balanced split.** Causal attention's work grows along the sequence: a
 contiguous split into ``cp`` pieces gives the last rank about ``2cp - 1`` times the
@@ -25,8 +25,14 @@ nothing overflows). A block with no visible key (above the causal diagonal) has
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
+
+from gridtrain.parallel.comm import CommGroup, single
+
+CP_COMM_MODES = ("ring", "allgather")
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -119,3 +125,209 @@ def ring_source(cp: int, rank: int, step: int) -> int:
     """Whose key/value block cp rank ``rank`` holds at step ``step`` of the ring (each step
     every rank passes its block to ``rank + 1``): its own at step 0."""
     return (rank - step) % cp
+
+
+# ---- the cp group as the layers see it ----------------------------------------------------
+
+
+@dataclass
+class ContextParallel:
+    """The cp group a layer's sequence is split over and how its attention communicates
+    (``mode``: ``ring`` or ``allgather``). One rank (the default) splits nothing: every
+    layer then runs exactly as without context parallelism."""
+
+    comm: CommGroup = field(default_factory=lambda: single("cp"))
+    mode: str = "ring"
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def positions(self, local_len: int, device: torch.device | str) -> torch.Tensor:
+        """The true positions of this rank's ``local_len`` tokens (its two chunks of a
+        sequence of ``local_len x size`` tokens)."""
+        return _positions(local_len * self.size, self.size, self.rank, torch.device(device))
+
+
+@lru_cache(maxsize=32)
+def _positions(seq_len: int, cp: int, rank: int, device: torch.device) -> torch.Tensor:
+    return local_positions(seq_len, cp, rank, device)
+
+
+# ---- attention across the cp group --------------------------------------------------------
+#
+# A rank's queries and keys are two chunks each (``n`` tokens). For a query chunk ``a``
+# and a key chunk ``c`` (their indices among the ``2 cp``): ``c < a`` every key is seen,
+# ``c == a`` the causal triangle, ``c > a`` nothing (the pair is skipped). Each visible
+# pair is one block of a blockwise ("flash") attention: its scores are made, reduced to
+# an output and a log-sum-exp, and merged into the query chunk's running result with
+# :func:`merge`; no ``s x s`` tensor outlives its block. The backward remakes each pair's
+# probabilities from the saved final log-sum-exp (``p = exp(s - lse)``) and the row sums
+# ``D = sum(dO * O)``: ``dV = p^T dO``, ``dS = p * (dO V^T - D)``, ``dQ = dS K``,
+# ``dK = dS^T Q`` (scaled).
+#
+# Grouped-query attention: the ``g = heads / kv_heads`` query heads that read one
+# key/value head are folded into its rows (``[b, kv_heads, g * n, d]``), so one matrix
+# product serves them all and the key/value gradients sum over them for free; only the
+# ``kv_heads`` heads travel between ranks.
+
+
+def visible_pairs(cp: int, q_rank: int, k_rank: int) -> list[tuple[int, int, bool]]:
+    """The (query half, key half, causal) chunk pairs in which cp rank ``q_rank``'s
+    queries see keys held by ``k_rank`` (halves 0 and 1 of each rank's tokens);
+    ``causal``: the diagonal block, else every key is seen."""
+    pairs = []
+    for qi, qc in enumerate(chunk_ids(cp, q_rank)):
+        for ki, kc in enumerate(chunk_ids(cp, k_rank)):
+            if kc <= qc:
+                pairs.append((qi, ki, kc == qc))
+    return pairs
+
+
+def _fold(x: torch.Tensor, kv_heads: int, wide: torch.dtype) -> list[torch.Tensor]:
+    """``[b, heads, 2n, d]`` -> its two halves, each ``[b, kv_heads, g * n, d]`` in ``wide``."""
+    b, heads, length, d = x.shape
+    grouped = x.unflatten(1, (kv_heads, heads // kv_heads))  # [b, kv, g, 2n, d]
+    return [h.to(wide).reshape(b, kv_heads, -1, d) for h in grouped.chunk(2, dim=3)]
+
+
+def _unfold(halves: list[torch.Tensor], heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`_fold`: ``[b, heads, 2n, d]`` in ``dtype``."""
+    b, kv_heads, rows, d = halves[0].shape
+    g = heads // kv_heads
+    parts = [h.view(b, kv_heads, g, rows // g, d) for h in halves]
+    return torch.cat(parts, dim=3).flatten(1, 2).to(dtype)
+
+
+@lru_cache(maxsize=16)
+def _above_diagonal(n: int, g: int, device: torch.device) -> torch.Tensor:
+    """``[g * n, n]``: True where key j lies after query row i's position (``i mod n``)."""
+    i = torch.arange(n, device=device)
+    return (i[None, :] > i[:, None]).repeat(g, 1)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        n = k.shape[-2]
+        s = s.masked_fill(_above_diagonal(n, q.shape[-2] // n, q.device), float("-inf"))
+    return s
+
+
+def _forward_blocks(qh: list[torch.Tensor], kv: torch.Tensor, pairs, acc: list, scale: float) -> None:
+    """Merge the visible pairs of one rank's key/value block ``kv`` (``[2, b, kv_heads,
+    2n, d]``) into ``acc`` (per query half: (output, log-sum-exp) so far, or None)."""
+    k_halves = kv[0].to(qh[0].dtype).chunk(2, dim=2)
+    v_halves = kv[1].to(qh[0].dtype).chunk(2, dim=2)
+    for qi, ki, causal in pairs:
+        s = _scores(qh[qi], k_halves[ki], causal, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        out = torch.matmul(torch.exp(s - lse[..., None]), v_halves[ki])
+        acc[qi] = (out, lse) if acc[qi] is None else merge(*acc[qi], out, lse)
+
+
+def _backward_blocks(qh, doh, lse, rowsum, kv: torch.Tensor, pairs, dqh, scale: float) -> torch.Tensor:
+    """Gradients of the visible pairs with block ``kv``: added into ``dqh`` (per query
+    half); returned for the block's keys and values, ``[2, b, kv_heads, 2n, d]`` wide."""
+    wide = qh[0].dtype
+    k_halves = kv[0].to(wide).chunk(2, dim=2)
+    v_halves = kv[1].to(wide).chunk(2, dim=2)
+    dkv = torch.zeros(kv.shape, dtype=wide, device=kv.device)
+    dk_halves, dv_halves = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
+    for qi, ki, causal in pairs:
+        p = torch.exp(_scores(qh[qi], k_halves[ki], causal, scale) - lse[qi][..., None])
+        dv_halves[ki].add_(torch.matmul(p.transpose(-1, -2), doh[qi]))
+        ds = p * (torch.matmul(doh[qi], v_halves[ki].transpose(-1, -2)) - rowsum[qi][..., None])
+        dqh[qi].add_(torch.matmul(ds, k_halves[ki]), alpha=scale)
+        dk_halves[ki].add_(torch.matmul(ds.transpose(-1, -2), qh[qi]), alpha=scale)
+    return dkv
+
+
+class _CPAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the keys and values of the whole cp
+    group; ``cp.mode`` says how the other ranks' blocks arrive (see :func:`attention`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel):
+        wide = torch.promote_types(q.dtype, torch.float32)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        kv_heads, size, rank = k.shape[1], cp.size, cp.rank
+        qh = _fold(q, kv_heads, wide)
+        acc: list = [None, None]
+        kv = torch.stack([k, v])  # [2, b, kv_heads, 2n, d]: one message per block
+        if cp.mode == "ring":
+            for step in range(size):
+                # pass the block on while attending over it: the next one arrives meanwhile
+                nxt = cp.comm.start_ring_step(kv, torch.empty_like(kv)) if step < size - 1 else None
+                _forward_blocks(qh, kv, visible_pairs(size, rank, ring_source(size, rank, step)), acc, scale)
+                if nxt is not None:
+                    kv = nxt.wait()
+            saved = (k, v)
+        else:
+            gathering = cp.comm.start_all_gather_into(kv.new_empty((size, *kv.shape)), kv)
+            _forward_blocks(qh, kv, visible_pairs(size, rank, rank), acc, scale)  # while the gather travels
+            gathered = gathering.wait()
+            for src in range(size):
+                if src != rank:
+                    _forward_blocks(qh, gathered[src], visible_pairs(size, rank, src), acc, scale)
+            saved = (gathered,)
+        out = _unfold([a[0] for a in acc], q.shape[1], q.dtype)
+        ctx.cp, ctx.kv_dtype, ctx.n_saved = cp, k.dtype, len(saved)
+        ctx.save_for_backward(q, out, acc[0][1], acc[1][1], *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse0, lse1, *saved = ctx.saved_tensors
+        cp, size, rank = ctx.cp, ctx.cp.size, ctx.cp.rank
+        wide = lse0.dtype
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        kv_heads = saved[0].shape[-3]
+        qh, doh, oh = (_fold(x, kv_heads, wide) for x in (q, dout, out))
+        rowsum = [(do * o).sum(-1) for do, o in zip(doh, oh)]
+        lse, dqh = [lse0, lse1], [torch.zeros_like(h) for h in qh]
+        if cp.mode == "ring":
+            kv, incoming = torch.stack(saved), None
+            for step in range(size):
+                nxt = cp.comm.start_ring_step(kv, torch.empty_like(kv)) if step < size - 1 else None
+                src = ring_source(size, rank, step)
+                dkv = _backward_blocks(qh, doh, lse, rowsum, kv, visible_pairs(size, rank, src), dqh, scale)
+                if incoming is not None:  # what the ranks before added to this block's gradient
+                    dkv += incoming.wait()
+                # the gradient travels with its block, and after the last step reaches its owner
+                incoming = cp.comm.start_ring_step(dkv, torch.empty_like(dkv))
+                if nxt is not None:
+                    kv = nxt.wait()
+            own = incoming.wait()
+        else:
+            (gathered,) = saved
+            dkv = torch.stack([_backward_blocks(qh, doh, lse, rowsum, gathered[src], visible_pairs(size, rank, src),
+                                                dqh, scale) for src in range(size)])
+            own = cp.comm.reduce_scatter(dkv, dim=0)[0]
+        return _unfold(dqh, q.shape[1], q.dtype), own[0].to(ctx.kv_dtype), own[1].to(ctx.kv_dtype), None
+
+
+@torch._dynamo.disable
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """Causal attention of this cp rank's queries ``q`` ``[b, heads, 2n, d]`` over the
+    keys and values ``k``, ``v`` ``[b, kv_heads, 2n, d]`` of every rank of ``cp``: the
+    same numbers as one process attending over the whole sequence, for this rank's
+    tokens (its two chunks, :func:`split_sequence`).
+
+    ``cp.mode == "ring"``: each of ``cp`` steps attends over one rank's block while
+    passing it on to the next rank (the transfer hides behind the attention); the
+    backward passes the blocks around again, each with its gradient, which reaches the
+    block's owner after the last step. ``"allgather"``: one all-gather of every rank's
+    keys and values (the local block is attended while it travels), one reduce-scatter
+    of their gradients. Either way only ``kv_heads`` heads travel, and what is kept for
+    the backward is ``q``, the output, one log-sum-exp per query and the keys and values
+    (the gathered ones under all-gather): nothing of size ``s x s``. Scores and sums are
+    computed in fp32 or wider; gradients of keys and values travel in that width.
+
+    Outside ``torch.compile``'s graphs (a compiled block breaks around it): its
+    point-to-point sends are not traceable."""
+    return _CPAttention.apply(q, k, v, cp)

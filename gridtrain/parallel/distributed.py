@@ -24,6 +24,7 @@ from gridtrain.runtime import watchdog
 from gridtrain.parallel.comm import ByteCounter, CommGroup
 from gridtrain.config import Config
 from gridtrain.runtime.devices import cuda_device_from_env, process_group_device, shares_gpus
+from gridtrain.parallel.context_parallel import ContextParallel
 from gridtrain.parallel.grid import ProcessGrid, ProcessGroups, create_process_groups
 from gridtrain.runtime.launch import backend_for, init_from_env, resolve_device_type
 from gridtrain.parallel.recompute import Recomputation, policy_from
@@ -50,6 +51,15 @@ class DistributedContext:
     embedding: CommGroup | None  # first and last pipeline stage (tied embeddings), if a member
     bytes: ByteCounter  # every counted collective of this rank
     recorder: watchdog.FlightRecorder = field(default_factory=watchdog.process_recorder)  # the flight recorder
+    cp: ContextParallel = field(default_factory=ContextParallel)  # the cp ring the sequence is split over
+    # dp x cp, the ranks holding the same parameters, each with part of the global batch
+    # (its dp slice, its cp chunks): gradients are averaged, ZeRO-1 shards, losses and
+    # token counts are summed and checkpoint writes spread over it. The dp group when cp is 1.
+    dp_cp: CommGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.dp_cp is None:
+            self.dp_cp = self.dp
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -65,7 +75,7 @@ class DistributedContext:
     def is_logging_rank(self) -> bool:
         """The rank that holds the loss and writes progress: last stage, first DP/TP rank."""
         c = self.coords
-        return self.grid.is_last_stage(self.rank) and c.dp == 0 and c.tp == 0
+        return self.grid.is_last_stage(self.rank) and c.dp == 0 and c.tp == 0 and c.cp == 0
 
 
 def launched_by_env() -> bool:
@@ -103,7 +113,7 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     init_default_group(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     p = cfg.parallel
-    grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp)
+    grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     timeout_s = cfg.training.dist_timeout_s
     groups = create_process_groups(grid, rank, timeout=timedelta(seconds=watchdog.backstop_timeout_s(timeout_s)))
     device = rank_device(resolve_device_type(cfg.training.device), backend=cfg.training.backend)
@@ -111,7 +121,7 @@ def setup_distributed(cfg: Config) -> DistributedContext:
         torch.cuda.set_device(device)
     # Dropout masks differ between pipeline stages (they hold different layers) but not
     # between DP replicas or TP ranks, as in Megatron; TP regions draw from their own
-    # per-rank stream.
+    # per-rank stream. (cp > 1 runs without dropout: validate.py refuses it.)
     coords = grid.coords(rank)
     seed = cfg.training.seed + 100 * coords.pp
     torch.manual_seed(seed)
@@ -134,7 +144,16 @@ def setup_distributed(cfg: Config) -> DistributedContext:
                               mp=CommGroup.of("mp", groups.mp, counter, device=device),
                               pp=CommGroup.of("pp", groups.pp, counter, device=device),
                               embedding=_embedding_group(grid, rank, groups, counter, device), bytes=counter,
-                              recorder=recorder)
+                              recorder=recorder, cp=_context_parallel(groups, p.cp_comm, counter, device),
+                              dp_cp=CommGroup.of("dp_cp", groups.dp_cp, counter, device=device)
+                              if groups.dp_cp is not None else None)
+
+
+def _context_parallel(groups: ProcessGroups, mode: str, counter: ByteCounter,
+                      device: torch.device) -> ContextParallel:
+    if groups.cp is None:
+        return ContextParallel(mode=mode)
+    return ContextParallel(CommGroup.of("cp", groups.cp, counter, device=device), mode)
 
 
 def _embedding_group(grid: ProcessGrid, rank: int, groups: ProcessGroups,

@@ -1,4 +1,4 @@
-"""The process grid: which rank holds which (dp, pp, tp) coordinate, and its groups.
+"""The process grid: which rank holds which (dp, pp, tp, cp) coordinate, and its groups.
 
 The first half of this module is pure rank arithmetic. It never touches
 ``torch.distributed``, so every layout can be checked in a unit test without
@@ -19,8 +19,8 @@ split a sequence), then DP, then PP::
 TP neighbours are adjacent ranks (on GPUs: the same node, the fastest links,
 which TP needs most), CP next (its ring passes keys and values every layer);
 pipeline stages are the furthest apart (PP sends the least data). With cp = 1 the
-layout is the three-axis one. The live groups (second half) do not make CP groups yet:
-a grid with cp > 1 is refused there.
+layout is the three-axis one. Every cp rank holds whole layers, as a dp rank does, so
+dense gradients are reduced over the dp x cp group (:meth:`ProcessGrid.dp_cp_group`).
 """
 
 from __future__ import annotations
@@ -286,17 +286,24 @@ class ProcessGroups:
     pp: ProcessGroup
     mp: ProcessGroup
     embedding: ProcessGroup | None  # None on middle pipeline stages: they hold no embedding
+    cp: ProcessGroup | None = None  # the cp ring and dp x cp (dense gradients): made only when cp > 1
+    dp_cp: ProcessGroup | None = None
 
 
 def _group_kinds(grid: ProcessGrid) -> list[tuple[str, list[list[int]]]]:
-    """Every kind of group with all of its rank lists, in the one order all ranks use."""
-    return [
+    """Every kind of group with all of its rank lists, in the one order all ranks use.
+    The cp and dp x cp groups exist only when cp > 1 (with cp 1 the dp group is the
+    dp x cp group, and a run makes exactly the groups it made before cp existed)."""
+    kinds = [
         ("tp", grid.all_tp_groups()),
         ("dp", grid.all_dp_groups()),
         ("pp", grid.all_pp_groups()),
         ("mp", grid.all_model_parallel_groups()),
         ("embedding", grid.all_embedding_groups()),
     ]
+    if grid.cp > 1:
+        kinds += [("cp", grid.all_cp_groups()), ("dp_cp", grid.all_dp_cp_groups())]
+    return kinds
 
 
 def _check_world(grid: ProcessGrid, rank: int) -> None:
@@ -343,8 +350,6 @@ def create_process_groups(
     """
     import torch.distributed as dist
 
-    if grid.cp > 1:
-        raise GridError(f"{grid.describe()}: context-parallel groups are not made yet; use cp 1")
     _check_world(grid, rank)
     mine: dict[str, ProcessGroup] = {}
     for kind, rank_lists in _group_kinds(grid):

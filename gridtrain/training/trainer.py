@@ -16,8 +16,9 @@ loop (train.py), the benchmarks and the tests share:
 A :class:`Trainer` then runs one optimizer step (:meth:`Trainer.train_step`), a
 validation pass, or a save. The loss is defined once: the mean over every loss-bearing
 token of the global batch. Each micro-batch's summed loss is scaled by
-``dp / global_tokens`` before backward, so that averaging gradients over the DP group
-yields exactly that mean's gradient for any number of DP ranks and micro-batches.
+``dp x cp / global_tokens`` before backward, so that averaging gradients over the
+dp x cp group yields exactly that mean's gradient for any number of DP ranks, cp ranks
+and micro-batches (cp ranks hold the same parameters and part of every sequence).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from gridtrain.checkpoint.background import BackgroundSaver
 from gridtrain.checkpoint.sharded import SaveReport
 from gridtrain.config import Config
 from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
+from gridtrain.parallel.context_parallel import split_sequence
 from gridtrain.parallel.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.parallel.distributed import DistributedContext, setup_distributed
 from gridtrain.optim.distributed_optimizer import DistributedOptimizer, LossScaler
@@ -110,7 +112,7 @@ class Trainer:
         every_label_counts = self.data is not None and self.data.every_label_counts
         global_tokens = _global_token_count(batches, ctx, every_label_counts) if holds_loss else 1
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        loss_sum, stats = self.pipeline.run(batches, ctx.grid.dp / global_tokens * scale,
+        loss_sum, stats = self.pipeline.run(batches, ctx.dp_cp.size / global_tokens * scale,
                                             lambda: reduce_gradients(self.model, self.reducer, ctx))
         if self.scaler is not None:
             self.optimizer.unscale(scale)
@@ -148,7 +150,7 @@ class Trainer:
                     totals[1] += (b["labels"] != IGNORE_INDEX).sum()
         self.model.train()
         if holds_loss:
-            ctx.dp.all_reduce(totals)
+            ctx.dp_cp.all_reduce(totals)
         mean = ctx.pp.broadcast(totals[0] / totals[1].clamp(min=1), src_index=ctx.grid.pp - 1)
         return host_sync.read("valid_loss", mean, stand_in=0.0)
 
@@ -210,7 +212,7 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     if t.compile and compile_blocks(model) == 0:
         raise ValueError("--compile compiles gridtrain's transformer blocks (model.Block), and this model has "
                          "none; drop --compile or torch.compile your model in its provider")
-    broadcast_parameters(model, ctx.dp)
+    broadcast_parameters(model, ctx.dp_cp)
     data = datasets_provider(cfg) if datasets_provider is not None else None
     sampler = None
     if data is not None:
@@ -218,7 +220,7 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
                                      ctx.grid.dp, ctx.coords.dp, t.seed)
     micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.grid.dp)
     pipeline = build_pipeline(model, cfg, ctx, forward_step, micro_batches)
-    reducer = GradientReducer(model, ctx.dp, accumulations=micro_batches,
+    reducer = GradientReducer(model, ctx.dp_cp, accumulations=micro_batches,
                               bucket_mb=cfg.parallel.bucket_mb, shard=cfg.parallel.zero == 1, device=ctx.device,
                               in_place=not uses_split_backward(cfg.parallel.schedule),
                               alone=[p for p in [tied_parameter(model, ctx.embedding)] if p is not None])
@@ -253,7 +255,7 @@ def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forwa
     """This rank's stage of the schedule; with one stage, a plain gradient-accumulation loop."""
     p, v, m = ctx.grid.pp, cfg.parallel.vpp, num_micro_batches
     actions = build_schedule(cfg.parallel.schedule, p, m, v)[ctx.coords.pp]
-    seq = cfg.model.seq_len // (ctx.tp.size if ctx.tp.sequence_parallel else 1)
+    seq = cfg.model.seq_len // ctx.cp.size // (ctx.tp.size if ctx.tp.sequence_parallel else 1)
     return PipelineStage(model, actions, stage=ctx.coords.pp, num_stages=p, chunks=v, pp=ctx.pp,
                          activation_shape=(cfg.training.micro_batch_size, seq, cfg.model.d_model),
                          activation_dtype=ctx.param_dtype, device=ctx.device,
@@ -266,9 +268,9 @@ def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx:
     flat master weights, sharded over DP with ZeRO-1 (distributed_optimizer.py)."""
     if cfg.parallel.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64):
         counted = [p for p in model.parameters() if p.requires_grad and counts_towards_norm(p, ctx.tp.rank)]
-        return AdamW(build_optimizer(model, cfg.optim), counted if ctx.coords.dp == 0 else [], ctx.device)
+        return AdamW(build_optimizer(model, cfg.optim), counted if ctx.dp_cp.rank == 0 else [], ctx.device)
     master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
-    return DistributedOptimizer(reducer, cfg.optim, dp=ctx.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master)
+    return DistributedOptimizer(reducer, cfg.optim, dp=ctx.dp_cp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master)
 
 
 def gather_before_forwards(model: nn.Module, optimizer: Optimizer) -> None:
@@ -295,27 +297,31 @@ def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int, ctx: Dis
                        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> list[Batch] | None:
     """This rank's micro-batches of ``step``, on the stages that embed tokens or compute
     the loss (None elsewhere): read by the TP group's first rank and broadcast (``shapes``:
-    see :func:`batch_shapes`; None: they are broadcast too)."""
+    see :func:`batch_shapes`; None: they are broadcast too); under context parallelism,
+    each sequence's two chunks this cp rank holds (context_parallel.split_sequence)."""
     if not (ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
         return None
     ids = sampler.micro_batches(step)
     batches = None
     if ctx.tp.rank == 0:
         batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in collate(dataset, i).items()} for i in ids]
-    return broadcast_batches(batches, len(ids), ctx.tp, ctx.device, shapes)
+    batches = broadcast_batches(batches, len(ids), ctx.tp, ctx.device, shapes)
+    if ctx.cp.size > 1:
+        batches = [{k: split_sequence(v, ctx.cp.size, ctx.cp.rank) for k, v in b.items()} for b in batches]
+    return batches
 
 
 def _global_token_count(batches: list[Batch], ctx: DistributedContext, every_label_counts: bool = False) -> int:
-    """Loss-bearing tokens in the whole global batch (all DP ranks), known before backward:
-    every label when the datasets say so (``Datasets.every_label_counts``: no collective,
-    no host read), else counted and summed over DP."""
-    every_label = ctx.grid.dp * sum(b["labels"].numel() for b in batches)  # also the dry run's stand-in
+    """Loss-bearing tokens in the whole global batch (all DP ranks and cp chunks), known
+    before backward: every label when the datasets say so (``Datasets.every_label_counts``:
+    no collective, no host read), else counted and summed over DP x CP."""
+    every_label = ctx.dp_cp.size * sum(b["labels"].numel() for b in batches)  # also the dry run's stand-in
     if every_label_counts:
         return every_label
     # summed on the device: one host read for the whole step, not one per micro-batch
     local = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
     count = local.reshape(1).to(device=ctx.device, dtype=torch.int64)
-    ctx.dp.all_reduce(count)
+    ctx.dp_cp.all_reduce(count)
     tokens = host_sync.read("token_count", count, int, stand_in=every_label)
     if tokens == 0:
         raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")

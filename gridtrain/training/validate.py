@@ -46,6 +46,7 @@ from gridtrain.config import (ROPE_SCALINGS, ActivationsConfig, Config, ConfigEr
                               under_torchrun, world_size_of)
 from gridtrain.data import DataError, check_enough_tokens, count_tokens, load_tokenizer
 from gridtrain.runtime.devices import gpu_shortage, shares_gpus
+from gridtrain.parallel.context_parallel import split_problem
 from gridtrain.parallel.grid import GridError, ProcessGrid
 from gridtrain.checkpoint.huggingface import HFError, check_init_from
 from gridtrain.runtime.launch import resolve_device_type
@@ -132,9 +133,26 @@ def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
     _require(p.nproc is None or not under_torchrun() or p.nproc == world_size,
              f"--nproc {p.nproc} differs from torchrun's {world_size} workers; drop --nproc under torchrun")
     try:
-        ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp)
+        ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     except GridError as e:
         raise ConfigError(str(e)) from None
+
+
+def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
+    """Each cp rank must hold two whole chunks of every sequence (and, under sequence
+    parallelism, a share that tp divides); what cp cannot reproduce is refused."""
+    if p.cp == 1:
+        return
+    problem = split_problem(m.seq_len, p.cp)
+    _require(problem is None, f"--cp {p.cp}: {problem}")
+    local = m.seq_len // p.cp
+    _require(not (p.sequence_parallel and p.tp > 1) or local % p.tp == 0,
+             f"--sequence-parallel with --cp {p.cp}: --tp {p.tp} does not divide the {local} tokens each cp rank "
+             f"holds (--seq-len / cp); choose a sequence length that is a multiple of {2 * p.cp * p.tp}")
+    _require(m.dropout == 0,
+             f"--dropout {m.dropout} with --cp {p.cp}: dropout masks under context parallelism would not be the "
+             "one-process masks (each rank draws for its own tokens); use --dropout 0 (as Llama and long-context "
+             "runs train) or --cp 1")
 
 
 def _validate_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
@@ -375,7 +393,8 @@ def validate(cfg: Config, world_size: int | None = None, *, data: bool = True) -
     _validate_host(cfg)
     _validate_cuda(p, t)
     _validate_tensor_parallel(m, p)
-    _validate_pipeline(cfg, world_size // (p.tp * p.pp))
+    _validate_context_parallel(m, p)
+    _validate_pipeline(cfg, world_size // (p.tp * p.cp * p.pp))
     if data:
         _validate_data(cfg.data, m, t)
     _validate_outputs(cfg)
