@@ -23,7 +23,6 @@ from gridtrain import dryrun
 from gridtrain.models import llama
 from gridtrain.memory import activations as memory
 from gridtrain.memory.model import expected_activation_peak, expected_bytes
-from gridtrain.parallel.comm import CommGroup
 from gridtrain.config import ModelConfig, preset_config, set_fields
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.models.decoder import Decoder, block_parameters, count_parameters, init_parameters, training_flops_per_token
@@ -31,7 +30,7 @@ from gridtrain.parallel.recompute import Recomputation, policy_from
 from gridtrain.parallel.split_backward import WeightGradStore
 from gridtrain.parallel.tensor_parallel import ShardSpec, TensorParallel, shard, shard_spec, unshard
 from gridtrain.runtime.activation_meter import ActivationMeter, saved_activations
-from tests.training import relative_difference, train_in_process, train_layouts
+from tests.training import assert_rank_matches, fake_tp as _fake_tp, relative_difference, train_in_process, train_layouts
 
 TINY = preset_config("llama-tiny").model
 
@@ -44,10 +43,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def _fake_tp(size: int, rank: int) -> TensorParallel:
-    return TensorParallel(CommGroup("tp", None, size=size, rank=rank))
 
 
 def build(cfg: ModelConfig = TINY, **kwargs) -> Decoder:
@@ -325,24 +320,6 @@ def _reference(cfg) -> dict:
     if key not in _references:
         _references[key] = train_in_process(_config(*key))
     return _references[key]
-
-
-def assert_rank_matches(run: dict, reference: dict, cfg, tp_rank: int, rtol: float = 1e-9) -> None:
-    """Losses, grad norms and validation loss agree, and every weight this rank holds
-    equals its TP shard of the one-process weight (kv heads it replicates included)."""
-    for key in ("losses", "grad_norms"):
-        assert relative_difference(run[key], reference[key]) <= rtol, key
-    assert abs(run["valid_loss"] - reference["valid_loss"]) <= rtol * reference["valid_loss"]
-    tp = cfg.parallel.tp
-    layout = dict(Decoder(cfg.model, tp=_fake_tp(tp, tp_rank)).named_parameters())
-    for name, value in run["state"].items():
-        full = torch.from_numpy(reference["state"][name])
-        spec = shard_spec(layout[name])
-        if spec is not None:
-            padded = full.new_zeros(spec.full_shape(layout[name].shape, tp))
-            padded[tuple(slice(0, n) for n in full.shape)] = full
-            full = shard(padded, spec, tp_rank, tp)
-        assert relative_difference(value, full.numpy()) <= rtol, name
 
 
 # (n_kv_head, changes) per cell; one spawned world per world size runs its cells in turn

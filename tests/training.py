@@ -8,8 +8,12 @@ from __future__ import annotations
 
 
 import numpy as np
+import torch
 
 from gridtrain.config import Config, preset_config, set_fields
+from gridtrain.models.decoder import Decoder
+from gridtrain.parallel.comm import CommGroup
+from gridtrain.parallel.tensor_parallel import TensorParallel, shard, shard_spec
 from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
 from gridtrain.training.loop import TrainResult, pretrain
 from tests.harness import run_on_ranks
@@ -86,3 +90,28 @@ def assert_same_training(run: dict, reference: dict, rtol: float, weight_rtol: f
     for name, value in run["state"].items():
         diff = relative_difference(value, reference["state"][name])
         assert diff <= weight_rtol, f"{name}: relative difference {diff:.3g} > {weight_rtol:g}"
+
+
+def fake_tp(size: int, rank: int) -> TensorParallel:
+    """Layers only need the size and rank to shape themselves; no process group."""
+    return TensorParallel(CommGroup("tp", None, size=size, rank=rank))
+
+
+def assert_rank_matches(run: dict, reference: dict, cfg: Config, tp_rank: int, rtol: float = 1e-9) -> None:
+    """Losses, grad norms and validation loss agree, and every weight this rank holds
+    (its pipeline stage's) equals its TP shard of the one-process weight (kv heads it
+    replicates included; a last stage's copy of the tied embedding equals the embedding)."""
+    for key in ("losses", "grad_norms"):
+        assert relative_difference(run[key], reference[key]) <= rtol, key
+    assert abs(run["valid_loss"] - reference["valid_loss"]) <= rtol * reference["valid_loss"]
+    tp = cfg.parallel.tp
+    layout = dict(Decoder(cfg.model, tp=fake_tp(tp, tp_rank)).named_parameters())
+    for name, value in run["state"].items():
+        whole = name if name in reference["state"] else "embedding.word.weight"  # a tied head copy
+        full = torch.from_numpy(reference["state"][whole])
+        spec = shard_spec(layout[whole])
+        if spec is not None:
+            padded = full.new_zeros(spec.full_shape(layout[whole].shape, tp))
+            padded[tuple(slice(0, n) for n in full.shape)] = full
+            full = shard(padded, spec, tp_rank, tp)
+        assert relative_difference(value, full.numpy()) <= rtol, name
