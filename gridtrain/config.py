@@ -139,6 +139,9 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
+CP_COMM_MODES = ("ring", "allgather")  # how attention reaches the other cp ranks (parallel/context_parallel.py)
+
+
 @dataclass
 class ParallelConfig:
     """Sizes of the device grid, how the work is scheduled on it, and how the data-parallel
@@ -162,7 +165,7 @@ class ParallelConfig:
                      help="context-parallel size: each sequence split over C ranks (2C chunks, load-balanced)",
                      doc="context-parallel size: each sequence is cut into 2 x C chunks and cp rank r holds "
                          "chunks r and 2C-1-r; dp x cp x tp x pp must equal the world size")
-    cp_comm: str = option("ring", metavar="M", choices=("ring", "allgather"), help="ring | allgather: how attention reaches the other cp ranks' "
+    cp_comm: str = option("ring", metavar="M", choices=CP_COMM_MODES, help="ring | allgather: how attention reaches the other cp ranks' "
                                                     "keys and values",
                           doc="`ring` (default: key/value blocks passed around the cp ranks, overlapped with "
                               "attention) or `allgather` (keys and values all-gathered, gradients "

@@ -105,6 +105,7 @@ class RankMemory:
     peak_bytes: int
     sync_points: list[str] = field(default_factory=list)  # named host reads the step made
     seconds: float = 0.0
+    cp: int = 0
 
 
 # ---- which ranks ---------------------------------------------------------------------------------
@@ -286,7 +287,7 @@ def _fake_batches(cfg: Config, trainer) -> list[dict[str, torch.Tensor]] | None:
     on the TP group's first rank (on the host, as a dataset gives them) and passed to the
     others as trainer.read_micro_batches does (tensor_parallel.broadcast_batches)."""
     from gridtrain.parallel.tensor_parallel import broadcast_batches
-    from gridtrain.training.trainer import batch_shapes
+    from gridtrain.training.trainer import batch_shapes, own_chunks
 
     ctx = trainer.ctx
     if not (ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
@@ -296,7 +297,7 @@ def _fake_batches(cfg: Config, trainer) -> list[dict[str, torch.Tensor]] | None:
     if ctx.tp.rank == 0:
         batches = [{k: torch.randint(0, cfg.model.vocab_size, shape).to(ctx.device) for k in ("tokens", "labels")}
                    for _ in range(n)]
-    return broadcast_batches(batches, n, ctx.tp, ctx.device, batch_shapes(cfg))
+    return own_chunks(broadcast_batches(batches, n, ctx.tp, ctx.device, batch_shapes(cfg)), ctx)
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -330,7 +331,7 @@ def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
         grads.pop(key, None)
     optim = _storages(trainer.optimizer.state_tensors())
     c = ctx.coords
-    return RankMemory(rank=ctx.rank, dp=c.dp, pp=c.pp, tp=c.tp, parameters=sum(p.numel() for p in params),
+    return RankMemory(rank=ctx.rank, dp=c.dp, pp=c.pp, tp=c.tp, cp=c.cp, parameters=sum(p.numel() for p in params),
                       parameter_bytes=sum(param_storages.values()), gradient_bytes=sum(grads.values()),
                       optimizer_bytes=sum(optim.values()), activation_peak_bytes=meter.peak_bytes,
                       peak_bytes=tracker.peak, sync_points=sorted(set(hits)))
@@ -379,7 +380,7 @@ def dry_run(cfg: Config, world_size: int, ranks: str = "edges", report: str | No
             out=print) -> dict:
     """Run the chosen ranks; print a table; write the JSON report; return it."""
     p = cfg.parallel
-    grid = ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp)
+    grid = ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     device_type = dry_run_device(cfg.training.device)
     chosen = choose_ranks(grid, ranks)
     out(f"dry run: {grid.describe()}, ranks {chosen}, device {device_type} (fake tensors, fake process group)")
@@ -395,10 +396,10 @@ def dry_run(cfg: Config, world_size: int, ranks: str = "edges", report: str | No
 
 def table_lines(results: list[RankMemory]) -> list[str]:
     gib = lambda n: f"{n / 2**20:10.1f}"  # noqa: E731
-    lines = [f"{'rank':>6} {'dp':>4} {'pp':>3} {'tp':>3} {'parameters':>13} {'params MiB':>10} {'grads MiB':>10} "
+    lines = [f"{'rank':>6} {'dp':>4} {'pp':>3} {'cp':>3} {'tp':>3} {'parameters':>13} {'params MiB':>10} {'grads MiB':>10} "
              f"{'optim MiB':>10} {'act peak MiB':>12} {'peak MiB':>10} {'s':>6}  host syncs"]
     for r in results:
-        lines.append(f"{r.rank:>6} {r.dp:>4} {r.pp:>3} {r.tp:>3} {r.parameters:>13,} {gib(r.parameter_bytes):>10} "
+        lines.append(f"{r.rank:>6} {r.dp:>4} {r.pp:>3} {r.cp:>3} {r.tp:>3} {r.parameters:>13,} {gib(r.parameter_bytes):>10} "
                      f"{gib(r.gradient_bytes)} {gib(r.optimizer_bytes)} {gib(r.activation_peak_bytes):>12} "
                      f"{gib(r.peak_bytes)} {r.seconds:6.1f}  {','.join(r.sync_points)}")
     return lines

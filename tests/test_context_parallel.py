@@ -141,7 +141,9 @@ def _check_cp_attention(rank: int, world: int) -> dict:
             errors = [(out - split_sequence(full, cp, r, dim=2)).abs().max().item()]
             errors += [(m.grad - split_sequence(leaf.grad, cp, r, dim=2)).abs().max().item()
                        for m, leaf in zip(mine, leaves)]
-            results[(cp, mode)] = (max(errors), dict(counter.bytes))
+            named = {(op.kind, op.action) for op in ctx.comm.recorder.ops if op.group == "cp"}
+            results[(cp, mode)] = (max(errors), dict(counter.bytes), named)
+            ctx.comm.recorder.ops.clear()
     return results
 
 
@@ -159,10 +161,14 @@ def test_cp_attention_across_ranks_equals_one_process_and_counts_its_bytes():
         local = 4 * cp // cp
         kv = 2 * b * kv_heads * local * d * e  # one rank's keys and values
         for rank_results in per_rank:
-            err, counted = rank_results[(cp, "ring")]
+            err, counted, named = rank_results[(cp, "ring")]
             assert err < 1e-12
+            assert named == {(kind, f"cp ring attention {phase}") for kind in ("send", "recv")
+                             for phase in ("forward", "backward")}
             # forward: cp - 1 passes; backward: cp - 1 passes of the block, cp of its gradient
             assert counted == {("send", "cp"): (cp - 1) * kv + (cp - 1) * kv + cp * kv}
-            err, counted = rank_results[(cp, "allgather")]
+            err, counted, named = rank_results[(cp, "allgather")]
             assert err < 1e-12
+            assert named == {("all_gather", "cp allgather attention forward"),
+                             ("reduce_scatter", "cp allgather attention backward")}
             assert counted == {("all_gather", "cp"): cp * kv, ("reduce_scatter", "cp"): cp * kv}

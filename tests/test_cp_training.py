@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gridtrain.config import Config
+from gridtrain.memory.cp import cp_attention_bytes
 from gridtrain.parallel.grid import ProcessGrid
 from tests.training import assert_rank_matches, relative_difference, tiny_config, train_in_process, train_layouts
 
@@ -112,13 +113,17 @@ def _attention_bytes(mode: str, cp: int, *, tp: int = 1, kv_heads: int = 4, reco
     micro-batches of 2 sequences, ``kv`` keys and values of a rank's 64 / cp tokens
     (head dim 16, fp64). Ring: cp - 1 block passes forward; cp - 1 block passes and cp
     gradient passes backward. All-gather: a gather of cp blocks, a reduce-scatter of cp
-    gradients. Full recomputation runs each forward twice."""
+    gradients. Full recomputation runs each forward twice. The same as
+    memory.cp.cp_attention_bytes, which the planner and the memory model use."""
     kv = 2 * 2 * (kv_heads // tp) * (64 // cp) * 16 * 8
     forwards = 2 if recompute_full else 1
     if mode == "ring":
         per_layer = forwards * (cp - 1) * kv + (cp - 1) * kv + cp * kv
     else:
         per_layer = forwards * cp * kv + cp * kv
+    # the memory model's and the planner's closed form says the same
+    model = cp_attention_bytes(mode, cp, 2, 64 // cp, kv_heads // tp, 16, 8, 8, recompute_full=recompute_full)
+    assert model["forward"] + model["backward"] == per_layer
     return 2 * 4 * per_layer
 
 

@@ -396,6 +396,27 @@ def test_init_from_llama_takes_another_seq_len(llama_dir, jsonl, monkeypatch):
     assert abs(train_in_process(cfg)["losses"][0] - expected) <= 1e-6 * expected
 
 
+@pytest.mark.spawn
+def test_init_from_llama_fine_tunes_longer_on_cp2(jsonl, tmp_path):
+    """Long-context fine-tuning: from a Hugging Face Llama with Llama 3 rope scaling and a
+    32-token context, `train --init-from DIR --seq-len 64 --cp 2` (each rank 32 tokens at
+    their true positions, rope scaling from the source's config): step 1's loss is
+    transformers' on that batch of 64-token sequences (1e-6: its RMSNorm is fp32)."""
+    directory = tmp_path / "hf"
+    hf = hf_llama(directory, **LLAMA_SHAPES["llama3-tied"])
+    expected = hf_first_batch_loss(hf, None, jsonl, 64, seed=3, global_batch=4)
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "gridtrain", "train", "--init-from", str(directory), "--cp", "2",
+                           "--seq-len", "64", "--nproc", "2", "--dtype", "fp64", "--steps", "1", "--data", str(jsonl),
+                           "--seed", "3", "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-interval",
+                           "0", "--metrics-file", str(metrics), "--no-progress"],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cp 2" in proc.stdout
+    loss = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    assert abs(loss - expected) <= 1e-6 * expected
+
+
 def test_init_from_gives_zero1_its_master_weights(imported, jsonl):
     """ZeRO-1 keeps its own flat copy of the weights: it too starts from the source, so
     two steps equal plain AdamW's."""

@@ -10,11 +10,19 @@ policy runs them (what the run report prints beside its measurement);
 backward. The per-rank totals (parameters, gradients, optimizer state and the activation
 peak along the schedule) are in :mod:`gridtrain.memory.model`; the measurement these
 are checked against is :mod:`gridtrain.runtime.activation_meter`.
+
+Under context parallelism (``cp`` > 1) a block runs on the ``S / cp`` tokens its rank
+holds, so every per-token term is the same with ``seq`` the local length, and the
+attention core is the cp core of gridtrain/parallel/context_parallel.py: blockwise, it
+keeps its inputs, its output and a log-sum-exp per query (nothing of ``seq x seq``), with
+the gathered keys and values under ``--cp-comm allgather`` (:mod:`gridtrain.memory.cp`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from gridtrain.memory.cp import wide_bytes as _wide_bytes
 
 
 def dropout_mask_bytes(device: torch.device, element_bytes: int) -> int:
@@ -26,7 +34,8 @@ def dropout_mask_bytes(device: torch.device, element_bytes: int) -> int:
 def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int, tp: int = 1,
                       sequence_parallel: bool = False, recompute: str = "none", element_bytes: int = 2,
                       mask_bytes: int = 1, dropout: bool = True, arch: str = "gpt2",
-                      kv_hidden: int | None = None, attention: str = "math") -> float:
+                      kv_hidden: int | None = None, attention: str = "math", cp: int = 1,
+                      cp_comm: str = "ring") -> float:
     """Activation bytes one transformer layer saves for backward, per micro-batch.
 
     Korthikanti et al. count, in 16-bit with 1-byte dropout masks and ffn = 4h,
@@ -57,13 +66,21 @@ def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int
     ``selective`` drops the attention-score terms (they are recomputed); ``full`` keeps
     only the layer input, ``e sbh`` (``/ t`` under sequence parallelism). The norms'
     per-token statistics (one or two numbers a token) are left out.
+
+    Context parallelism (``cp`` > 1; ``seq`` is then the rank's ``S / cp`` tokens): the
+    cp attention core (whatever ``attention`` says) keeps q, the un-repeated k and v
+    (``kv_hidden``; under ``cp_comm="allgather"`` the gathered ones, ``cp`` times as
+    many, instead: Llama's, whose k and v are tensors of their own; GPT-2's local k and v
+    are views of the fused q/k/v output that q keeps, so they stay), its output and one
+    log-sum-exp per (query head, token) in the accumulation dtype (``max(e, 4)`` bytes). ``selective`` does not recompute that core
+    (it already keeps no ``seq x seq`` tensor), so it keeps what ``none`` keeps.
     """
     tokens = seq * batch
     if recompute == "full":
         return tokens * hidden * element_bytes / (tp if sequence_parallel else 1)
     t = _terms(seq=seq, hidden=hidden, heads=heads, ffn=ffn, tp=tp, sequence_parallel=sequence_parallel,
                element_bytes=element_bytes, mask_bytes=mask_bytes, dropout=dropout, arch=arch, kv_hidden=kv_hidden,
-               attention=attention)
+               attention=attention, cp=cp, cp_comm=cp_comm)
     if recompute == "selective":
         return tokens * (t["before_core"] + t["core_inputs"] + t["after_core"])
     return tokens * (t["before_core"] + t["q_k_v"] + t["scores"] + t["after_core"])
@@ -75,14 +92,18 @@ def rebuilt_core_bytes(**shape) -> float:
     saves its scores terms again (and, for Llama, its repeated keys and values), while
     backward has already released everything the layer saved after its core (the
     projection's input, the second norm, the MLP, the dropout masks). Zero when the
-    release is larger; per micro-batch, for the last block of a chunk (the worst)."""
+    release is larger; per micro-batch, for the last block of a chunk (the worst). Zero
+    under context parallelism: its core is not recomputed."""
+    if shape.get("cp", 1) > 1:
+        return 0.0
     t = _terms(**{k: v for k, v in shape.items() if k not in ("batch", "recompute")})
     return shape["seq"] * shape["batch"] * max(0.0, t["scores"] + t["repeated_kv"] - t["after_core"])
 
 
 def _terms(*, seq: int, hidden: int, heads: int, ffn: int, tp: int, sequence_parallel: bool,
            element_bytes: int, mask_bytes: int, dropout: bool, arch: str = "gpt2",
-           kv_hidden: int | None = None, attention: str = "math") -> dict[str, float]:
+           kv_hidden: int | None = None, attention: str = "math", cp: int = 1,
+           cp_comm: str = "ring") -> dict[str, float]:
     """Bytes per token of each part of a layer (see korthikanti_bytes)."""
     e, m, d = element_bytes, mask_bytes, int(dropout)
     sp = tp if sequence_parallel else 1
@@ -90,7 +111,7 @@ def _terms(*, seq: int, hidden: int, heads: int, ffn: int, tp: int, sequence_par
     fused = attention != "math"
     repeated = llama and kv_hidden is not None and kv_hidden < hidden / tp and not fused  # shared kv heads
     core_inputs = e * hidden / tp + 2 * e * (kv_hidden if llama else hidden / tp)
-    return {
+    terms = {
         "before_core": 2 * e * hidden / sp,  # first norm's input, q/k/v's input
         # the core's q, k, v (op by op, Llama's k and v repeated per query head); fused, its
         # inputs as they are and its own output
@@ -100,16 +121,40 @@ def _terms(*, seq: int, hidden: int, heads: int, ffn: int, tp: int, sequence_par
         "repeated_kv": 2 * e * hidden / tp if repeated else 0.0,
         "after_core": e * hidden / tp + hidden * (2 * e + 2 * m * d) / sp + (4 if llama else 2) * e * ffn / tp,
     }
+    if cp > 1:
+        terms.update(_cp_core(hidden=hidden, heads=heads, tp=tp, e=e,
+                              kv_hidden=kv_hidden if llama and kv_hidden is not None else hidden / tp,
+                              gathered=cp if cp_comm == "allgather" else 0, fused_qkv=not llama))
+    return terms
+
+
+def _cp_core(*, hidden: int, heads: int, tp: int, e: int, kv_hidden: float, gathered: int,
+             fused_qkv: bool) -> dict[str, float]:
+    """The attention core's terms under context parallelism (the rest of the layer is
+    :func:`_terms`'s on the local tokens): the cp core keeps q, the local k and v (the
+    ring's), or under all-gather the ``gathered`` ranks' k and v instead, its output and
+    a wide log-sum-exp per query head; all of it also under selective recomputation
+    (``core_inputs``), which leaves that core alone; no scores, no repeated kv heads.
+    GPT-2's q, k and v are views of one fused projection's output, which the kept q holds
+    whole, so there the local k and v stay beside the gathered ones."""
+    local = 2 * e * kv_hidden if gathered == 0 or fused_qkv else 0.0
+    kept = e * hidden / tp + local + 2 * e * kv_hidden * gathered + e * hidden / tp + heads / tp * _wide_bytes(e)
+    return {"q_k_v": kept, "core_inputs": kept, "scores": 0.0, "repeated_kv": 0.0}
 
 
 def layer_shape(m, *, batch: int, tp: int, sequence_parallel: bool, element_bytes: int,
-                mask_bytes: int) -> dict:
+                mask_bytes: int, cp: int = 1, cp_comm: str = "ring") -> dict:
     """The keyword arguments of :func:`korthikanti_bytes` for model config ``m``
-    (config.ModelConfig) at micro-batch ``batch`` on ``tp`` ranks."""
+    (config.ModelConfig) at micro-batch ``batch`` on ``tp`` ranks; with ``cp`` > 1 for
+    the ``seq_len / cp`` tokens of one cp rank (the keys ``cp`` and ``cp_comm`` are
+    only there then: one rank's shape is the shape without context parallelism)."""
     kv_per_rank = max(m.kv_heads // tp, 1)  # whole kv heads per rank: replicated when tp exceeds them
-    return dict(seq=m.seq_len, batch=batch, hidden=m.d_model, heads=m.n_head, ffn=m.ffn_size, tp=tp,
-                sequence_parallel=sequence_parallel, element_bytes=element_bytes, mask_bytes=mask_bytes,
-                dropout=m.dropout > 0, arch=m.arch, kv_hidden=kv_per_rank * m.head_dim, attention=m.attention)
+    shape = dict(seq=m.seq_len // cp, batch=batch, hidden=m.d_model, heads=m.n_head, ffn=m.ffn_size, tp=tp,
+                 sequence_parallel=sequence_parallel, element_bytes=element_bytes, mask_bytes=mask_bytes,
+                 dropout=m.dropout > 0, arch=m.arch, kv_hidden=kv_per_rank * m.head_dim, attention=m.attention)
+    if cp > 1:
+        shape.update(cp=cp, cp_comm=cp_comm)
+    return shape
 
 
 def expected_by_layer(runs: list[tuple[tuple[int, ...], bool]], mode: str, micro_batches: int,

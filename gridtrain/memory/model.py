@@ -14,6 +14,12 @@ recomputation policy, the dtype, ZeRO) and a rank of the grid, without building 
   schedule's action list walked with each chunk's per-layer bytes
   (:mod:`gridtrain.memory.activations`, docs/memory.md).
 
+Context parallelism (the grid's ``cp``; ``cfg.parallel.cp_comm``, ring by default) enters
+in two places: a rank's blocks run on ``seq_len / cp`` tokens with the cp attention core
+(:mod:`gridtrain.memory.activations`), and the gradients are reduced, ZeRO-1's state
+sharded, over the ``dp x cp`` ranks that hold the same shard (each cp rank holds the
+whole layer). With cp = 1 every form is the three-axis one.
+
 The dry run measures the same quantities on fake tensors, and the tests hold them equal
 (the activation peak within a few percent: the norms' per-token statistics are left
 out); the planner reads these forms to decide whether a layout fits. The module describes
@@ -25,6 +31,7 @@ planner.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -65,6 +72,18 @@ def chunks_of_stage(cfg: Config, grid: ProcessGrid, stage: int,
             for c in range(v)]
 
 
+def cp_layout(cfg: Config, grid: ProcessGrid) -> tuple[int, str]:
+    """The context-parallel size (the grid's) and how its attention communicates
+    (``cfg.parallel.cp_comm``; ring where the configuration has no such field)."""
+    return grid.cp, getattr(cfg.parallel, "cp_comm", "ring")
+
+
+def gradient_shards(grid: ProcessGrid) -> int:
+    """The ranks a dense gradient is reduced over and ZeRO-1 shards its state over: the
+    ``dp x cp`` group (cp ranks hold the same parameters and different tokens)."""
+    return grid.dp * grid.cp
+
+
 def _holds(cfg: Config, grid: ProcessGrid, rank: int) -> tuple[int, bool, bool]:
     """How many blocks rank ``rank`` holds, and whether it holds the embedding and the head."""
     chunks = chunks_of_stage(cfg, grid, grid.coords(rank).pp)
@@ -100,8 +119,8 @@ def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
 
     * parameters in the run's dtype;
     * gradients: the reducer's flat buffer (fp32 for 16-bit parameters, else the
-      parameters' dtype); with ZeRO-1 padded to a multiple of dp (:func:`_padded_buffer`),
-      plus this rank's reduce-scattered 1/dp slice of it;
+      parameters' dtype); with ZeRO-1 padded to a multiple of the dp x cp group
+      (:func:`_padded_buffer`), plus this rank's reduce-scattered 1/(dp cp) slice of it;
     * optimizer: torch's AdamW (fp32/fp64 without ZeRO) keeps two moments per parameter
       and a 4-byte step count per parameter tensor; the flat optimizer (16-bit or ZeRO-1)
       keeps master weights and two moments for its slice (all of it without ZeRO) and
@@ -111,23 +130,26 @@ def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
     dtype = TORCH_DTYPES[t.dtype]
     e = dtype.itemsize
     wide = 8 if dtype == torch.float64 else 4  # gradient buffer and master weights
+    shards = gradient_shards(grid)
     padded = _padded_buffer(cfg, grid, rank, n) if cfg.parallel.zero == 1 else n
-    grads = padded * wide + (padded // grid.dp * wide if cfg.parallel.zero == 1 else 0)
+    grads = padded * wide + (padded // shards * wide if cfg.parallel.zero == 1 else 0)
     if cfg.parallel.zero == 0 and dtype in (torch.float32, torch.float64):
         tensors = _parameter_tensors(cfg, grid, rank)
         optim = 2 * n * e + 4 * tensors
     else:
-        owned = padded // grid.dp if cfg.parallel.zero == 1 else n
+        owned = padded // shards if cfg.parallel.zero == 1 else n
         optim = 3 * owned * wide
     return {"parameters": n, "parameter_bytes": n * e, "gradient_bytes": grads, "optimizer_bytes": optim}
 
 
 def _padded_buffer(cfg: Config, grid: ProcessGrid, rank: int, n: int) -> int:
-    """ZeRO-1's gradient buffer (data_parallel.bucket_bounds): padded to a multiple of dp
-    at its end, and a token table tied across pipeline stages in a bucket padded on its
-    own (on the first and last stage)."""
+    """ZeRO-1's gradient buffer (data_parallel.bucket_bounds): padded to a multiple of its
+    shards (dp x cp) at its end, and a token table tied across pipeline stages in a bucket
+    padded on its own (on the first and last stage)."""
+    shards = gradient_shards(grid)
+
     def up(x: int) -> int:
-        return -(-x // grid.dp) * grid.dp
+        return -(-x // shards) * shards
 
     _, embeds, ends = _holds(cfg, grid, rank)
     m = cfg.model
@@ -161,18 +183,23 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     (activations.rebuilt_core_bytes), and for the chunk that embeds, the token ids,
     positions and dropout mask of the embedding.
     Describes ``--attention math`` (the fused kernel keeps no s x s scores) and
-    ``--recompute-keep-last`` off."""
+    ``--recompute-keep-last`` off. Under context parallelism everything per token is for
+    the rank's ``seq_len / cp`` tokens (the micro-batches are still the global batch's
+    split over dp only)."""
     m, t = cfg.model, cfg.training
     e = TORCH_DTYPES[t.dtype].itemsize
     sp = cfg.parallel.sequence_parallel and grid.tp > 1
+    cp, cp_comm = cp_layout(cfg, grid)
     shape = activations.layer_shape(m, batch=t.micro_batch_size, tp=grid.tp, sequence_parallel=sp, element_bytes=e,
-                                    mask_bytes=activations.dropout_mask_bytes(torch.device(device_type), e))
+                                    mask_bytes=activations.dropout_mask_bytes(torch.device(device_type), e),
+                                    cp=cp, cp_comm=cp_comm)
     stage = grid.coords(rank).pp
     micro_batches = t.global_batch_size // (t.micro_batch_size * grid.dp)
-    actions = build_schedule(cfg.parallel.schedule, grid.pp, micro_batches, cfg.parallel.vpp)[stage]
+    actions = _forwards_and_backwards(cfg.parallel.schedule, grid.pp, micro_batches, cfg.parallel.vpp, stage)
     policy = policy_from(cfg.activations)
     chunks = chunks_of_stage(cfg, grid, stage)
-    tokens = m.seq_len * t.micro_batch_size
+    local = m.seq_len // cp  # the tokens of a sequence this rank holds
+    tokens = local * t.micro_batch_size
     # the loss: the softmax over this rank's vocabulary slice in fp32 (kept by the cross
     # entropy for backward), the target index (int64) and two flags per token; the final
     # norm's input and the head's input (a sequence shard under SP)
@@ -181,7 +208,7 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     # the embedding: the token ids and positions its lookups keep (int64), under TP the
     # shifted ids and the out-of-range flags, and with dropout the mask
     sp_div = grid.tp if sp else 1
-    positions = m.seq_len // sp_div * 8 if m.arch == "gpt2" else 0  # Llama's are rotary (no lookup)
+    positions = local // sp_div * 8 if m.arch == "gpt2" else 0  # Llama's are rotary (no lookup)
     embedding = tokens * 8 + positions + (tokens * 9 if grid.tp > 1 else 0) \
         + (tokens * m.d_model * shape["mask_bytes"] / sp_div if m.dropout > 0 else 0.0)
     cost = [sum(activations.expected_by_layer(policy.block_runs(c.layer_ids), policy.mode, micro_batches, False,
@@ -199,11 +226,21 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
         rebuilt = [max(0.0, activations.rebuilt_core_bytes(**shape) - (head if c.post_process else 0.0))
                    if c.layer_ids else 0.0 for c in chunks]
     held = peak = 0.0
-    for a in actions:  # what the schedule holds between each F and its B, chunk by chunk
-        if a.kind == F:
-            held += cost[a.chunk]
+    for kind, chunk in actions:  # what the schedule holds between each F and its B, chunk by chunk
+        if kind == F:
+            held += cost[chunk]
             peak = max(peak, held)
-        elif a.kind == B:
-            peak = max(peak, held + rebuilt[a.chunk])
-            held -= cost[a.chunk]
+        else:
+            peak = max(peak, held + rebuilt[chunk])
+            held -= cost[chunk]
     return peak
+
+
+@lru_cache(maxsize=4096)
+def _forwards_and_backwards(schedule: str, pp: int, micro_batches: int, vpp: int,
+                            stage: int) -> tuple[tuple[str, int], ...]:
+    """The (kind, chunk) of each F and B of one stage's action list, in order: all the
+    activation walk reads. Cached: the planner walks thousands of layouts that share a
+    few schedules, and building the action lists is most of a walk's time."""
+    actions = build_schedule(schedule, pp, micro_batches, vpp)[stage]
+    return tuple((a.kind, a.chunk) for a in actions if a.kind in (F, B))

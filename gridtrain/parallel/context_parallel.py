@@ -25,14 +25,14 @@ nothing overflows). A block with no visible key (above the causal diagonal) has
 from __future__ import annotations
 
 import math
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 
 from gridtrain.parallel.comm import CommGroup, single
-
-CP_COMM_MODES = ("ring", "allgather")
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -138,6 +138,7 @@ class ContextParallel:
 
     comm: CommGroup = field(default_factory=lambda: single("cp"))
     mode: str = "ring"
+    transfers: TransferTimes = field(default_factory=lambda: TransferTimes())
 
     @property
     def size(self) -> int:
@@ -151,6 +152,40 @@ class ContextParallel:
         """The true positions of this rank's ``local_len`` tokens (its two chunks of a
         sequence of ``local_len x size`` tokens)."""
         return _positions(local_len * self.size, self.size, self.rank, torch.device(device))
+
+
+@dataclass
+class TransferTimes:
+    """How long the attention's transfers were in flight and how long the rank waited for
+    them, on the host clock (meaningful where communication blocks the host: CPU/gloo; on
+    GPUs use the profiler). The rest of the in-flight time was hidden behind attention."""
+
+    in_flight_s: float = 0.0
+    exposed_s: float = 0.0
+
+    def hidden_fraction(self) -> float:
+        return 1.0 - self.exposed_s / self.in_flight_s if self.in_flight_s > 0 else 0.0
+
+    def take(self) -> tuple[float, float]:
+        """(hidden fraction, exposed seconds) since the last call; then start again."""
+        out = (self.hidden_fraction(), self.exposed_s)
+        self.in_flight_s = self.exposed_s = 0.0
+        return out
+
+
+class _Timed:
+    """A transfer just issued; :meth:`wait` waits for it and adds its times."""
+
+    def __init__(self, times: TransferTimes, pending):
+        self.times, self.pending, self.issued = times, pending, time.perf_counter()
+
+    def wait(self):
+        began = time.perf_counter()
+        result = self.pending.wait()
+        end = time.perf_counter()
+        self.times.in_flight_s += end - self.issued
+        self.times.exposed_s += end - began
+        return result
 
 
 @lru_cache(maxsize=32)
@@ -253,6 +288,11 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel):
+        with _named(cp, "forward"):
+            return _CPAttention._forward(ctx, q, k, v, cp)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, cp: ContextParallel):
         wide = torch.promote_types(q.dtype, torch.float32)
         scale = 1.0 / math.sqrt(q.shape[-1])
         kv_heads, size, rank = k.shape[1], cp.size, cp.rank
@@ -262,13 +302,13 @@ class _CPAttention(torch.autograd.Function):
         if cp.mode == "ring":
             for step in range(size):
                 # pass the block on while attending over it: the next one arrives meanwhile
-                nxt = cp.comm.start_ring_step(kv, torch.empty_like(kv)) if step < size - 1 else None
+                nxt = _ring_step(cp, kv) if step < size - 1 else None
                 _forward_blocks(qh, kv, visible_pairs(size, rank, ring_source(size, rank, step)), acc, scale)
                 if nxt is not None:
                     kv = nxt.wait()
             saved = (k, v)
         else:
-            gathering = cp.comm.start_all_gather_into(kv.new_empty((size, *kv.shape)), kv)
+            gathering = _Timed(cp.transfers, cp.comm.start_all_gather_into(kv.new_empty((size, *kv.shape)), kv))
             _forward_blocks(qh, kv, visible_pairs(size, rank, rank), acc, scale)  # while the gather travels
             gathered = gathering.wait()
             for src in range(size):
@@ -282,6 +322,11 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        with _named(ctx.cp, "backward"):
+            return _CPAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, out, lse0, lse1, *saved = ctx.saved_tensors
         cp, size, rank = ctx.cp, ctx.cp.size, ctx.cp.rank
         wide = lse0.dtype
@@ -293,13 +338,13 @@ class _CPAttention(torch.autograd.Function):
         if cp.mode == "ring":
             kv, incoming = torch.stack(saved), None
             for step in range(size):
-                nxt = cp.comm.start_ring_step(kv, torch.empty_like(kv)) if step < size - 1 else None
+                nxt = _ring_step(cp, kv) if step < size - 1 else None
                 src = ring_source(size, rank, step)
                 dkv = _backward_blocks(qh, doh, lse, rowsum, kv, visible_pairs(size, rank, src), dqh, scale)
                 if incoming is not None:  # what the ranks before added to this block's gradient
                     dkv += incoming.wait()
                 # the gradient travels with its block, and after the last step reaches its owner
-                incoming = cp.comm.start_ring_step(dkv, torch.empty_like(dkv))
+                incoming = _ring_step(cp, dkv)
                 if nxt is not None:
                     kv = nxt.wait()
             own = incoming.wait()
@@ -307,8 +352,27 @@ class _CPAttention(torch.autograd.Function):
             (gathered,) = saved
             dkv = torch.stack([_backward_blocks(qh, doh, lse, rowsum, gathered[src], visible_pairs(size, rank, src),
                                                 dqh, scale) for src in range(size)])
-            own = cp.comm.reduce_scatter(dkv, dim=0)[0]
+            own = _Timed(cp.transfers, cp.comm.start_reduce_scatter(dkv, dim=0)).wait()[0]
         return _unfold(dqh, q.shape[1], q.dtype), own[0].to(ctx.kv_dtype), own[1].to(ctx.kv_dtype), None
+
+
+def _ring_step(cp: ContextParallel, block: torch.Tensor) -> _Timed:
+    """Pass ``block`` to the next cp rank and receive the previous rank's."""
+    return _Timed(cp.transfers, cp.comm.start_ring_step(block, torch.empty_like(block)))
+
+
+@contextmanager
+def _named(cp: ContextParallel, phase: str):
+    """What the flight recorder says this rank is doing while the attention's transfers
+    are in flight, e.g. ``F(mb 3, chunk 0): cp ring attention forward`` (a hang report
+    names the ring and the pass)."""
+    recorder = cp.comm.recorder
+    before = recorder.action
+    recorder.set_action(f"{before + ': ' if before else ''}cp {cp.mode} attention {phase}")
+    try:
+        yield
+    finally:
+        recorder.set_action(before)
 
 
 @torch._dynamo.disable

@@ -11,7 +11,7 @@ from pathlib import Path
 from gridtrain.config import PRESETS, ConfigError, ModelConfig, preset_config
 from gridtrain.planner.cost import Job, Prediction
 from gridtrain.planner.machine import MACHINES, machine
-from gridtrain.planner.search import RECOMPUTE, SCHEDULES, Fixed, search
+from gridtrain.planner.search import CP_COMM, RECOMPUTE, SCHEDULES, Fixed, search
 
 _MODEL_FLAGS = {"arch": str, "n_layer": int, "d_model": int, "n_head": int, "n_kv_head": int, "ffn_size": int,
                 "vocab_size": int}
@@ -30,6 +30,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     g = p.add_argument_group("layout", "given fields are fixed; the others are searched")
     g.add_argument("--tp", type=int)
+    g.add_argument("--cp", type=int, help="context parallel: ranks that split each sequence (1: none)")
+    g.add_argument("--cp-comm", choices=CP_COMM, help="how the cp ranks' attention exchanges keys and values")
     g.add_argument("--pp", type=int)
     g.add_argument("--vpp", type=int)
     g.add_argument("--micro-batch-size", type=int)
@@ -70,6 +72,8 @@ def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
              " ".join(model_flags(args)),
              f"--seq-len {args.seq_len} --global-batch-size {args.global_batch_size} --dtype {args.dtype}",
              f"--tp {lay.tp} --pp {lay.pp} --micro-batch-size {lay.micro_batch_size} --schedule {lay.schedule}",
+             f"--cp {lay.cp}" if lay.cp > 1 else "",
+             f"--cp-comm {lay.cp_comm}" if lay.cp > 1 and lay.cp_comm != "ring" else "",
              f"--vpp {lay.vpp}" if lay.vpp > 1 else "",
              f"--pp-layers {','.join(map(str, p.pp_layers))}" if lay.pp_partition != "uniform" else "",
              f"--recompute {lay.recompute}",
@@ -79,13 +83,15 @@ def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
 
 def describe(p: Prediction) -> str:
     lay = p.layout
-    name = (f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp}" + (f" x vpp {lay.vpp}" if lay.vpp > 1 else "")
+    name = (f"dp {lay.dp}" + (f" x cp {lay.cp} ({lay.cp_comm})" if lay.cp > 1 else "")
+            + f" x tp {lay.tp} x pp {lay.pp}" + (f" x vpp {lay.vpp}" if lay.vpp > 1 else "")
             + (f" (layers {','.join(map(str, p.pp_layers))})" if lay.pp_partition != "uniform" else "")
             + f", micro-batch {lay.micro_batch_size}, {lay.schedule}, recompute {lay.recompute}"
             + (", SP" if lay.sequence_parallel else "") + (", ZeRO-1" if lay.zero else ""))
     fits = "fits" if p.fits else "DOES NOT FIT"
+    cp = f", exposed CP communication {p.cp_comm_s:.3f}" if lay.cp > 1 else ""
     return (f"{name}\n    step {p.step_time_s:.3f} s: compute {p.compute_s:.3f} (of which TP communication "
-            f"{p.tp_comm_s:.3f}), pipeline bubble {p.bubble_s:.3f}, exposed DP communication "
+            f"{p.tp_comm_s:.3f}{cp}), pipeline bubble {p.bubble_s:.3f}, exposed DP communication "
             f"{p.dp_exposed_s:.3f}, optimizer {p.optimizer_s:.3f}\n"
             f"    {p.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {p.model_tflops_per_gpu:.1f} model TFLOP/s per GPU "
             f"({p.hardware_tflops_per_gpu:.1f} with recomputation), MFU {100 * p.mfu:.1f}%; memory "
@@ -104,7 +110,7 @@ def plan_command(args: argparse.Namespace) -> int:
               gpus_per_node=args.gpus_per_node)
     fixed = Fixed(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
                   schedule=args.schedule, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                  zero=args.zero)
+                  zero=args.zero, cp=args.cp, cp_comm=args.cp_comm)
     best = search(job, args.gpus, fixed, top=args.top)
     if not best:
         raise ConfigError(f"plan: no layout of {args.gpus} GPUs divides this model and batch with the given "
@@ -139,17 +145,20 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 
 
 def draw(best: list[Prediction], path: Path) -> None:
-    """Stacked bars of each layout's step: compute, bubble, exposed DP communication, optimizer."""
+    """Stacked bars of each layout's step: compute, TP and exposed CP communication, bubble,
+    exposed DP communication, optimizer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [("compute (TP comm. inside)", lambda p: p.compute_s - p.tp_comm_s), ("TP communication", lambda p: p.tp_comm_s),
+    parts = [("compute", lambda p: p.compute_s - p.tp_comm_s - p.cp_comm_s), ("TP communication", lambda p: p.tp_comm_s),
+             ("exposed CP communication", lambda p: p.cp_comm_s),
              ("pipeline bubble", lambda p: p.bubble_s), ("exposed DP communication", lambda p: p.dp_exposed_s),
              ("optimizer", lambda p: p.optimizer_s)]
     fig, ax = plt.subplots(figsize=(9, 1 + 0.6 * len(best)))
-    labels = [f"dp{p.layout.dp} tp{p.layout.tp} pp{p.layout.pp} v{p.layout.vpp} mb{p.layout.micro_batch_size} "
+    labels = [f"dp{p.layout.dp}{_cp_label(p.layout)} tp{p.layout.tp} pp{p.layout.pp} v{p.layout.vpp} "
+              f"mb{p.layout.micro_batch_size} "
               f"{p.layout.schedule} {p.layout.recompute}{' sp' if p.layout.sequence_parallel else ''}"
               f"{' z1' if p.layout.zero else ''}" for p in best]
     left = [0.0] * len(best)
@@ -163,3 +172,7 @@ def draw(best: list[Prediction], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _cp_label(lay) -> str:
+    return f" cp{lay.cp}{'' if lay.cp_comm == 'ring' else ' ag'}" if lay.cp > 1 else ""

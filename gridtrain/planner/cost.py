@@ -1,6 +1,6 @@
 """Step time and memory of a layout, predicted from the project's own parts.
 
-One optimizer step of a ``dp x tp x pp`` layout is modelled as gridtrain runs it:
+One optimizer step of a ``dp x cp x tp x pp`` layout is modelled as gridtrain runs it:
 
 * **compute** of one micro-batch through one model chunk, split as the schedules split
   it (forward F, input-gradient B, weight-gradient W; a schedule without W runs both in
@@ -42,6 +42,20 @@ One optimizer step of a ``dp x tp x pp`` layout is modelled as gridtrain runs it
   fires buckets during the last micro-batch's backward, so that much of it hides
   behind it, all but the last bucket; the ZeRO all-gathers, issued after the
   optimizer, hide likewise behind the next step's first forward, all but the first;
+* **context parallelism** (cp > 1): each rank runs its blocks on ``S / cp`` tokens;
+  its attention core runs in ``cp`` steps, each the local queries over one rank's
+  key/value block, so the rank's attention is 1/cp of one process's (counted the way
+  the cp = 1 core is counted: a causal kernel's whole square, as the model FLOPs count
+  it, here the ``L x L`` square of a step). ``ring``: each step's key/value block (and
+  in the backward the gradient accumulator of the step before) travels to the next rank
+  while the step computes, over the link the cp group spans (NVLink when ``tp x cp``
+  fits a node, else one GPU's network link); per step only ``max(0, transfer - the
+  step's attention)`` is exposed, and the last accumulator's trip to its owner is.
+  ``allgather``: the all-gather hides behind the local block's attention only, the
+  gradients' reduce-scatter is exposed. Byte counts: :mod:`gridtrain.memory.cp`. The
+  exposed time is inside F and B (with full recomputation the forward's again);
+  selective recomputation leaves the cp core alone. Gradients are reduced over the
+  ``dp x cp`` ranks;
 * **the optimizer**: one memory-bound pass over the owned master weights, moments and
   gradients;
 * **memory** per GPU: the memory model (memory/model.py, which the dry run is checked
@@ -57,9 +71,10 @@ hardware's are in hardware.py (a ``cpu`` entry measured on the host, profile.py)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from gridtrain.config import Config, ModelConfig
+from gridtrain.memory.cp import kv_elements, kv_heads_per_rank, ring_transfers, wide_bytes
 from gridtrain.memory.model import chunks_of_stage, expected_activation_peak, expected_bytes, expected_parameters
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.models.decoder import training_flops_per_token
@@ -95,10 +110,12 @@ class Layout:
     sequence_parallel: bool = False
     zero: int = 0
     pp_partition: str = "uniform"  # "parameters" where the layers do not divide evenly
+    cp: int = 1  # context parallel: ranks that split each sequence
+    cp_comm: str = "ring"  # how their attention exchanges keys and values: ring | allgather
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
 
 @dataclass(frozen=True)
@@ -136,6 +153,7 @@ class Prediction:
     peak_flops: float
     parts: dict[str, float] = field(default_factory=dict)
     pp_layers: list[int] = field(default_factory=list)  # blocks per virtual stage (--pp-layers)
+    cp_comm_s: float = 0.0  # of compute: context-parallel communication not hidden behind attention
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -155,14 +173,17 @@ class Prediction:
 
     def as_json(self) -> dict:
         lay = self.layout
-        return {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "micro_batch_size": lay.micro_batch_size,
-                "schedule": lay.schedule, "recompute": lay.recompute, "sequence_parallel": lay.sequence_parallel,
-                "zero": lay.zero, "pp_layers": self.pp_layers, "step_time_s": self.step_time_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+        return {"dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp,
+                "micro_batch_size": lay.micro_batch_size, "schedule": lay.schedule, "recompute": lay.recompute,
+                "sequence_parallel": lay.sequence_parallel, "zero": lay.zero, "cp_comm": lay.cp_comm,
+                "pp_layers": self.pp_layers, "step_time_s": self.step_time_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
                 "model_tflops_per_gpu": self.model_tflops_per_gpu,
                 "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
                 "memory_gb_per_gpu": self.memory_bytes / 1e9, "fits": self.fits,
-                "breakdown_s": {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "bubble": self.bubble_s,
-                                "dp_exposed": self.dp_exposed_s, "optimizer": self.optimizer_s}}
+                "breakdown_s": {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "cp_comm": self.cp_comm_s,
+                                "bubble": self.bubble_s, "dp_exposed": self.dp_exposed_s,
+                                "optimizer": self.optimizer_s}}
 
 
 # ---- compute --------------------------------------------------------------------------------------
@@ -189,10 +210,11 @@ def block_gemms(m: ModelConfig, tokens: int, tp: int) -> list[tuple[int, int, in
     return [(tokens, 3 * d // tp, d), (tokens, d, d // tp), (tokens, f // tp, d), (tokens, d, f // tp)]
 
 
-def attention_core_seconds(m: ModelConfig, b: int, tp: int, hw, dtype: str) -> float:
-    """Scores and weighted sum of one block's forward: two batched GEMMs per local head."""
+def attention_core_seconds(m: ModelConfig, b: int, tp: int, hw, dtype: str, seq: int | None = None) -> float:
+    """Scores and weighted sum of one block's forward: two batched GEMMs per local head,
+    ``seq`` queries over as many keys (default: the model's sequence)."""
     heads = b * max(1, m.n_head // tp)
-    s, hd = m.seq_len, m.head_dim
+    s, hd = seq or m.seq_len, m.head_dim
     return gemm_seconds(s, s, hd, hw, dtype, heads) + gemm_seconds(s, hd, s, hw, dtype, heads)
 
 
@@ -229,26 +251,71 @@ class BlockCost:
     w: float  # weight gradient
     tp_comm_f: float
     tp_comm_b: float
+    cp_comm_f: float = 0.0  # exposed context-parallel communication, inside f
+    cp_comm_b: float = 0.0  # and inside b (its recomputed forward's not included)
+
+
+def local_seq(job: Job, lay: Layout) -> int:
+    """Tokens of each sequence a rank holds: ``seq_len / cp``."""
+    return job.model.seq_len // lay.cp
 
 
 def block_cost(job: Job, lay: Layout) -> BlockCost:
     m, hw, dt = job.model, job.hardware, job.dtype
     b, t = lay.micro_batch_size, lay.tp
-    tokens = b * m.seq_len
+    tokens = b * local_seq(job, lay)
     gemms = sum(gemm_seconds(mm, n, k, hw, dt) for mm, n, k in block_gemms(m, tokens, t))
-    core = attention_core_seconds(m, b, t, hw, dt)
-    scores_f, scores_b = attention_score_seconds(m, b, t, hw, dt)
+    if lay.cp == 1:
+        core = attention_core_seconds(m, b, t, hw, dt)
+        scores_f, scores_b = attention_score_seconds(m, b, t, hw, dt)
+    else:  # cp steps, each the local queries over one rank's block; a blockwise core, no scores kept
+        core = lay.cp * attention_core_seconds(m, b, t, hw, dt, seq=local_seq(job, lay))
+        scores_f = scores_b = 0.0
+    cp_f, cp_b = cp_exposed_seconds(job, lay, core / lay.cp)
     act = tokens * m.d_model * DTYPE_BYTES[dt]
     elementwise = ELEMENTWISE_PASSES * act / (t if lay.sequence_parallel else 1) / hw.memory_bandwidth \
         + KERNELS_PER_BLOCK * hw.kernel_s
     comm_f, comm_b = tp_collectives(job, lay, act, BLOCK_COLLECTIVES)
-    forward = gemms + core + scores_f + elementwise + comm_f
-    recompute = {"none": 0.0, "selective": core + scores_f, "full": forward}[lay.recompute]
+    forward = gemms + core + scores_f + elementwise + comm_f + cp_f
+    # selective recomputes the attention core, but not the cp core (it keeps no scores)
+    selective = core + scores_f if lay.cp == 1 else 0.0
+    recompute = {"none": 0.0, "selective": selective, "full": forward}[lay.recompute]
     # backward: the input-gradient GEMMs (as many FLOPs as the forward's), the attention
     # core's backward (twice its forward, and its passes over the scores), twice the
     # elementwise work, the mirrored collectives; the weight-gradient GEMMs as many FLOPs again
-    b_time = gemms + 2 * core + scores_b + 2 * elementwise + comm_b + recompute
-    return BlockCost(f=forward, b=b_time, w=gemms, tp_comm_f=comm_f, tp_comm_b=comm_b)
+    b_time = gemms + 2 * core + scores_b + 2 * elementwise + comm_b + cp_b + recompute
+    return BlockCost(f=forward, b=b_time, w=gemms, tp_comm_f=comm_f, tp_comm_b=comm_b, cp_comm_f=cp_f,
+                     cp_comm_b=cp_b)
+
+
+def cp_kv_elements(job: Job, lay: Layout) -> int:
+    """Elements of one rank's key/value block of one layer and micro-batch: k and v of its
+    tp rank's kv heads for its ``seq_len / cp`` tokens."""
+    m = job.model
+    return kv_elements(lay.micro_batch_size, local_seq(job, lay), kv_heads_per_rank(m.kv_heads, lay.tp), m.head_dim)
+
+
+def cp_exposed_seconds(job: Job, lay: Layout, step: float) -> tuple[float, float]:
+    """The context-parallel communication of one block's forward and backward that its
+    attention does not hide, ``step`` being one step's attention forward (the backward's
+    is twice that). Ring: per step ``max(0, transfer - step)`` over the link the cp group
+    spans, and the last gradient's trip home whole. All-gather: the gather hides behind
+    the local block's attention (one step), the reduce-scatter of the gradients not at all."""
+    if lay.cp == 1:
+        return 0.0, 0.0
+    hw, e = job.hardware, DTYPE_BYTES[job.dtype]
+    kv = cp_kv_elements(job, lay)
+    if lay.cp_comm == "ring":
+        link = hw.link(lay.tp * lay.cp, job.node)  # a cp ring's ranks are tp apart
+        steps = ring_transfers(lay.cp, kv, e, wide_bytes(e))
+
+        def exposed(transfers: list[int], hidden: float) -> float:
+            return sum(max(0.0, link.send(x) - hidden) for x in transfers if x)
+        return exposed(steps["forward"], step), exposed(steps["backward"], 2 * step) \
+            + exposed(steps["backward_tail"], 0.0)
+    link = ring_link(hw, lay.cp, lay.tp, job.node)
+    gather = link.collective(lay.cp * kv * e, lay.cp, "all_gather")
+    return max(0.0, gather - step), link.collective(lay.cp * kv * wide_bytes(e), lay.cp, "reduce_scatter")
 
 
 # The tensor-parallel collectives of one micro-batch over the activations (b s d) as
@@ -283,7 +350,7 @@ def head_cost(job: Job, lay: Layout) -> tuple[float, float, float]:
     """The logits GEMM and the loss on the chunk that ends the model (f, b, w), with
     their TP collectives (the loss's are a few numbers per token: latency)."""
     m, hw, dt = job.model, job.hardware, job.dtype
-    tokens = lay.micro_batch_size * m.seq_len
+    tokens = lay.micro_batch_size * local_seq(job, lay)
     vocab = m.padded_vocab_size(lay.tp) // lay.tp
     logits = gemm_seconds(tokens, vocab, m.d_model, hw, dt)
     loss = 3 * tokens * vocab * 4 / hw.memory_bandwidth  # fp32 softmax: read, exp, write
@@ -295,7 +362,7 @@ def head_cost(job: Job, lay: Layout) -> tuple[float, float, float]:
 def embedding_cost(job: Job, lay: Layout) -> tuple[float, float]:
     """The lookup's TP collectives on the chunk that starts the model (f, b)."""
     m = job.model
-    return tp_collectives(job, lay, lay.micro_batch_size * m.seq_len * m.d_model * DTYPE_BYTES[job.dtype],
+    return tp_collectives(job, lay, lay.micro_batch_size * local_seq(job, lay) * m.d_model * DTYPE_BYTES[job.dtype],
                           EMBEDDING_COLLECTIVES)
 
 
@@ -318,13 +385,14 @@ def pipeline_costs(job: Job, lay: Layout, layers_per_chunk: list[int]):
 
 
 def p2p_seconds(job: Job, lay: Layout) -> float:
-    """One micro-batch's activations from one stage to the next (a sequence shard under SP)."""
+    """One micro-batch's activations from one stage to the next: ``[b, seq_len / cp, d]``
+    (a sequence shard of it under SP)."""
     if lay.pp == 1:
         return 0.0
     m = job.model
-    nbytes = lay.micro_batch_size * m.seq_len * m.d_model * DTYPE_BYTES[job.dtype] \
+    nbytes = lay.micro_batch_size * local_seq(job, lay) * m.d_model * DTYPE_BYTES[job.dtype] \
         / (lay.tp if lay.sequence_parallel else 1)
-    link = job.hardware.link(lay.tp * lay.dp + 1, job.node)  # neighbours are tp x dp ranks apart
+    link = job.hardware.link(lay.tp * lay.cp * lay.dp + 1, job.node)  # neighbours are tp x cp x dp ranks apart
     return link.send(nbytes)
 
 
@@ -333,21 +401,33 @@ def p2p_seconds(job: Job, lay: Layout) -> float:
 
 def config_of(job: Job, lay: Layout) -> Config:
     cfg = Config(model=job.model, preset="")
+    # cp and cp_comm as fields where the configuration has them, else as plain attributes
+    # (the memory model reads them with getattr)
+    context = {"cp": lay.cp, "cp_comm": lay.cp_comm}
+    known = {f.name for f in fields(cfg.parallel)}
     cfg.parallel = replace(cfg.parallel, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, schedule=lay.schedule,
-                           sequence_parallel=lay.sequence_parallel, zero=lay.zero, pp_partition=lay.pp_partition)
+                           sequence_parallel=lay.sequence_parallel, zero=lay.zero, pp_partition=lay.pp_partition,
+                           **{k: v for k, v in context.items() if k in known})
+    for k, v in context.items():
+        if k not in known:
+            setattr(cfg.parallel, k, v)
     cfg.training = replace(cfg.training, micro_batch_size=lay.micro_batch_size,
                            global_batch_size=job.global_batch_size, dtype=job.dtype)
     cfg.activations = replace(cfg.activations, recompute=lay.recompute)
     return cfg
 
 
+def grid_of(lay: Layout) -> ProcessGrid:
+    return ProcessGrid(world_size=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp)
+
+
 def memory_bytes(job: Job, lay: Layout) -> float:
     """Bytes per GPU: the memory model on the first and the last stage."""
     cfg = config_of(job, lay)
-    grid = ProcessGrid(world_size=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp)
+    grid = grid_of(lay)
     worst = 0.0
     for stage in sorted({0, lay.pp - 1}):
-        rank = stage * lay.dp * lay.tp
+        rank = grid.rank_of(dp=0, pp=stage, tp=0)
         held = expected_bytes(cfg, grid, rank)
         total = held["parameter_bytes"] + held["gradient_bytes"] + held["optimizer_bytes"] \
             + expected_activation_peak(cfg, grid, rank, "cpu" if job.hardware.name == "cpu" else "cuda")
@@ -363,7 +443,7 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
     m, hw = job.model, job.hardware
     mbs = micro_batches(job, lay)
     cfg = config_of(job, lay)
-    grid = ProcessGrid(world_size=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp)
+    grid = grid_of(lay)
     chunks = [chunks_of_stage(cfg, grid, s) for s in range(lay.pp)]
     layers = [0] * (lay.pp * lay.vpp)
     for s, stage in enumerate(chunks):
@@ -374,40 +454,52 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
     timeline = simulate(schedule, cost, lay.vpp, rendezvous=True)
     busy = max(timeline.busy(s) for s in range(lay.pp))
     makespan = timeline.makespan
-    tp_comm = mbs * max(layers) * lay.vpp * (block.tp_comm_f * (2 if lay.recompute == "full" else 1) + block.tp_comm_b)
-    # data parallel: the reducer's fp32 buffer of this rank's parameters
+    forwards = 2 if lay.recompute == "full" else 1  # full recomputation runs each forward twice
+    blocks_run = mbs * max(layers) * lay.vpp
+    tp_comm = blocks_run * (block.tp_comm_f * forwards + block.tp_comm_b)
+    cp_comm = blocks_run * (block.cp_comm_f * forwards + block.cp_comm_b)
     params = _rank_parameters(cfg, grid)
-    grad_bytes = params * (8 if job.dtype == "fp64" else 4)
-    link = ring_link(hw, lay.dp, lay.tp, job.node)  # a DP group's ranks are tp apart
-    kind = "reduce_scatter" if lay.zero else "all_reduce"
-    reduce = link.collective(grad_bytes, lay.dp, kind)
-    last_mb_backward = sum(cost(0, c).b + cost(0, c).w for c in range(lay.vpp))
-    bucket = min(1.0, cfg.parallel.bucket_mb * 2**20 / max(grad_bytes, 1))
-    exposed = max(reduce - last_mb_backward, reduce * bucket) if lay.dp > 1 else 0.0
-    gather = link.collective(params * DTYPE_BYTES[job.dtype], lay.dp, "all_gather") \
-        if lay.zero and lay.dp > 1 else 0.0
-    # ZeRO's gathers travel behind the next step's first forward, all but the first bucket
-    first_mb_forward = sum(cost(0, c).f for c in range(lay.vpp))
-    gather = max(gather - first_mb_forward, gather * bucket)
-    owned = params / (lay.dp if lay.zero else 1)
-    optimizer = owned * (4 + 3 * 8 + DTYPE_BYTES[job.dtype]) / hw.memory_bandwidth
+    exposed, gather, optimizer = data_parallel_seconds(job, lay, params, cost, cfg.parallel.bucket_mb)
     step = makespan + exposed + gather + optimizer
     tokens = job.global_batch_size * m.seq_len
     model_flops = training_flops_per_token(m) * tokens
     forward_blocks = training_flops_per_token(m) / 3 - 2 * m.d_model * m.vocab_size  # per token, all blocks
-    recomputed = {"none": 0.0, "selective": 4.0 * m.seq_len * m.d_model * m.n_layer,
-                  "full": forward_blocks}[lay.recompute] * tokens
+    selective = 4.0 * m.seq_len * m.d_model * m.n_layer if lay.cp == 1 else 0.0  # the cp core is kept
+    recomputed = {"none": 0.0, "selective": selective, "full": forward_blocks}[lay.recompute] * tokens
     hardware_flops = model_flops + recomputed
     mem = memory_bytes(job, lay) if memory is True else float(memory or 0.0)
     return Prediction(layout=lay, step_time_s=step, compute_s=busy, tp_comm_s=tp_comm, bubble_s=makespan - busy,
                       dp_exposed_s=exposed + gather, optimizer_s=optimizer, memory_bytes=mem,
                       fits=mem <= hw.usable_memory_bytes, model_flops=model_flops, hardware_flops=hardware_flops,
-                      tokens=tokens, gpus=lay.gpus, peak_flops=hw.peak_flops(job.dtype), pp_layers=layers)
+                      tokens=tokens, gpus=lay.gpus, peak_flops=hw.peak_flops(job.dtype), pp_layers=layers,
+                      cp_comm_s=cp_comm)
+
+
+def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: float) -> tuple[float, float, float]:
+    """The exposed gradient reduction, the exposed ZeRO-1 parameter gather and the
+    optimizer of a step: the reducer's fp32 buffer of ``params`` parameters reduced over
+    the ``dp x cp`` ranks that hold them (``tp`` apart), behind the last micro-batch's
+    backward; the gathers behind the next step's first forward."""
+    hw = job.hardware
+    n = lay.dp * lay.cp
+    grad_bytes = params * (8 if job.dtype == "fp64" else 4)
+    link = ring_link(hw, n, lay.tp, job.node)
+    reduce = link.collective(grad_bytes, n, "reduce_scatter" if lay.zero else "all_reduce")
+    last_mb_backward = sum(cost(0, c).b + cost(0, c).w for c in range(lay.vpp))
+    bucket = min(1.0, bucket_mb * 2**20 / max(grad_bytes, 1))
+    exposed = max(reduce - last_mb_backward, reduce * bucket) if n > 1 else 0.0
+    gather = link.collective(params * DTYPE_BYTES[job.dtype], n, "all_gather") if lay.zero and n > 1 else 0.0
+    # ZeRO's gathers travel behind the next step's first forward, all but the first bucket
+    first_mb_forward = sum(cost(0, c).f for c in range(lay.vpp))
+    gather = max(gather - first_mb_forward, gather * bucket)
+    owned = params / (n if lay.zero else 1)
+    optimizer = owned * (4 + 3 * 8 + DTYPE_BYTES[job.dtype]) / hw.memory_bandwidth
+    return exposed, gather, optimizer
 
 
 def _rank_parameters(cfg: Config, grid: ProcessGrid) -> int:
     """Parameters of the first stage's rank (the largest stage but for the head)."""
-    return max(expected_parameters(cfg, grid, s * grid.dp * grid.tp) for s in range(grid.pp))
+    return max(expected_parameters(cfg, grid, grid.rank_of(dp=0, pp=s, tp=0)) for s in range(grid.pp))
 
 
 def bubble_closed_form(lay: Layout, m: int) -> float:

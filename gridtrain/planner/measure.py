@@ -42,6 +42,8 @@ def train_args(model_args: list[str], p: Prediction, global_batch_size: int, seq
             "--eval-interval", "0", "--eval-iters", "1", "--no-progress", "--sample-tokens", "0", "--dropout", "0"]
     if lay.vpp > 1:
         args += ["--vpp", str(lay.vpp)]
+    if lay.cp > 1:
+        args += ["--cp", str(lay.cp), "--cp-comm", lay.cp_comm]
     if lay.sequence_parallel:
         args.append("--sequence-parallel")
     if lay.zero:

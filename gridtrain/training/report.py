@@ -46,6 +46,7 @@ class TrainResult:
     stage_busy_s: float = 0.0  # time this stage spent computing (F, B, W) ...
     stage_wall_s: float = 0.0  # ... out of the time its schedule took
     overlap: list[float] = field(default_factory=list)  # DP all-reduce hidden behind backward, per step
+    cp_overlap: list[tuple[float, float]] = field(default_factory=list)  # cp transfers: (hidden fraction, exposed s)
     skipped_steps: int = 0  # fp16 steps skipped on gradient overflow
     trace_events: list[tuple[int, str, float, float]] = field(default_factory=list)  # (step, action, start, end)
     memory: list[StageMemory] = field(default_factory=list)  # every stage's, measured at step 1
@@ -104,6 +105,7 @@ class RunReport:
         result.losses.append(out.loss)
         result.grad_norms.append(out.grad_norm)
         result.overlap.append(trainer.reducer.stats.fraction)
+        result.cp_overlap.append(trainer.ctx.cp.transfers.take())
         result.peak_in_flight = max(result.peak_in_flight, out.stage.peak_in_flight)
         result.stage_busy_s += out.stage.busy_s
         result.stage_wall_s += out.stage.wall_s
@@ -165,6 +167,12 @@ class RunReport:
             steady = result.overlap[1:]
             log.print(f"data parallel: {100 * sum(steady) / len(steady):.0f}% of gradient all-reduce time "
                       "hidden behind backward (mean over steps after the first)")
+        if ctx.cp.size > 1 and len(result.cp_overlap) > 1:
+            steady = result.cp_overlap[1:]
+            log.print(f"context parallel ({ctx.cp.mode}): {100 * sum(h for h, _ in steady) / len(steady):.0f}% of "
+                      f"the attention's transfer time hidden behind attention, "
+                      f"{1000 * sum(e for _, e in steady) / len(steady):.1f} ms exposed per step "
+                      "(mean over steps after the first)")
         moved = bytes_by_group(result.step_bytes[-1]) if result.step_bytes else {}
         if moved:
             log.print("communication per step (payload bytes, this rank): " +
@@ -315,7 +323,7 @@ def _stage_memory(meter: ActivationMeter, device_peak: int | None, trainer: Trai
         e = torch.finfo(ctx.param_dtype).bits // 8
         shape = layer_shape(cfg.model, batch=cfg.training.micro_batch_size, tp=ctx.tp.size,
                             sequence_parallel=ctx.tp.sequence_parallel, element_bytes=e,
-                            mask_bytes=dropout_mask_bytes(ctx.device, e))
+                            mask_bytes=dropout_mask_bytes(ctx.device, e), cp=ctx.cp.size, cp_comm=ctx.cp.mode)
         policy = ctx.recompute.policy
         for spec in chunks:
             expected.update(expected_by_layer(policy.block_runs(spec.layer_ids), policy.mode,

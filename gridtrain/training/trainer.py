@@ -297,18 +297,23 @@ def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int, ctx: Dis
                        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> list[Batch] | None:
     """This rank's micro-batches of ``step``, on the stages that embed tokens or compute
     the loss (None elsewhere): read by the TP group's first rank and broadcast (``shapes``:
-    see :func:`batch_shapes`; None: they are broadcast too); under context parallelism,
-    each sequence's two chunks this cp rank holds (context_parallel.split_sequence)."""
+    see :func:`batch_shapes`; None: they are broadcast too), then cut to this cp rank's
+    chunks (:func:`own_chunks`)."""
     if not (ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
         return None
     ids = sampler.micro_batches(step)
     batches = None
     if ctx.tp.rank == 0:
         batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in collate(dataset, i).items()} for i in ids]
-    batches = broadcast_batches(batches, len(ids), ctx.tp, ctx.device, shapes)
-    if ctx.cp.size > 1:
-        batches = [{k: split_sequence(v, ctx.cp.size, ctx.cp.rank) for k, v in b.items()} for b in batches]
-    return batches
+    return own_chunks(broadcast_batches(batches, len(ids), ctx.tp, ctx.device, shapes), ctx)
+
+
+def own_chunks(batches: list[Batch], ctx: DistributedContext) -> list[Batch]:
+    """Each micro-batch cut to the two chunks of every sequence this cp rank holds (the
+    whole of it without context parallelism)."""
+    if ctx.cp.size == 1:
+        return batches
+    return [{k: split_sequence(v, ctx.cp.size, ctx.cp.rank) for k, v in b.items()} for b in batches]
 
 
 def _global_token_count(batches: list[Batch], ctx: DistributedContext, every_label_counts: bool = False) -> int:

@@ -1,0 +1,111 @@
+"""Long sequences on 2 CPU cores: context parallelism (cp 2, ring and all-gather) against one
+process and against tensor parallelism (tp 2 + SP) at the same sequence length.
+
+Every side is the whole ``gridtrain train`` loop (``pretrain`` with the built-in corpus and
+providers, as the command runs it): a small GPT at ``--seq-len`` (default 8192), one
+sequence per micro-batch, the same global batch and seed everywhere. The one-process side
+runs with every core's threads, the two-rank sides with one thread per rank, as
+``gridtrain train --nproc 2`` gives them. The sides run in turn, the order reversed
+every other round; per side, the median over rounds of:
+
+* tokens/s: the median step after the first (the run's own step timer);
+* peak activation bytes per rank: bytes held for backward at once during step 1 (the
+  saved-tensor meter of ``--memory-report``);
+* for cp: the share of the attention's transfer time hidden behind attention and the
+  milliseconds of it exposed per step (the run's own timers, ``context_parallel.TransferTimes``);
+* bytes each rank moves per step, by group (counted).
+
+    python3 benchmarks/cp_long_context.py                        # ~6 min on 2 CPU cores
+    python3 benchmarks/cp_long_context.py --seq-len 16384 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import common  # benchmarks/common.py: the script's own folder is on sys.path
+from gridtrain.config import preset_config, set_fields
+from gridtrain.training.loop import pretrain
+from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
+from gridtrain.training.report import bytes_by_group
+from gridtrain.training.validate import validate
+
+SIDES = {  # name -> (world size, parallel fields)
+    "one process": (1, {}),
+    "tp 2 + SP": (2, dict(tp=2, sequence_parallel=True)),
+    "cp 2 ring": (2, dict(cp=2, cp_comm="ring")),
+    "cp 2 allgather": (2, dict(cp=2, cp_comm="allgather")),
+}
+
+
+def _config(side: str, opts: argparse.Namespace):
+    world, parallel = SIDES[side]
+    cfg = preset_config("tiny")
+    set_fields(cfg, n_layer=opts.n_layer, d_model=opts.d_model, n_head=opts.n_head, seq_len=opts.seq_len,
+               dtype="fp32", steps=opts.steps, micro_batch_size=1, global_batch_size=opts.global_batch_size,
+               eval_interval=0, eval_iters=1, progress=False, lr=1e-3, warmup_steps=1)
+    cfg.parallel.nproc = world if world > 1 else None
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return validate(cfg, world_size=world)
+
+
+def _worker(rank: int, world_size: int, cfg) -> dict:
+    if world_size == 1:
+        torch.set_num_threads(os.cpu_count() or 1)
+    result = pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg)
+    return {"tokens_per_s": result.tokens_per_s,
+            "peak_activation_bytes": max(s.peak_bytes for s in result.memory) if result.memory else 0,
+            "cp_overlap": result.cp_overlap[1:], "bytes": bytes_by_group(result.step_bytes[-1])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
+    opts = p.parse_args()
+    cfgs = {side: _config(side, opts) for side in SIDES}
+    load = os.getloadavg()[0]
+    print(f"GPT: {opts.n_layer} layers, d {opts.d_model}, {opts.n_head} heads, seq {opts.seq_len}, "
+          f"{opts.global_batch_size} sequences per step (micro-batch 1), fp32, {opts.steps} steps per run "
+          f"(step 1 untimed), {opts.rounds} rounds; torch {torch.__version__}, {os.cpu_count()} CPU cores, "
+          f"gridtrain {common.gridtrain_version()}")
+    measured: dict[str, list[dict]] = {side: [] for side in SIDES}
+    order = list(SIDES)
+    for round_ in range(opts.rounds):
+        for side in order if round_ % 2 == 0 else order[::-1]:
+            began = time.perf_counter()
+            ranks = common.run_ranks(_worker, SIDES[side][0], cfgs[side], timeout_s=1800)
+            print(f"  round {round_ + 1}: {side}: {ranks[0]['tokens_per_s']:,.0f} tokens/s "
+                  f"({time.perf_counter() - began:.0f} s with start-up)", flush=True)
+            measured[side].append(ranks)
+    base = statistics.median(r[0]["tokens_per_s"] for r in measured["one process"])
+    tp = statistics.median(r[0]["tokens_per_s"] for r in measured["tp 2 + SP"])
+    print()
+    print("| side | tokens/s | vs one process | vs tp 2 + SP | peak activations per rank | hidden cp transfer "
+          "| exposed cp ms/step | bytes per step per rank |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for side, rounds in measured.items():
+        tps = statistics.median(r[0]["tokens_per_s"] for r in rounds)
+        peak = max(rank["peak_activation_bytes"] for r in rounds for rank in r)
+        overlap = [o for r in rounds for rank in r for o in rank["cp_overlap"]]
+        hidden = f"{100 * statistics.mean(h for h, _ in overlap):.0f}%" if overlap else "-"
+        exposed = f"{1000 * statistics.mean(e for _, e in overlap):.0f}" if overlap else "-"
+        moved = ", ".join(f"{g} {common.mib(n)}" for g, n in sorted(rounds[-1][0]["bytes"].items())) or "-"
+        print(f"| {side} | {tps:,.0f} | {tps / base:.2f}x | {tps / tp:.2f}x | {common.mib(peak)} | {hidden} | "
+              f"{exposed} | {moved} |")
+    print(f"\n1-minute load average: {load:.2f} at start, {os.getloadavg()[0]:.2f} at end")
+
+
+if __name__ == "__main__":
+    main()
