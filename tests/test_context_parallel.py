@@ -116,6 +116,7 @@ def _one_process_attention(q, k, v):
 def _check_cp_attention(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
+    from gridtrain.parallel import context_parallel
     from gridtrain.parallel.comm import ByteCounter, CommGroup
     from gridtrain.parallel.context_parallel import ContextParallel, attention
 
@@ -132,17 +133,23 @@ def _check_cp_attention(rank: int, world: int) -> dict:
         w = torch.randn(b, heads, s, d, generator=g, dtype=torch.float64)
         full, leaves = _one_process_attention(q, k, v)
         (full * w).sum().backward()
-        for mode in ("ring", "allgather"):
+        for mode, kernel in [(m, k) for m in ("ring", "allgather") for k in ("fused", "matmul")]:
             counter = ByteCounter()
             ctx = ContextParallel(CommGroup.of("cp", group, counter), mode)
             mine = [split_sequence(x, cp, r, dim=2).requires_grad_() for x in (q, k, v)]
-            out = attention(*mine, ctx)
-            (out * split_sequence(w, cp, r, dim=2)).sum().backward()
+            fused = context_parallel._fused
+            if kernel == "matmul":  # the kernel of devices without torch's fused CPU kernel
+                context_parallel._fused = lambda q: False
+            try:
+                out = attention(*mine, ctx)
+                (out * split_sequence(w, cp, r, dim=2)).sum().backward()
+            finally:
+                context_parallel._fused = fused
             errors = [(out - split_sequence(full, cp, r, dim=2)).abs().max().item()]
             errors += [(m.grad - split_sequence(leaf.grad, cp, r, dim=2)).abs().max().item()
                        for m, leaf in zip(mine, leaves)]
             named = {(op.kind, op.action) for op in ctx.comm.recorder.ops if op.group == "cp"}
-            results[(cp, mode)] = (max(errors), dict(counter.bytes), named)
+            results[(cp, mode, kernel)] = (max(errors), dict(counter.bytes), named)
             ctx.comm.recorder.ops.clear()
     return results
 
@@ -151,8 +158,10 @@ def _check_cp_attention(rank: int, world: int) -> dict:
 def test_cp_attention_across_ranks_equals_one_process_and_counts_its_bytes():
     """Ring and all-gather attention on live cp groups of 2 and 4 gloo ranks (grouped
     queries: 4 heads reading 2 key/value heads), fp64: outputs and the gradients of
-    queries, keys and values equal one process's to 1e-12; the bytes each rank sends are
-    the closed forms (only the 2 kv heads travel; their gradients in the fp64 width)."""
+    queries, keys and values equal one process's to 1e-12, with torch's fused CPU block
+    kernel and with the matrix-product kernel other devices use; the bytes each rank
+    sends are the closed forms (only the 2 kv heads travel; their gradients in the fp64
+    width); the flight recorder names each transfer's pass."""
     from tests.harness import run_on_ranks
 
     per_rank = run_on_ranks(_check_cp_attention, 4)
@@ -160,14 +169,14 @@ def test_cp_attention_across_ranks_equals_one_process_and_counts_its_bytes():
     for cp in (2, 4):
         local = 4 * cp // cp
         kv = 2 * b * kv_heads * local * d * e  # one rank's keys and values
-        for rank_results in per_rank:
-            err, counted, named = rank_results[(cp, "ring")]
+        for rank_results, kernel in [(r, k) for r in per_rank for k in ("fused", "matmul")]:
+            err, counted, named = rank_results[(cp, "ring", kernel)]
             assert err < 1e-12
             assert named == {(kind, f"cp ring attention {phase}") for kind in ("send", "recv")
                              for phase in ("forward", "backward")}
             # forward: cp - 1 passes; backward: cp - 1 passes of the block, cp of its gradient
             assert counted == {("send", "cp"): (cp - 1) * kv + (cp - 1) * kv + cp * kv}
-            err, counted, named = rank_results[(cp, "allgather")]
+            err, counted, named = rank_results[(cp, "allgather", kernel)]
             assert err < 1e-12
             assert named == {("all_gather", "cp allgather attention forward"),
                              ("reduce_scatter", "cp allgather attention backward")}

@@ -90,6 +90,15 @@ FIXED_WORLD = {  # the world is part of the case
     "tp not dividing kv heads": (["--model", "llama-tiny", "--n-head", "12", "--d-model", "96",
                                   "--n-kv-head", "6", "--tp", "4", "--nproc", "4"],
                                  "--tp 4 does not divide --n-kv-head 6"),
+    "cp beyond the world": (["--cp", "4", "--nproc", "2"], "world size 2 is not divisible by tp=1 x cp=4 x pp=1"),
+    "cp with a sequence it cannot cut": (["--cp", "2", "--nproc", "2", "--seq-len", "66"],
+                                         "--seq-len 66 is not divisible by 2 x cp = 4"),
+    "cp and SP with a share tp cannot divide": (["--cp", "2", "--tp", "4", "--sequence-parallel", "--nproc", "8",
+                                                 "--seq-len", "68"],
+                                                "--tp 4 does not divide the 34 tokens each cp rank holds"),
+    "cp with dropout": (["--cp", "2", "--nproc", "2", "--dropout", "0.1"], "use --dropout 0"),
+    "unknown cp exchange": (["--cp", "2", "--nproc", "2", "--cp-comm", "alltoall"],
+                            "--cp-comm 'alltoall' is not one of ring, allgather"),
 }
 
 DATA = {

@@ -198,17 +198,23 @@ def _positions(seq_len: int, cp: int, rank: int, device: torch.device) -> torch.
 # A rank's queries and keys are two chunks each (``n`` tokens). For a query chunk ``a``
 # and a key chunk ``c`` (their indices among the ``2 cp``): ``c < a`` every key is seen,
 # ``c == a`` the causal triangle, ``c > a`` nothing (the pair is skipped). Each visible
-# pair is one block of a blockwise ("flash") attention: its scores are made, reduced to
-# an output and a log-sum-exp, and merged into the query chunk's running result with
-# :func:`merge`; no ``s x s`` tensor outlives its block. The backward remakes each pair's
-# probabilities from the saved final log-sum-exp (``p = exp(s - lse)``) and the row sums
-# ``D = sum(dO * O)``: ``dV = p^T dO``, ``dS = p * (dO V^T - D)``, ``dQ = dS K``,
-# ``dK = dS^T Q`` (scaled).
+# pair is one block of a blockwise ("flash") attention: it gives an output and a
+# log-sum-exp per query, merged into the query chunk's running result with
+# :func:`merge`; no ``s x s`` tensor outlives its block. The backward of a pair takes the
+# final output and log-sum-exp, so that its probabilities ``exp(s - lse)`` and row sums
+# ``D = sum(dO * O)`` are the whole attention's: ``dV = p^T dO``, ``dS = p * (dO V^T -
+# D)``, ``dQ = dS K``, ``dK = dS^T Q`` (scaled), summed over the pairs.
 #
-# Grouped-query attention: the ``g = heads / kv_heads`` query heads that read one
-# key/value head are folded into its rows (``[b, kv_heads, g * n, d]``), so one matrix
-# product serves them all and the key/value gradients sum over them for free; only the
-# ``kv_heads`` heads travel between ranks.
+# The block kernel: on CPU, torch's fused flash-attention kernel (the one
+# ``scaled_dot_product_attention`` runs there; its forward returns the log-sum-exp and its
+# backward takes it), in the tensors' own dtype with fp32 (fp64) statistics. Elsewhere, a
+# kernel of matrix products in fp32 (fp64 for fp64), exact on any device; there the
+# ``g = heads / kv_heads`` query heads that read one key/value head are folded into its
+# rows (``[b, kv_heads, g n, d]``), so one product serves them and the key/value
+# gradients sum over them in it. Either way only the ``kv_heads`` heads travel.
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 
 def visible_pairs(cp: int, q_rank: int, k_rank: int) -> list[tuple[int, int, bool]]:
@@ -223,19 +229,35 @@ def visible_pairs(cp: int, q_rank: int, k_rank: int) -> list[tuple[int, int, boo
     return pairs
 
 
-def _fold(x: torch.Tensor, kv_heads: int, wide: torch.dtype) -> list[torch.Tensor]:
-    """``[b, heads, 2n, d]`` -> its two halves, each ``[b, kv_heads, g * n, d]`` in ``wide``."""
-    b, heads, length, d = x.shape
-    grouped = x.unflatten(1, (kv_heads, heads // kv_heads))  # [b, kv, g, 2n, d]
-    return [h.to(wide).reshape(b, kv_heads, -1, d) for h in grouped.chunk(2, dim=3)]
+def _fused(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and _FLASH_CPU is not None and _FLASH_CPU_BACKWARD is not None
 
 
-def _unfold(halves: list[torch.Tensor], heads: int, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of :func:`_fold`: ``[b, heads, 2n, d]`` in ``dtype``."""
-    b, kv_heads, rows, d = halves[0].shape
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _every_head(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key/value heads repeated for the query heads that read them (none to repeat: ``x``)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _per_kv_head(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The inverse of :func:`_every_head` for gradients: summed over the query heads."""
+    return grad if grad.shape[1] == kv_heads else grad.unflatten(1, (kv_heads, -1)).sum(2)
+
+
+def _fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[b, heads, n, d]`` -> ``[b, kv_heads, g n, d]`` in the wide dtype."""
+    b, heads, n, d = x.shape
+    return x.unflatten(1, (kv_heads, heads // kv_heads)).to(_wide(x.dtype)).reshape(b, kv_heads, -1, d)
+
+
+def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of :func:`_fold` (any trailing shape after the rows)."""
+    b, kv_heads, rows = x.shape[:3]
     g = heads // kv_heads
-    parts = [h.view(b, kv_heads, g, rows // g, d) for h in halves]
-    return torch.cat(parts, dim=3).flatten(1, 2).to(dtype)
+    return x.reshape(b, kv_heads, g, rows // g, *x.shape[3:]).flatten(1, 2)
 
 
 @lru_cache(maxsize=16)
@@ -245,40 +267,67 @@ def _above_diagonal(n: int, g: int, device: torch.device) -> torch.Tensor:
     return (i[None, :] > i[:, None]).repeat(g, 1)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+def _scores(qf: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    s = torch.matmul(qf, k.transpose(-1, -2)) * scale
     if causal:
         n = k.shape[-2]
-        s = s.masked_fill(_above_diagonal(n, q.shape[-2] // n, q.device), float("-inf"))
+        s = s.masked_fill(_above_diagonal(n, qf.shape[-2] // n, qf.device), float("-inf"))
     return s
+
+
+def _pair_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``q`` ``[b, heads, n, d]`` over one chunk's keys and values ``[b, kv_heads,
+    n, d]``: (output, log-sum-exp) in the wide dtype."""
+    wide = _wide(q.dtype)
+    if _fused(q):
+        out, lse = _FLASH_CPU(q, _every_head(k, q.shape[1]), _every_head(v, q.shape[1]), 0.0, causal, scale=scale)
+        return out.to(wide), lse.to(wide)
+    s = _scores(_fold(q, k.shape[1]), k.to(wide), causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse[..., None]), v.to(wide))
+    return _unfold(out, q.shape[1]), _unfold(lse, q.shape[1])
+
+
+def _pair_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Gradients of one pair (queries, keys, values; the keys' and values' per kv head)
+    given the whole attention's output ``out`` and log-sum-exp ``lse``; wide."""
+    wide, heads, kv_heads = _wide(q.dtype), q.shape[1], k.shape[1]
+    if _fused(q):
+        dq, dk, dv = _FLASH_CPU_BACKWARD(dout, q, _every_head(k, heads), _every_head(v, heads), out, lse, 0.0,
+                                          causal, scale=scale)
+        return dq.to(wide), _per_kv_head(dk, kv_heads).to(wide), _per_kv_head(dv, kv_heads).to(wide)
+    qf, dof = _fold(q, kv_heads), _fold(dout, kv_heads)
+    rowsum = (dof * _fold(out, kv_heads)).sum(-1)
+    lse_f = lse.unflatten(1, (kv_heads, -1)).reshape(lse.shape[0], kv_heads, -1)
+    kw, vw = k.to(wide), v.to(wide)
+    p = torch.exp(_scores(qf, kw, causal, scale) - lse_f[..., None])
+    dv = torch.matmul(p.transpose(-1, -2), dof)
+    ds = p * (torch.matmul(dof, vw.transpose(-1, -2)) - rowsum[..., None])
+    dq = torch.matmul(ds, kw) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
+    return _unfold(dq, heads), dk, dv
 
 
 def _forward_blocks(qh: list[torch.Tensor], kv: torch.Tensor, pairs, acc: list, scale: float) -> None:
     """Merge the visible pairs of one rank's key/value block ``kv`` (``[2, b, kv_heads,
     2n, d]``) into ``acc`` (per query half: (output, log-sum-exp) so far, or None)."""
-    k_halves = kv[0].to(qh[0].dtype).chunk(2, dim=2)
-    v_halves = kv[1].to(qh[0].dtype).chunk(2, dim=2)
+    k_halves, v_halves = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
     for qi, ki, causal in pairs:
-        s = _scores(qh[qi], k_halves[ki], causal, scale)
-        lse = torch.logsumexp(s, dim=-1)
-        out = torch.matmul(torch.exp(s - lse[..., None]), v_halves[ki])
+        out, lse = _pair_forward(qh[qi], k_halves[ki], v_halves[ki], causal, scale)
         acc[qi] = (out, lse) if acc[qi] is None else merge(*acc[qi], out, lse)
 
 
-def _backward_blocks(qh, doh, lse, rowsum, kv: torch.Tensor, pairs, dqh, scale: float) -> torch.Tensor:
+def _backward_blocks(qh, doh, oh, lse, kv: torch.Tensor, pairs, dqh, scale: float) -> torch.Tensor:
     """Gradients of the visible pairs with block ``kv``: added into ``dqh`` (per query
     half); returned for the block's keys and values, ``[2, b, kv_heads, 2n, d]`` wide."""
-    wide = qh[0].dtype
-    k_halves = kv[0].to(wide).chunk(2, dim=2)
-    v_halves = kv[1].to(wide).chunk(2, dim=2)
-    dkv = torch.zeros(kv.shape, dtype=wide, device=kv.device)
+    k_halves, v_halves = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+    dkv = torch.zeros(kv.shape, dtype=dqh[0].dtype, device=kv.device)
     dk_halves, dv_halves = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
     for qi, ki, causal in pairs:
-        p = torch.exp(_scores(qh[qi], k_halves[ki], causal, scale) - lse[qi][..., None])
-        dv_halves[ki].add_(torch.matmul(p.transpose(-1, -2), doh[qi]))
-        ds = p * (torch.matmul(doh[qi], v_halves[ki].transpose(-1, -2)) - rowsum[qi][..., None])
-        dqh[qi].add_(torch.matmul(ds, k_halves[ki]), alpha=scale)
-        dk_halves[ki].add_(torch.matmul(ds.transpose(-1, -2), qh[qi]), alpha=scale)
+        dq, dk, dv = _pair_backward(doh[qi], qh[qi], k_halves[ki], v_halves[ki], oh[qi], lse[qi], causal, scale)
+        dqh[qi].add_(dq)
+        dk_halves[ki].add_(dk)
+        dv_halves[ki].add_(dv)
     return dkv
 
 
@@ -293,10 +342,9 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, q, k, v, cp: ContextParallel):
-        wide = torch.promote_types(q.dtype, torch.float32)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        kv_heads, size, rank = k.shape[1], cp.size, cp.rank
-        qh = _fold(q, kv_heads, wide)
+        size, rank = cp.size, cp.rank
+        qh = q.chunk(2, dim=2)
         acc: list = [None, None]
         kv = torch.stack([k, v])  # [2, b, kv_heads, 2n, d]: one message per block
         if cp.mode == "ring":
@@ -315,8 +363,8 @@ class _CPAttention(torch.autograd.Function):
                 if src != rank:
                     _forward_blocks(qh, gathered[src], visible_pairs(size, rank, src), acc, scale)
             saved = (gathered,)
-        out = _unfold([a[0] for a in acc], q.shape[1], q.dtype)
-        ctx.cp, ctx.kv_dtype, ctx.n_saved = cp, k.dtype, len(saved)
+        out = torch.cat([a[0] for a in acc], dim=2).to(q.dtype)
+        ctx.cp, ctx.kv_dtype = cp, k.dtype
         ctx.save_for_backward(q, out, acc[0][1], acc[1][1], *saved)
         return out
 
@@ -329,18 +377,16 @@ class _CPAttention(torch.autograd.Function):
     def _backward(ctx, dout):
         q, out, lse0, lse1, *saved = ctx.saved_tensors
         cp, size, rank = ctx.cp, ctx.cp.size, ctx.cp.rank
-        wide = lse0.dtype
         scale = 1.0 / math.sqrt(q.shape[-1])
-        kv_heads = saved[0].shape[-3]
-        qh, doh, oh = (_fold(x, kv_heads, wide) for x in (q, dout, out))
-        rowsum = [(do * o).sum(-1) for do, o in zip(doh, oh)]
-        lse, dqh = [lse0, lse1], [torch.zeros_like(h) for h in qh]
+        qh, doh, oh = q.chunk(2, dim=2), dout.contiguous().chunk(2, dim=2), out.chunk(2, dim=2)
+        lse = [lse0, lse1]
+        dqh = [torch.zeros(h.shape, dtype=lse0.dtype, device=h.device) for h in qh]
         if cp.mode == "ring":
             kv, incoming = torch.stack(saved), None
             for step in range(size):
                 nxt = _ring_step(cp, kv) if step < size - 1 else None
                 src = ring_source(size, rank, step)
-                dkv = _backward_blocks(qh, doh, lse, rowsum, kv, visible_pairs(size, rank, src), dqh, scale)
+                dkv = _backward_blocks(qh, doh, oh, lse, kv, visible_pairs(size, rank, src), dqh, scale)
                 if incoming is not None:  # what the ranks before added to this block's gradient
                     dkv += incoming.wait()
                 # the gradient travels with its block, and after the last step reaches its owner
@@ -350,10 +396,10 @@ class _CPAttention(torch.autograd.Function):
             own = incoming.wait()
         else:
             (gathered,) = saved
-            dkv = torch.stack([_backward_blocks(qh, doh, lse, rowsum, gathered[src], visible_pairs(size, rank, src),
+            dkv = torch.stack([_backward_blocks(qh, doh, oh, lse, gathered[src], visible_pairs(size, rank, src),
                                                 dqh, scale) for src in range(size)])
             own = _Timed(cp.transfers, cp.comm.start_reduce_scatter(dkv, dim=0)).wait()[0]
-        return _unfold(dqh, q.shape[1], q.dtype), own[0].to(ctx.kv_dtype), own[1].to(ctx.kv_dtype), None
+        return torch.cat(dqh, dim=2).to(q.dtype), own[0].to(ctx.kv_dtype), own[1].to(ctx.kv_dtype), None
 
 
 def _ring_step(cp: ContextParallel, block: torch.Tensor) -> _Timed:

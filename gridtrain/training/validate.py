@@ -148,7 +148,8 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     local = m.seq_len // p.cp
     _require(not (p.sequence_parallel and p.tp > 1) or local % p.tp == 0,
              f"--sequence-parallel with --cp {p.cp}: --tp {p.tp} does not divide the {local} tokens each cp rank "
-             f"holds (--seq-len / cp); choose a sequence length that is a multiple of {2 * p.cp * p.tp}")
+             f"holds (--seq-len / cp); choose a sequence length that is a multiple of "
+             f"{math.lcm(2 * p.cp, p.cp * p.tp)}")
     _require(m.dropout == 0,
              f"--dropout {m.dropout} with --cp {p.cp}: dropout masks under context parallelism would not be the "
              "one-process masks (each rank draws for its own tokens); use --dropout 0 (as Llama and long-context "
