@@ -98,7 +98,7 @@ def main() -> None:
     for side, rounds in measured.items():
         tps = statistics.median(r[0]["tokens_per_s"] for r in rounds)
         peak = max(rank["peak_activation_bytes"] for r in rounds for rank in r)
-        overlap = [o for r in rounds for rank in r for o in rank["cp_overlap"]]
+        overlap = [o for r in rounds for rank in r for o in rank["cp_overlap"]] if "cp" in SIDES[side][1] else []
         hidden = f"{100 * statistics.mean(h for h, _ in overlap):.0f}%" if overlap else "-"
         exposed = f"{1000 * statistics.mean(e for _, e in overlap):.0f}" if overlap else "-"
         moved = ", ".join(f"{g} {common.mib(n)}" for g, n in sorted(rounds[-1][0]["bytes"].items())) or "-"
