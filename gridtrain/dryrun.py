@@ -325,7 +325,7 @@ def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
         trainer.train_step(batches)
     params = list(model.parameters())
     param_storages = _storages(params)
-    grads = _storages([trainer.reducer.buffer, trainer.reducer.shard_grad]
+    grads = _storages([trainer.reducer.buffer]
                       + [p.grad for p in params if p.grad is not None])
     for key in param_storages:
         grads.pop(key, None)

@@ -1,6 +1,7 @@
 """Context parallelism trains the one-process model (DESIGN.md, "The invariant"): fp64,
 1e-9 relative, per-step losses and grad norms, validation loss and final weights, over
-cp 2 and 4 with both attention modes, with tp + SP, pp (1f1b, zb-h1), dp + ZeRO-1,
+cp 2 and 4 with both attention modes, with tp + SP, pp (1f1b, interleaved, zb-h1),
+dp + ZeRO-1,
 Llama's grouped and replicated key/value heads, both recomputations, and checkpoints
 moving between cp 2 and cp 1. The runs of one world size share one spawn.
 
@@ -36,10 +37,11 @@ RUNS: dict[str, tuple[int, dict]] = {
     "cp2-tp2-sp": (4, dict(cp=2, tp=2, sequence_parallel=True)),
     "cp2-pp2-1f1b": (4, dict(cp=2, pp=2, schedule="1f1b")),
     "cp2-pp2-zbh1": (4, dict(cp=2, pp=2, schedule="zb-h1", cp_comm="allgather")),
+    "cp2-pp2-interleaved": (4, dict(cp=2, pp=2, vpp=2, schedule="interleaved-1f1b", n_layer=4)),
     "cp2-tp2-llama-kv-replicated": (4, dict(cp=2, tp=2, sequence_parallel=True, arch="llama", n_kv_head=1)),
     "dp2-cp2-tp2-zero1": (8, dict(dp=2, cp=2, tp=2, sequence_parallel=True, zero=1)),
 }
-REFERENCE_FIELDS = ("arch", "n_kv_head")  # what a run shares with its one-process reference
+REFERENCE_FIELDS = ("arch", "n_kv_head", "n_layer")  # what a run shares with its one-process reference
 
 
 def _reference_fields(fields: dict) -> dict:
@@ -52,8 +54,8 @@ def _tmp() -> Path:
 
 
 @functools.cache
-def reference(arch: str = "gpt2", n_kv_head: int | None = None) -> dict:
-    fields = {"arch": arch} | ({"n_kv_head": n_kv_head} if n_kv_head else {})
+def reference(arch: str = "gpt2", n_kv_head: int | None = None, n_layer: int = 2) -> dict:
+    fields = {"arch": arch, "n_layer": n_layer} | ({"n_kv_head": n_kv_head} if n_kv_head else {})
     return train_in_process(tiny_config(**fields))
 
 

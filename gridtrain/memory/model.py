@@ -132,7 +132,7 @@ def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
     wide = 8 if dtype == torch.float64 else 4  # gradient buffer and master weights
     shards = gradient_shards(grid)
     padded = _padded_buffer(cfg, grid, rank, n) if cfg.parallel.zero == 1 else n
-    grads = padded * wide + (padded // shards * wide if cfg.parallel.zero == 1 else 0)
+    grads = padded * wide  # ZeRO-1 reduces each bucket into the rank's own slice of it: no second copy
     if cfg.parallel.zero == 0 and dtype in (torch.float32, torch.float64):
         tensors = _parameter_tensors(cfg, grid, rank)
         optim = 2 * n * e + 4 * tensors

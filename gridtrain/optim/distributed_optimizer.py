@@ -94,10 +94,14 @@ class DistributedOptimizer:
         self.separate_masters = bool(self.params) and master_dtype != self.params[0].dtype
         # views of the master weights (no memory of their own): the decayed elements
         self._decayed = [self.master[a:b] for a, b in _runs([q for q in self.pieces if q.param.ndim >= 2])]
-        # ranges of the shard that count towards the gradient norm; none on DP replicas other
+        # where the gradient of the shard lives: this rank's slices of the buffer's buckets
+        # (ZeRO-1 reduces into them in place), or the whole buffer, in shard order
+        self._grads = reducer.shard_views
+        # the parts of them that count towards the gradient norm; none on DP replicas other
         # than the first, which hold the same whole gradient when ZeRO-1 does not split it
         counts = reducer.shard or dp.rank == 0
-        self._counted = _runs([q for q in self.pieces if counts and counts_towards_norm(q.param, tp_rank)])
+        self._counted = [view for a, b in _runs([q for q in self.pieces if counts and counts_towards_norm(q.param, tp_rank)])
+                         for view in reducer.shard_view(a, b)]
         self.steps = 0
         self._gathering: dict[int, tuple] = {}  # bucket id -> (bucket, its gathered buffer, Pending)
         self._waits_in_forward = False  # gather_before was called: step leaves gathers in flight
@@ -120,41 +124,43 @@ class DistributedOptimizer:
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.master, self.exp_avg, self.exp_avg_sq]
 
-    def _grad(self) -> torch.Tensor:
-        return self.reducer.shard_grad if self.reducer.shard else self.reducer.buffer
-
     def unscale(self, scale: float) -> None:
         """Divide this rank's gradient slice by the fp16 loss scale."""
         if scale != 1.0:
-            self._grad().div_(scale)
+            torch._foreach_div_(self._grads, scale)
 
     def nonfinite(self) -> torch.Tensor:
         """1.0 when this rank's gradient slice holds an inf or NaN, else 0.0 (fp64, on the
         device: summed with the other ranks' in grads.step_scalars)."""
-        return torch.isfinite(self._grad()).all().logical_not().to(torch.float64)  # empty slice: finite
+        finite = torch.stack([torch.isfinite(g).all() for g in self._grads]).all()  # empty slices: finite
+        return finite.logical_not().to(torch.float64)
 
     def grad_norm_squared(self) -> torch.Tensor:
         """This rank's share of the squared global norm (fp64, on the device): its slice,
         without TP-replicated copies held by a TP rank other than the first and the last
         stage's tied head copy. Under ZeRO-1 the DP ranks' slices add up; otherwise every
         DP replica holds the same whole gradient, counted on the first."""
-        return squared_norm([self._grad()[a:b].to(self.master.dtype) for a, b in self._counted], self.device)
+        return squared_norm([g.to(self.master.dtype) for g in self._counted], self.device)
 
     def clip_to(self, norm: float, max_norm: float) -> None:
         """Scale this rank's gradient slice, of global norm ``norm``, to at most ``max_norm``."""
         coef = clip_coefficient(norm, max_norm)
         if coef is not None:
-            self._grad().mul_(coef)
+            torch._foreach_mul_(self._grads, coef)
 
     @torch.no_grad()
     def step(self) -> None:
         o, lr = self.o, self.param_groups[0]["lr"]
         self.steps += 1
-        grad = self._grad().to(self.master.dtype)
         if self._decayed and lr * o.weight_decay != 0:
             torch._foreach_mul_(self._decayed, 1 - lr * o.weight_decay)
-        self.exp_avg.lerp_(grad, 1 - o.beta1)
-        self.exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)
+        at = 0
+        for grad in self._grads:  # the moments slice by slice, straight from the buffer
+            n = grad.numel()
+            grad = grad.to(self.master.dtype)
+            self.exp_avg[at:at + n].lerp_(grad, 1 - o.beta1)
+            self.exp_avg_sq[at:at + n].mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)
+            at += n
         step_size = lr / (1 - o.beta1 ** self.steps)
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - o.beta2 ** self.steps)).add_(o.adam_eps)
         self.master.addcdiv_(self.exp_avg, denom, value=-step_size)

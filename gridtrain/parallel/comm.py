@@ -254,7 +254,9 @@ class CommGroup:
     def start_reduce_scatter(self, tensor: torch.Tensor, dim: int, *, out: torch.Tensor | None = None) -> "Pending":
         """:meth:`reduce_scatter`, issued without waiting (see :meth:`start_all_reduce`).
         ``out``: where this rank's slice goes (contiguous, its shape; a caller-owned
-        buffer such as ZeRO's ``shard_grad``), instead of a new tensor."""
+        buffer, or, in place, this rank's own block of ``tensor`` itself, as ZeRO-1's
+        buckets are reduced: every backend's tensor form takes that, as NCCL defines
+        it), instead of a new tensor."""
         if self.size == 1:
             return Pending.ready(tensor if out is None else out.copy_(tensor))
         self.check_device("reduce_scatter", tensor)
@@ -339,7 +341,28 @@ def _reduce_scatter_blocks(group: CommGroup, out: torch.Tensor, blocks: torch.Te
             if "support" not in str(exc).lower():
                 raise
             _LIST_REDUCE_SCATTER.add(group.backend)
-    return dist.reduce_scatter(out, list(blocks.unbind(0)), group=group.group, async_op=True)
+    if not _shares_memory(out, blocks):
+        return dist.reduce_scatter(out, list(blocks.unbind(0)), group=group.group, async_op=True)
+    # in place (ZeRO-1 reduces each bucket into the rank's own slice of it): the list form
+    # promises nothing about an output inside its inputs, so reduce into a copy, waited for here
+    reduced = torch.empty_like(out)
+    dist.reduce_scatter(reduced, [b.clone() for b in blocks.unbind(0)], group=group.group)
+    out.copy_(reduced)
+    return _Done()
+
+
+class _Done:
+    """A work handle for an operation already completed."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 class Pending:

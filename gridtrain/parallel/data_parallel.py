@@ -25,8 +25,12 @@ pipeline micro-batches and tensor parallelism:
 With ZeRO-1 (``shard=True``) a ready bucket is reduce-scattered instead, the same way:
 each DP rank owns the r-th 1/dp slice *of every bucket* (Megatron's distributed-optimizer
 layout), so a bucket's reduce-scatter delivers exactly the part of it that this rank's
-optimizer updates, straight into its place in ``shard_grad`` (the rank's slices, bucket
-after bucket). For that every bucket's size is a multiple of dp: bucket boundaries fall
+optimizer updates, in place: into the rank's own slice of the bucket in the buffer
+(:attr:`GradientReducer.shard_views`; the rank's slices, bucket after bucket, are its
+shard). No second gradient copy exists: a rank holds the buffer's 4 bytes per
+parameter (8 in fp64) and nothing per shard, as Megatron's distributed optimizer does;
+the rest of the buffer holds unreduced partial sums after the step's reductions, read
+by no one. For that every bucket's size is a multiple of dp: bucket boundaries fall
 on multiples of dp, inside a parameter if need be, and only the buffer's end is padded
 (the same ``ceil(n / dp) * dp`` elements as one whole-buffer reduce-scatter). A parameter
 listed in ``alone`` (the tied embedding on a pipeline's first and last stage, whose two
@@ -66,7 +70,8 @@ def broadcast_parameters(model: nn.Module, dp: CommGroup) -> None:
 @dataclass
 class Bucket:
     """Elements ``start:end`` of the buffer and the parameters with elements there. Under
-    ZeRO-1 this rank's slice of it arrives at ``shard_grad[at:at + (end - start) // dp]``."""
+    ZeRO-1 this rank's slice of it is elements ``at:at + (end - start) // dp`` of the
+    rank's shard."""
 
     params: list[nn.Parameter]
     start: int
@@ -81,8 +86,9 @@ class Bucket:
 @dataclass(frozen=True)
 class Piece:
     """The part of one parameter in this rank's shard: elements ``lo:hi`` of the flattened
-    parameter are elements ``at:at + hi - lo`` of the shard (``shard_grad``; the
-    optimizer's flat master weights and moments use the same positions)."""
+    parameter are elements ``at:at + hi - lo`` of the shard (the reducer's
+    ``shard_views`` concatenated; the optimizer's flat master weights and moments use the
+    same positions)."""
 
     param: nn.Parameter
     lo: int
@@ -160,8 +166,8 @@ class OverlapStats:
 class GradientReducer:
     """See the module docstring. With ``shard=True`` (ZeRO-1) the buckets are
     reduce-scattered: each DP rank receives the average of its own 1/dp slice of every
-    bucket in ``shard_grad``, which is all its optimizer shard needs; :attr:`pieces`
-    says which parameter elements those are.
+    bucket in that slice of the buffer (:attr:`shard_views`), which is all its optimizer
+    shard needs; :attr:`pieces` says which parameter elements those are.
 
     The buffer lives on ``device``: by default the DP group's device (the rank's device,
     set by ``setup_distributed``), else the parameters' device. It must not be inferred
@@ -194,9 +200,9 @@ class GradientReducer:
         self._pieces_of: dict[nn.Parameter, list[Piece]] = {p: [] for p in params}
         for q in self.pieces:
             self._pieces_of[q.param].append(q)
-        # this rank's slices of the buckets, reduced (ZeRO-1; allocated once)
-        self.shard_grad = (self.buffer if dp.size == 1 else self.buffer.new_empty(self.padded // dp.size)) \
-            if shard else None
+        # this rank's slice of each bucket, in shard order: where its reduce-scatter lands
+        self.shard_views = [self._own_slice(b) for b in self.buckets] if shard else [self.buffer]
+        self.shard_numel = sum(v.numel() for v in self.shard_views)
         # parameters whose .grad is their view of the buffer (same dtype and device)
         self.in_place = {p for p in params if in_place and p.dtype == dtype and p.device == device}
         self.buckets_of: dict[nn.Parameter, list[Bucket]] = {p: [] for p in params}
@@ -221,6 +227,21 @@ class GradientReducer:
             at += (end - start) // (self.dp.size if self.shard else 1)
         return buckets
 
+    def _own_slice(self, b: Bucket) -> torch.Tensor:
+        size = (b.end - b.start) // self.dp.size
+        return self.buffer[b.start + self.dp.rank * size: b.start + (self.dp.rank + 1) * size]
+
+    def shard_view(self, begin: int, end: int) -> list[torch.Tensor]:
+        """Views of the buffer holding elements ``begin:end`` of this rank's shard (one
+        per bucket the range crosses)."""
+        views, at = [], 0
+        for view in self.shard_views:
+            lo, hi = max(begin, at), min(end, at + view.numel())
+            if lo < hi:
+                views.append(view[lo - at: hi - at])
+            at += view.numel()
+        return views
+
     def _pieces(self) -> list[Piece]:
         """The parameter elements this rank's optimizer owns, in shard order: the r-th
         1/dp slice of every bucket under ZeRO-1, else everything."""
@@ -239,10 +260,10 @@ class GradientReducer:
 
     def grad_parts(self, p: nn.Parameter) -> list[torch.Tensor]:
         """After :meth:`finish`: the tensors holding the reduced gradient of the part of
-        ``p`` this rank owns (flat slices of ``shard_grad`` under ZeRO-1; else the whole
+        ``p`` this rank owns (its own slices of the buckets under ZeRO-1; else the whole
         gradient in the buffer). Further sums over the grid (grads.py) act on these."""
         if self.shard:
-            return [self.shard_grad[q.at:q.end] for q in self._pieces_of.get(p, ())]
+            return [p.main_grad.view(-1)[q.lo:q.hi] for q in self._pieces_of.get(p, ())]
         return [p.main_grad]
 
     # ---- during backward ------------------------------------------------------------------
@@ -273,11 +294,10 @@ class GradientReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         """The bucket's all-reduce, or under ZeRO-1 its reduce-scatter into this rank's
-        place in ``shard_grad``, issued without waiting."""
+        own slice of it (in place), issued without waiting."""
         view = self.buffer[bucket.start: bucket.end]
         if self.shard:
-            out = self.shard_grad[bucket.at: bucket.at + view.numel() // self.dp.size]
-            bucket.pending = self.dp.start_reduce_scatter(view, 0, out=out)
+            bucket.pending = self.dp.start_reduce_scatter(view, 0, out=self._own_slice(bucket))
         else:
             bucket.pending = self.dp.start_all_reduce(view)
         bucket.launched_at = self.clock.mark()
@@ -297,7 +317,7 @@ class GradientReducer:
     def finish(self) -> None:
         """Launch what never became ready (parameters that got no gradient this step take
         part with zeros), wait for every bucket and average: the whole buffer, with
-        ``param.grad`` pointed at it, or under ZeRO-1 this rank's ``shard_grad``."""
+        ``param.grad`` pointed at it, or under ZeRO-1 this rank's slices of it."""
         self.stats.unused = [name for p, name in self.names.items() if self.counts[p] == 0]
         if self.dp.size > 1:
             self._poll()
@@ -310,7 +330,7 @@ class GradientReducer:
                 if b.done_at is None:
                     b.done_at = self.clock.mark()
                 self.stats.buckets.append((b.launched_at, b.done_at, waiting_from))
-            (self.shard_grad if self.shard else self.buffer).div_(self.dp.size)
+            torch._foreach_div_(self.shard_views, self.dp.size)
         if self.shard:
             return  # the whole-parameter gradients are not reduced: no .grad
         for p in self.counts:
