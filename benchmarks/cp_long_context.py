@@ -24,12 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
 
 import common  # benchmarks/common.py: the script's own folder is on sys.path
-from gridtrain.config import preset_config, set_fields
+from gridtrain.config import ConfigError, preset_config, set_fields
 from gridtrain.training.loop import pretrain
 from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
 from gridtrain.training.report import bytes_by_group
@@ -64,7 +65,7 @@ def _worker(rank: int, world_size: int, cfg) -> dict:
             "cp_overlap": result.cp_overlap[1:], "bytes": bytes_by_group(result.step_bytes[-1])}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--n-layer", type=int, default=2)
@@ -73,8 +74,12 @@ def main() -> None:
     p.add_argument("--global-batch-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
-    opts = p.parse_args()
-    cfgs = {side: _config(side, opts) for side in SIDES}
+    opts = p.parse_args(argv)
+    try:
+        cfgs = {side: _config(side, opts) for side in SIDES}
+    except ConfigError as e:
+        print(f"cp_long_context: error: {e}", file=sys.stderr)
+        return 2
     load = os.getloadavg()[0]
     print(f"GPT: {opts.n_layer} layers, d {opts.d_model}, {opts.n_head} heads, seq {opts.seq_len}, "
           f"{opts.global_batch_size} sequences per step (micro-batch 1), fp32, {opts.steps} steps per run "
@@ -105,7 +110,8 @@ def main() -> None:
         print(f"| {side} | {tps:,.0f} | {tps / base:.2f}x | {tps / tp:.2f}x | {common.mib(peak)} | {hidden} | "
               f"{exposed} | {moved} |")
     print(f"\n1-minute load average: {load:.2f} at start, {os.getloadavg()[0]:.2f} at end")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

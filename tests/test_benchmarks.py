@@ -122,3 +122,20 @@ def test_checkpoint_save_runs_both_modes():
         assert re.search(rf"^\| 1 \| {mode} \| [\d.]+ \| 3 \| ", proc.stdout, re.M), proc.stdout
     assert re.search(r"^  pause per save \(measured, median\) \S+", proc.stdout, re.M), proc.stdout
     assert re.search(r"^wall time \d+ s$", proc.stdout, re.M)
+
+
+@pytest.mark.spawn
+def test_cp_long_context_runs_every_side_and_refuses_a_bad_shape():
+    """At a tiny size: one round of the four sides, a table row each, the cp rows with
+    their hidden share of the transfers; a sequence that does not cut into 2 x cp chunks
+    is one line and status 2."""
+    base = [sys.executable, str(BENCHMARKS / "cp_long_context.py"), "--d-model", "32", "--n-head", "2",
+            "--steps", "2", "--rounds", "1"]
+    proc = subprocess.run([*base, "--seq-len", "64"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split(" | ")[0] for r in rows] == ["| one process", "| tp 2 + SP", "| cp 2 ring", "| cp 2 allgather"]
+    assert all(re.search(r"\| \d+% \|", r) for r in rows[2:]) and "| - |" in rows[0]
+    bad = subprocess.run([*base, "--seq-len", "66"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert bad.stderr.startswith("cp_long_context: error: --cp 2: --seq-len 66 is not divisible by 2 x cp = 4")

@@ -52,14 +52,16 @@ class DistributedContext:
     bytes: ByteCounter  # every counted collective of this rank
     recorder: watchdog.FlightRecorder = field(default_factory=watchdog.process_recorder)  # the flight recorder
     cp: ContextParallel = field(default_factory=ContextParallel)  # the cp ring the sequence is split over
-    # dp x cp, the ranks holding the same parameters, each with part of the global batch
-    # (its dp slice, its cp chunks): gradients are averaged, ZeRO-1 shards, losses and
-    # token counts are summed and checkpoint writes spread over it. The dp group when cp is 1.
-    dp_cp: CommGroup | None = None
+    dp_x_cp: CommGroup | None = None  # the dp x cp group when cp > 1 (see dp_cp)
 
-    def __post_init__(self) -> None:
-        if self.dp_cp is None:
-            self.dp_cp = self.dp
+    @property
+    def dp_cp(self) -> CommGroup:
+        """dp x cp, the ranks holding the same parameters, each with part of the global
+        batch (its dp slice, its cp chunks): gradients are averaged, ZeRO-1 shards, losses
+        and token counts are summed and checkpoint writes spread over it. The dp group
+        itself when cp is 1 (also in a context derived with ``dataclasses.replace`` and
+        another dp group, as the benchmarks' one-process references are)."""
+        return self.dp if self.cp.size == 1 else self.dp_x_cp
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -145,7 +147,7 @@ def setup_distributed(cfg: Config) -> DistributedContext:
                               pp=CommGroup.of("pp", groups.pp, counter, device=device),
                               embedding=_embedding_group(grid, rank, groups, counter, device), bytes=counter,
                               recorder=recorder, cp=_context_parallel(groups, p.cp_comm, counter, device),
-                              dp_cp=CommGroup.of("dp_cp", groups.dp_cp, counter, device=device)
+                              dp_x_cp=CommGroup.of("dp_cp", groups.dp_cp, counter, device=device)
                               if groups.dp_cp is not None else None)
 
 
