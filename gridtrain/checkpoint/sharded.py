@@ -100,7 +100,7 @@ def layout_of(cfg: Config, ctx) -> dict[str, Any]:
     grid = getattr(ctx, "grid", None)
     return {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "dp": grid.dp if grid else 1, "tp": grid.tp if grid else 1, "pp": grid.pp if grid else 1,
-            "cp": grid.cp if grid else 1, "vpp": cfg.parallel.vpp, "schedule": cfg.parallel.schedule, "zero": cfg.parallel.zero,
+            "cp": getattr(grid, "cp", 1), "vpp": cfg.parallel.vpp, "schedule": cfg.parallel.schedule, "zero": cfg.parallel.zero,
             "sequence_parallel": cfg.parallel.sequence_parallel, "dtype": cfg.training.dtype}
 
 
@@ -118,9 +118,10 @@ def writes(key: str, param: torch.Tensor, ctx, dp_copies: bool = True) -> bool:
         return True
     spec, tp = shard_spec(param), ctx.tp
     tp_copies = tp.size if spec is None else (spec.replicas if tp.size > 1 else 1)
-    replicas = getattr(ctx, "dp_cp", None) or ctx.dp  # dp x cp: every rank of it holds the same pieces
-    dp = replicas.size if dp_copies else 1
-    index = (replicas.rank if dp_copies else 0) * tp_copies + tp.rank % tp_copies
+    # the dp x cp replicas all hold the same pieces; this rank's index among them
+    cp, cp_index = getattr(ctx.grid, "cp", 1), getattr(ctx.coords, "cp", 0)
+    dp = ctx.grid.dp * cp if dp_copies else 1
+    index = ((ctx.coords.dp * cp + cp_index) if dp_copies else 0) * tp_copies + tp.rank % tp_copies
     return zlib.crc32(key.encode()) % (dp * tp_copies) == index
 
 
@@ -452,5 +453,5 @@ def _same_layout(meta: dict[str, Any], model: nn.Module, ctx) -> bool:
     grid = getattr(ctx, "grid", None)
     here = {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "dp": grid.dp if grid else 1, "tp": grid.tp if grid else 1, "pp": grid.pp if grid else 1,
-            "vpp": len(getattr(model, "chunks", [None])), "cp": grid.cp if grid else 1}
+            "vpp": len(getattr(model, "chunks", [None])), "cp": getattr(grid, "cp", 1)}
     return all(saved.get(k, 1 if k == "cp" else None) == v for k, v in here.items())

@@ -63,7 +63,7 @@ def gather_model(model: nn.Module, ctx) -> dict[str, torch.Tensor] | None:
     mine = full_model_state(model, _tp_of(ctx))
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
-    writer = ctx.coords.dp == 0 and ctx.coords.tp == 0 and ctx.coords.cp == 0
+    writer = ctx.coords.dp == 0 and ctx.coords.tp == 0 and getattr(ctx.coords, "cp", 0) == 0
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(mine if writer else {}, parts, dst=0)
     return {k: v for part in parts for k, v in part.items()} if parts is not None else None
