@@ -1,5 +1,5 @@
-"""Context parallelism's arithmetic: which tokens a cp rank holds, and how attention over
-key/value blocks held by other ranks is put together exactly.
+"""Context parallelism: which tokens a cp rank holds, and attention over the key/value
+blocks every cp rank holds, put together exactly.
 
 The split and the merge are pure functions on tensors (no process group), each checked
 against one process's attention (tests/test_context_parallel.py); :func:`attention` puts
