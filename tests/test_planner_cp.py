@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import pytest
 
 from gridtrain.cli import parser as cli
-from gridtrain.config import Config, ModelConfig, ParallelConfig, preset_config
+from gridtrain.config import Config, ModelConfig, preset_config
 from gridtrain.memory import activations
 from gridtrain.memory.cp import cp_attention_bytes, kv_elements, ring_transfers, wide_bytes
 from gridtrain.memory.model import expected_activation_peak, expected_bytes
@@ -294,10 +294,6 @@ def test_layouts_with_cp_fill_the_gpus_and_try_both_exchanges():
     assert fixed and all((lay.cp, lay.cp_comm, lay.recompute) == (4, "allgather", "selective") for lay in fixed)
 
 
-def _train_flags_have_cp() -> bool:
-    return {"cp", "cp_comm"} <= {f.name for f in fields(ParallelConfig)}
-
-
 def test_the_command_carries_cp_and_the_all_gather():
     from gridtrain.planner.command import describe, torchrun_command
 
@@ -312,10 +308,9 @@ def test_the_command_carries_cp_and_the_all_gather():
         assert "--cp 4" in command and ("--cp-comm allgather" in command) == (comm == "allgather")
         assert f"cp 4 ({comm})" in describe(p)
         assert p.as_json()["cp"] == 4 and p.as_json()["cp_comm"] == comm
-        if _train_flags_have_cp():  # the runtime's flags: the command parses as printed
-            words = shlex.split(command)
-            cfg = cli.config_from_args(cli.build_parser().parse_args(words[words.index("gridtrain") + 1:]))
-            assert (cfg.parallel.cp, cfg.parallel.cp_comm) == (4, comm)
+        words = shlex.split(command)  # the runtime's flags: the command parses as printed
+        cfg = cli.config_from_args(cli.build_parser().parse_args(words[words.index("gridtrain") + 1:]))
+        assert (cfg.parallel.cp, cfg.parallel.cp_comm) == (4, comm)
     plain = predict(job, Layout(dp=2, tp=2, pp=1), memory=False)
     assert "--cp" not in torchrun_command(args, plain, 8) and " cp " not in describe(plain)
 
@@ -360,7 +355,6 @@ def _dry_run(world: int, flags: list[str], mode: str) -> tuple[Config, list[dict
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _train_flags_have_cp(), reason="the runtime has no --cp yet")
 @pytest.mark.parametrize("case", DRY_RUNS)
 def test_the_memory_model_is_the_dry_runs_under_cp(case):
     """cp 2, both exchanges: parameters, gradients and optimizer state (ZeRO-1 over dp x

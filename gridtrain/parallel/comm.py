@@ -309,6 +309,21 @@ class CommGroup:
         return tensor.chunk(self.size, dim=dim)[self.rank].contiguous()
 
 
+class OnGroup:
+    """What a layer's view of its group (TensorParallel, ContextParallel) shares: the
+    size and this rank's index, read from its ``comm``."""
+
+    comm: CommGroup
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+
 class DeviceMismatch(RuntimeError):
     """A tensor handed to a collective is not on its group's device."""
 

@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import torch
 
-from gridtrain.parallel.comm import CommGroup, single
+from gridtrain.parallel.comm import CommGroup, OnGroup, single
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -131,7 +131,7 @@ def ring_source(cp: int, rank: int, step: int) -> int:
 
 
 @dataclass
-class ContextParallel:
+class ContextParallel(OnGroup):
     """The cp group a layer's sequence is split over and how its attention communicates
     (``mode``: ``ring`` or ``allgather``). One rank (the default) splits nothing: every
     layer then runs exactly as without context parallelism."""
@@ -139,14 +139,6 @@ class ContextParallel:
     comm: CommGroup = field(default_factory=lambda: single("cp"))
     mode: str = "ring"
     transfers: TransferTimes = field(default_factory=lambda: TransferTimes())
-
-    @property
-    def size(self) -> int:
-        return self.comm.size
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
 
     def positions(self, local_len: int, device: torch.device | str) -> torch.Tensor:
         """The true positions of this rank's ``local_len`` tokens (its two chunks of a

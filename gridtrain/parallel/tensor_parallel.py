@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.parallel import comm
-from gridtrain.parallel.comm import CommGroup
+from gridtrain.parallel.comm import CommGroup, OnGroup
 from gridtrain.parallel.rng import RNGStatesTracker
 from gridtrain.parallel.split_backward import WeightGradStore, linear, outside_compiled_graphs, weight_grad_of
 
@@ -102,21 +102,13 @@ def is_tp_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
 # ---- the TP context a model is built with ------------------------------------------------
 
 @dataclass
-class TensorParallel:
+class TensorParallel(OnGroup):
     """What TP layers need: the group, whether sequence parallelism is on, the RNG streams."""
 
     comm: CommGroup = field(default_factory=lambda: comm.single("tp"))
     sequence_parallel: bool = False
     rng: RNGStatesTracker = field(default_factory=lambda: RNGStatesTracker(torch.device("cpu")))
     weight_grads: WeightGradStore | None = None  # zero-bubble schedules: queue weight gradients here
-
-    @property
-    def size(self) -> int:
-        return self.comm.size
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
 
     def leave(self, partial: torch.Tensor) -> torch.Tensor:
         """Out of a row-parallel layer: sum partial results (keeping a sequence shard under SP)."""
