@@ -139,7 +139,8 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
-CP_COMM_MODES = ("ring", "allgather")  # how attention reaches the other cp ranks (parallel/context_parallel.py)
+CP_COMM_MODES = ("ring", "allgather")
+ZERO_STAGES = (0, 1, 2, 3)  # what each data-parallel rank shards (optim/, parallel/fully_sharded.py)  # how attention reaches the other cp ranks (parallel/context_parallel.py)
 
 
 @dataclass
@@ -184,8 +185,23 @@ class ParallelConfig:
     pp_partition: str = option("uniform", metavar="M", help="uniform | parameters | time",
                                doc="`uniform` (default), `parameters` or `time` (profiles each unit first) when "
                                    "`--pp-layers` is not given")
-    zero: int = option(0, was="training", metavar="1", help="1: shard optimizer state over data parallel (ZeRO-1)",
-                       doc="shard master weights and Adam state over data parallel (ZeRO-1)")
+    zero: int = option(0, was="training", metavar="Z", choices=ZERO_STAGES,
+                       help="0-3: ZeRO stage over data parallel (1 optimizer state, 2 + gradients, 3 + parameters)",
+                       doc="ZeRO stage over the data-parallel (x cp) ranks: `0` replicate everything, `1` shard "
+                           "master weights and Adam state, `2` also gradients, `3` also parameters (gathered per "
+                           "block, as FSDP)")
+    zero_shard_size: int | None = option(None, range=">= 1", metavar="N",
+                                         help="shard ZeRO state within groups of N data-parallel ranks, replicate "
+                                              "across groups (hybrid sharding)",
+                                         doc="hybrid sharding (HSDP): ZeRO state sharded within groups of N "
+                                             "consecutive data-parallel (x cp) ranks (a node) and replicated across "
+                                             "groups; gradients reduce-scattered in the group, all-reduced across "
+                                             "(default: the whole group)")
+    zero3_keep_gathered: bool = option(False, help="--zero 3: keep a stage's parameters gathered from forward to "
+                                                   "backward within a step",
+                                       doc="with `--zero 3`: a stage's parameters stay gathered from their first "
+                                           "forward to their last backward of a step (one gather per step instead "
+                                           "of two per micro-batch; FSDP2's `reshard_after_forward=False`)")
     bucket_mb: float = option(25.0, range="> 0",
                               help="gradient bucket size in MiB (all-reduce; ZeRO-1: reduce-scatter and parameter "
                                    "gather)",

@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import time
 import traceback
 import weakref
@@ -79,6 +80,7 @@ from gridtrain.runtime import host_sync
 from gridtrain.runtime import activation_meter, watchdog
 from gridtrain.config import Config, ConfigError
 from gridtrain.parallel.grid import ProcessGrid
+from gridtrain.parallel.zero3 import whole_shape
 
 
 class DeviceDisciplineError(RuntimeError):
@@ -317,21 +319,25 @@ def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
     ctx, model = trainer.ctx, trainer.model
     meter = activation_meter.ActivationMeter.for_model(model)
     tracker = LiveBytes(ctx.device.type)
-    tracker.track(list(model.parameters()), list(model.buffers()), trainer.reducer.buffer,
+    shards = trainer.param_shards.held_tensors() if trainer.param_shards is not None else []
+    tracker.track(list(model.parameters()), list(model.buffers()), *trainer.reducer.held_tensors(), *shards,
                   trainer.optimizer.state_tensors())
     trainer.set_lr(0)
     syncs = host_sync.allowing() if fake else contextlib.nullcontext([])
     with tracker, _CollectiveDevices(ctx.device), activation_meter.saved_activations(meter), syncs as hits:
         trainer.train_step(batches)
     params = list(model.parameters())
-    param_storages = _storages(params)
-    grads = _storages([trainer.reducer.buffer]
+    shards = trainer.param_shards.held_tensors() if trainer.param_shards is not None else []
+    param_storages = _storages(params + shards)  # ZeRO-3: the parameter shard (the parameters are empty)
+    grads = _storages(trainer.reducer.held_tensors()
                       + [p.grad for p in params if p.grad is not None])
     for key in param_storages:
         grads.pop(key, None)
     optim = _storages(trainer.optimizer.state_tensors())
+    for key in param_storages:  # fp32 ZeRO-3: the master weights are the parameter shard
+        optim.pop(key, None)
     c = ctx.coords
-    return RankMemory(rank=ctx.rank, dp=c.dp, pp=c.pp, tp=c.tp, cp=c.cp, parameters=sum(p.numel() for p in params),
+    return RankMemory(rank=ctx.rank, dp=c.dp, pp=c.pp, tp=c.tp, cp=c.cp, parameters=sum(math.prod(whole_shape(p)) for p in params),
                       parameter_bytes=sum(param_storages.values()), gradient_bytes=sum(grads.values()),
                       optimizer_bytes=sum(optim.values()), activation_peak_bytes=meter.peak_bytes,
                       peak_bytes=tracker.peak, sync_points=sorted(set(hits)))

@@ -61,6 +61,7 @@ from gridtrain.checkpoint.shards import Placement, Slab, single_process
 from gridtrain.config import Config
 from gridtrain.optim.interface import Optimizer, StatePiece
 from gridtrain.parallel.tensor_parallel import TensorParallel, shard_spec
+from gridtrain.parallel.zero3 import whole_shape
 
 FORMAT = "gridtrain-checkpoint"
 VERSION = 2
@@ -92,7 +93,7 @@ def _source_name(name: str, param: torch.Tensor) -> str:
 
 
 def placement(param: torch.Tensor, tp: TensorParallel) -> Placement:
-    return Placement.of(tuple(param.shape), shard_spec(param), tp.rank, tp.size, getattr(param, "vocab_rows", None))
+    return Placement.of(tuple(whole_shape(param)), shard_spec(param), tp.rank, tp.size, getattr(param, "vocab_rows", None))
 
 
 def layout_of(cfg: Config, ctx) -> dict[str, Any]:
@@ -133,9 +134,15 @@ def state_to_save(model: nn.Module, optimizer: Optimizer | None, ctx) -> dict[st
     tp = _tp_of(ctx)
     names = {p: name for name, p in model.named_parameters()}
     state: dict[str, Any] = {}
-    for name, p in model.named_parameters():
-        if not getattr(p, "tied_copy", False) and writes(model_key(name), p, ctx):
-            state[model_key(name)] = Slab.of(p.detach(), placement(p, tp))
+    weights = optimizer.weight_pieces() if optimizer is not None else None
+    if weights is None:
+        for name, p in model.named_parameters():
+            if not getattr(p, "tied_copy", False) and writes(model_key(name), p, ctx):
+                state[model_key(name)] = Slab.of(p.detach(), placement(p, tp))
+    for piece in weights or []:  # ZeRO-3: each DP rank its own pieces of the parameter shard
+        key = model_key(names[piece.param])
+        if not getattr(piece.param, "tied_copy", False) and writes(key, piece.param, ctx, dp_copies=False):
+            state[key] = _piece_slab(piece, piece.tensors["model"], tp)
     for piece in optimizer.state_pieces() if optimizer is not None else []:
         if getattr(piece.param, "tied_copy", False):
             continue
@@ -148,7 +155,7 @@ def state_to_save(model: nn.Module, optimizer: Optimizer | None, ctx) -> dict[st
 
 
 def _piece_slab(piece: StatePiece, flat: torch.Tensor, tp: TensorParallel) -> Slab:
-    return Slab.of_flat(flat, piece.lo, tuple(piece.param.shape), placement(piece.param, tp))
+    return Slab.of_flat(flat, piece.lo, tuple(whole_shape(piece.param)), placement(piece.param, tp))
 
 
 def optimizer_meta(optimizer: Optimizer | None) -> dict[str, Any] | None:
@@ -327,19 +334,23 @@ def load_sharded(path: Path, meta: dict[str, Any], model: nn.Module, optimizer: 
     filled: list[StatePiece] = []
     rng = None
 
+    weights = optimizer.weight_pieces() if optimizer is not None else None
+
     def plan() -> bool:
         nonlocal filled, rng
-        _request_weights(request, model, _tp_of(ctx))
+        _request_weights(request, model, _tp_of(ctx), weights)
         if optimizer is not None:
             filled = _request_optimizer(request, second, model, optimizer, _tp_of(ctx), moments=bool(saved_opt))
         rng = _request_rng(request, meta, model, ctx) if saved_opt else None
         return bool(second.state)
 
     second_read = _agreed(plan, group)
-    _zero_vocabulary_padding(model)
+    _zero_vocabulary_padding(model, weights)
     _read(path, request.state, group, where)
     if second_read:
         _read(path, second.state, group, where)
+    if weights is not None:
+        optimizer.weights_loaded()
     if optimizer is not None:
         _take_optimizer(optimizer, saved_opt, filled)
     if rng is not None:
@@ -367,15 +378,21 @@ def _agreed(plan: Callable[[], bool], group) -> bool:
     return any(wants for _, wants in results)
 
 
-def _request_weights(request: _Request, model: nn.Module, tp: TensorParallel) -> None:
+def _request_weights(request: _Request, model: nn.Module, tp: TensorParallel,
+                     weights: list[StatePiece] | None = None) -> None:
     """Parameters in a master weights' dtype (fp32/fp64 runs) take ``optim/<n>/master``
     where it is stored (a bf16 or fp16 checkpoint resumed in fp32 continues from its
-    fp32 weights), else ``model/<n>``; 16-bit parameters take ``model/<n>``."""
-    for name, p in model.named_parameters():
+    fp32 weights), else ``model/<n>``; 16-bit parameters take ``model/<n>``. Each into
+    the parameter, or under ZeRO-3 (``weights``: the optimizer's weight pieces) into this
+    rank's pieces of the parameter shard."""
+    names = {p: name for name, p in model.named_parameters()}
+    targets = [(p, Slab.of(p.detach(), placement(p, tp))) for p in names] if weights is None else \
+        [(q.param, _piece_slab(q, q.tensors["model"], tp)) for q in weights]
+    for p, slab in targets:
+        name = names[p]
         src = _source_name(name, p)
         from_master = request.has(optim_key(src, "master")) and p.dtype in (torch.float32, torch.float64)
-        request.add(optim_key(src, "master") if from_master else model_key(src),
-                    Slab.of(p.detach(), placement(p, tp)), f"weights for {name}")
+        request.add(optim_key(src, "master") if from_master else model_key(src), slab, f"weights for {name}")
 
 
 def _request_optimizer(request: _Request, second: _Request, model: nn.Module, optimizer: Optimizer,
@@ -420,11 +437,14 @@ def _request_rng(request: _Request, meta: dict[str, Any], model: nn.Module, ctx)
     return key
 
 
-def _zero_vocabulary_padding(model: nn.Module) -> None:
+def _zero_vocabulary_padding(model: nn.Module, weights: list[StatePiece] | None = None) -> None:
     """Vocabulary padding is never stored and is zero; the read fills the real rows."""
     for p in model.parameters():
         if hasattr(p, "vocab_rows"):
             p.zero_()
+    for q in weights or []:
+        if hasattr(q.param, "vocab_rows"):
+            q.tensors["model"].zero_()
 
 
 def _read(path: Path, state: dict[str, Any], group, where: str) -> None:

@@ -58,6 +58,7 @@ from torch import nn
 from gridtrain.parallel.comm import CommGroup
 from gridtrain.config import OptimConfig
 from gridtrain.parallel.data_parallel import GradientReducer, Piece
+from gridtrain.parallel.zero3 import ParameterShards, whole_shape
 from gridtrain.optim.interface import StatePiece
 from gridtrain.optim.optimizer import MOMENTS, clip_coefficient, counts_towards_norm, squared_norm
 
@@ -78,22 +79,26 @@ class DistributedOptimizer:
     behind the optimizer interface (interface.py)."""
 
     def __init__(self, reducer: GradientReducer, o: OptimConfig, *, dp: CommGroup, mp: CommGroup,
-                 tp_rank: int, master_dtype: torch.dtype):
+                 tp_rank: int, master_dtype: torch.dtype, param_shards: ParameterShards | None = None):
         self.reducer, self.o, self.dp, self.mp = reducer, o, dp, mp
+        self.param_shards = param_shards
         self.shards_over_dp = reducer.shard
         self.params = reducer.params
         self.offsets = [reducer.offsets[p] for p in self.params]  # where each starts in the buffer
         size = reducer.padded // (dp.size if reducer.shard else 1)
-        self.device = reducer.buffer.device
+        self.device = reducer.device
         self.pieces = reducer.pieces  # the parameter elements this rank updates, in shard order
-        self.master = torch.zeros(size, dtype=master_dtype, device=self.device)
-        self._master_from_params()
+        if param_shards is not None and param_shards.shard.dtype == master_dtype:
+            self.master = param_shards.shard  # ZeRO-3 in fp32/fp64: the parameter shard is the master
+        else:
+            self.master = torch.zeros(size, dtype=master_dtype, device=self.device)
+            self._master_from_params()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         # masters of their own (fp32 beside 16-bit parameters), not just the parameters' values
         self.separate_masters = bool(self.params) and master_dtype != self.params[0].dtype
         # views of the master weights (no memory of their own): the decayed elements
-        self._decayed = [self.master[a:b] for a, b in _runs([q for q in self.pieces if q.param.ndim >= 2])]
+        self._decayed = [self.master[a:b] for a, b in _runs([q for q in self.pieces if len(whole_shape(q.param)) >= 2])]
         # where the gradient of the shard lives: this rank's slices of the buffer's buckets
         # (ZeRO-1 reduces into them in place), or the whole buffer, in shard order
         self._grads = reducer.shard_views
@@ -110,6 +115,11 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def _master_from_params(self) -> None:
+        if self.param_shards is not None:  # ZeRO-3: the parameters' values are the shard's
+            self.param_shards.shard_from_params()  # where whole parameters were just written
+            if self.master is not self.param_shards.shard:
+                self.master.copy_(self.param_shards.shard)
+            return
         for q in self.pieces:
             self.master[q.at:q.end] = q.param.detach().reshape(-1)[q.lo:q.hi]
 
@@ -177,6 +187,11 @@ class DistributedOptimizer:
         the rest travels behind its computation (Megatron's overlapped parameter gather)."""
         if not self.params:
             return
+        if self.param_shards is not None:  # ZeRO-3: into the shard; blocks gather it when they run
+            if self.master is not self.param_shards.shard:
+                self.param_shards.shard.copy_(self.master)
+            self.param_shards.step_done()
+            return
         if not (self.reducer.shard and self.dp.size > 1):
             for p, o in zip(self.params, self.offsets):
                 p.copy_(self.master[o: o + p.numel()].view_as(p))
@@ -214,7 +229,7 @@ class DistributedOptimizer:
         """Before each forward of ``module``, wait for the gathers of ``params`` (the
         parameters that forward uses first-hand). Only under ZeRO-1 with dp > 1 (the
         only case with gathers); from then on :meth:`step` leaves its gathers in flight."""
-        if not (self.reducer.shard and self.dp.size > 1):
+        if not (self.reducer.shard and self.dp.size > 1) or self.param_shards is not None:
             return
         params = [p for p in params if p in self.reducer.buckets_of]
         module.register_forward_pre_hook(lambda _module, _args: self.parameters_ready(params))
@@ -228,6 +243,19 @@ class DistributedOptimizer:
         flats = [(what, getattr(self, what)) for what in MOMENTS]
         flats += [("master", self.master)] if self.separate_masters else []
         return [StatePiece(q.param, q.lo, {what: flat[q.at:q.end] for what, flat in flats}) for q in self.pieces]
+
+    def weight_pieces(self) -> list[StatePiece] | None:
+        """ZeRO-3: this rank's pieces of the parameter shard (the parameters are empty
+        between uses); otherwise None, the parameters hold the weights."""
+        if self.param_shards is None:
+            return None
+        shard = self.param_shards.shard
+        return [StatePiece(q.param, q.lo, {"model": shard[q.at:q.end]}) for q in self.pieces]
+
+    def weights_loaded(self) -> None:
+        """The parameter shard was written (a checkpoint read): nothing gathered is current."""
+        if self.param_shards is not None:
+            self.param_shards.step_done()
 
     def load_targets(self) -> list[StatePiece]:
         """The shard's own memory, the moments zeroed (a checkpoint without them starts there)."""

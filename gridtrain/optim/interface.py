@@ -91,3 +91,8 @@ class Optimizer(Protocol):
 
     def load_state_by_param(self, states: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
         """Load whole per-parameter state (AdamW's names, plus ``master``)."""
+
+    def weight_pieces(self) -> list[StatePiece] | None:
+        """Where the weights live when the parameters do not hold them (ZeRO-3: this
+        rank's pieces of the parameter shard, each tensor named ``model``); None: the
+        parameters themselves."""

@@ -127,6 +127,9 @@ class AdamW:
         if coef is not None and grads:
             torch._foreach_mul_(grads, coef)
 
+    def weight_pieces(self) -> None:
+        """The parameters hold the weights."""
+
     def gather_before(self, module: nn.Module, params: list[nn.Parameter]) -> None:
         """Nothing to wait for: :meth:`step` updates the parameters themselves."""
 

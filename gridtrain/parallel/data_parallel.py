@@ -100,8 +100,8 @@ class Piece:
         return self.at + self.hi - self.lo
 
 
-def bucket_bounds(numels: list[int], cap: float, *, multiple: int = 1,
-                  alone: Collection[int] = ()) -> tuple[list[int], list[tuple[int, int]], int]:
+def bucket_bounds(numels: list[int], cap: float, *, multiple: int = 1, alone: Collection[int] = (),
+                  units: list[int] | None = None) -> tuple[list[int], list[tuple[int, int]], int]:
     """The buffer's layout as pure arithmetic: each parameter's offset (``numels`` in
     buffer order), the buckets' ``(start, end)``, and the padded size.
 
@@ -110,18 +110,23 @@ def bucket_bounds(numels: list[int], cap: float, *, multiple: int = 1,
     their own). With ``multiple`` > 1 (ZeRO-1: dp) a bucket ends at the next multiple of
     it, inside the following parameter if need be, and the buffer's end is padded to a
     multiple. The parameters at the indices in ``alone`` come last, each in a bucket of
-    its own that starts on a multiple and is padded to one."""
+    its own that starts on a multiple and is padded to one. With ``units`` (a unit id per
+    parameter: ZeRO-3's blocks) a bucket also ends, padded, wherever the unit changes, and
+    no parameter crosses a bucket boundary."""
     def up(x: int) -> int:
         return -(-x // multiple) * multiple
 
     alone = set(alone)
     offsets, bounds = [0] * len(numels), []
     offset = start = 0  # the next parameter's offset; the open bucket's start
+    previous = None  # the unit of the parameter before
     for i in [i for i in range(len(numels)) if i not in alone] + sorted(alone):
-        if i in alone and up(offset) > start:  # close the open bucket, pad to a multiple
+        new_unit = units is not None and previous is not None and units[i] != previous
+        if (i in alone or new_unit) and up(offset) > start:  # close the open bucket, pad to a multiple
             bounds.append((start, up(offset)))
             start = up(offset)
-        offset = max(offset, start) if i in alone else offset
+        previous = units[i] if units is not None else None
+        offset = max(offset, start) if (i in alone or units is not None) else offset
         offsets[i] = offset
         offset += numels[i]
         if i in alone or offset - start >= cap:
@@ -179,7 +184,7 @@ class GradientReducer:
     def __init__(self, model: nn.Module, dp: CommGroup, *, accumulations: int, bucket_mb: float = 25.0,
                  grad_dtype: torch.dtype | None = None, shard: bool = False,
                  device: torch.device | str | None = None, in_place: bool = True,
-                 alone: Collection[nn.Parameter] = ()):
+                 alone: Collection[nn.Parameter] = (), units: dict[nn.Parameter, int] | None = None):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
         self.dp, self.accumulations, self.shard = dp, accumulations, shard
@@ -190,18 +195,17 @@ class GradientReducer:
         alone_ids = {id(p) for p in alone}
         offsets, bounds, self.padded = bucket_bounds(
             [p.numel() for p in params], bucket_mb * 2 ** 20 / element, multiple=dp.size if shard else 1,
-            alone=[i for i, p in enumerate(params) if id(p) in alone_ids])
+            alone=[i for i, p in enumerate(params) if id(p) in alone_ids],
+            units=None if units is None else [units[p] for p in params])
         self.offsets = dict(zip(params, offsets))  # where each parameter starts in the buffer
-        self.buffer = torch.zeros(self.padded, dtype=dtype, device=device)
-        for p in params:
-            p.main_grad = self.buffer[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p)
+        self.dtype, self.device = dtype, device
         self.buckets = self._make_buckets(bounds)
         self.pieces = self._pieces()
         self._pieces_of: dict[nn.Parameter, list[Piece]] = {p: [] for p in params}
         for q in self.pieces:
             self._pieces_of[q.param].append(q)
         # this rank's slice of each bucket, in shard order: where its reduce-scatter lands
-        self.shard_views = [self._own_slice(b) for b in self.buckets] if shard else [self.buffer]
+        self.shard_views = self._allocate()
         self.shard_numel = sum(v.numel() for v in self.shard_views)
         # parameters whose .grad is their view of the buffer (same dtype and device)
         self.in_place = {p for p in params if in_place and p.dtype == dtype and p.device == device}
@@ -217,6 +221,18 @@ class GradientReducer:
         for p in params:
             p.register_post_accumulate_grad_hook(hook)
             p.grad_ready_hook = hook  # for gradients accumulated outside autograd (ZB's W)
+
+    def _allocate(self) -> list[torch.Tensor]:
+        """The gradient buffer, each parameter's ``main_grad`` view of it, and the
+        shard's views (this rank's slice of each bucket under ZeRO-1, else the buffer)."""
+        self.buffer = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.main_grad = self.buffer[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p)
+        return [self._own_slice(b) for b in self.buckets] if self.shard else [self.buffer]
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The gradient memory this reducer keeps between steps."""
+        return [self.buffer]
 
     def _make_buckets(self, bounds: list[tuple[int, int]]) -> list[Bucket]:
         buckets, at = [], 0
@@ -263,7 +279,7 @@ class GradientReducer:
         ``p`` this rank owns (its own slices of the buckets under ZeRO-1; else the whole
         gradient in the buffer). Further sums over the grid (grads.py) act on these."""
         if self.shard:
-            return [p.main_grad.view(-1)[q.lo:q.hi] for q in self._pieces_of.get(p, ())]
+            return [v for q in self._pieces_of.get(p, ()) for v in self.shard_view(q.at, q.end)]
         return [p.main_grad]
 
     # ---- during backward ------------------------------------------------------------------
@@ -359,10 +375,10 @@ def _weak_hook(method):
     on a GPU as device memory growing by one model per ``pretrain`` call)."""
     ref = weakref.WeakMethod(method)
 
-    def hook(param):
+    def hook(*args):
         bound = ref()
         if bound is not None:
-            bound(param)
+            bound(*args)
 
     return hook
 

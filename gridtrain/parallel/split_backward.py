@@ -47,7 +47,12 @@ class WeightGradStore:
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add a deferred weight gradient, and tell the gradient reducer, as autograd's own
-    post-accumulate hooks would."""
+    post-accumulate hooks would; or hand it to the reducer at once where it takes
+    gradients itself (``grad_sink``: ZeRO-2/3, whose parameters may be freed by then)."""
+    sink = getattr(param, "grad_sink", None)
+    if sink is not None:
+        sink(param, grad)
+        return
     if param.grad is None:
         param.grad = grad
     else:

@@ -14,6 +14,8 @@ calls :meth:`RunReport.finish`.
 
 from __future__ import annotations
 
+import math
+
 import contextlib
 import json
 import time
@@ -25,6 +27,7 @@ from torch import nn
 
 from gridtrain.config import Config, ModelConfig
 from gridtrain.memory.activations import dropout_mask_bytes, expected_by_layer, layer_shape
+from gridtrain.parallel.zero3 import whole_shape
 from gridtrain.parallel.distributed import DistributedContext
 from gridtrain.training.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.models.decoder import training_flops_per_token
@@ -353,7 +356,8 @@ def _memory_note(cfg: Config, ctx: DistributedContext) -> str:
 # ---- model ---------------------------------------------------------------------------------------
 
 def _count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Parameters of this rank's stage (whole: a ZeRO-3 shard counts as what it stands for)."""
+    return sum(math.prod(whole_shape(p)) for p in model.parameters())
 
 
 def _flops_per_token(model: nn.Module) -> float:

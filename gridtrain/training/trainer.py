@@ -23,6 +23,7 @@ and micro-batches (cp ranks hold the same parameters and part of every sequence)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
 from gridtrain.parallel.context_parallel import split_sequence
 from gridtrain.parallel.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.parallel.distributed import DistributedContext, setup_distributed
+from gridtrain.parallel.fully_sharded import ShardedGradientReducer
+from gridtrain.parallel.zero3 import ParameterShards, attach_buckets, make_units
 from gridtrain.optim.distributed_optimizer import DistributedOptimizer, LossScaler
 from gridtrain.optim.grads import reduce_gradients, step_scalars, tied_parameter
 from gridtrain.optim.interface import Optimizer
@@ -83,6 +86,7 @@ class Trainer:
     resumed_from: Path | None = None  # the checkpoint this run started from
     saver: BackgroundSaver | None = None  # --save-async's writer
     saves: list[SaveReport] = field(default_factory=list)  # every save of this run, in order
+    param_shards: ParameterShards | None = None  # ZeRO-3's (zero3.py)
 
     @property
     def step_tokens(self) -> int:
@@ -162,7 +166,7 @@ class Trainer:
         staging or writing) is recorded per save for the run summary."""
         began = time.perf_counter()
         self.ctx.recorder.set_action("checkpoint save")
-        self.parameters_ready()
+        self.optimizer.parameters_ready()
         if not self._weights_finite():
             raise Diverged(f"step {step}: some weights are not finite (inf or NaN); not saved, the latest "
                            f"checkpoint in {self.cfg.checkpoint.save} is from before; lower --lr", step)
@@ -182,8 +186,10 @@ class Trainer:
     def parameters_ready(self) -> None:
         """Wait for ZeRO-1's parameter gathers still in flight after the last step (the
         next forward would wait for them itself; anything else reading the weights calls
-        this first)."""
+        this first); under ZeRO-3 gather every parameter whole, until the next step."""
         self.optimizer.parameters_ready()
+        if self.param_shards is not None:
+            self.param_shards.gather_all()
 
     def finish_saves(self) -> None:
         """Wait for a background save in flight; raise its failure (never silent)."""
@@ -193,7 +199,8 @@ class Trainer:
     def _weights_finite(self) -> bool:
         """Whether every rank's parameters are all finite (collective over the world)."""
         flag = torch.ones(1, device=self.ctx.device)
-        for p in self.model.parameters():  # on the device: one host read, below
+        held = [self.param_shards.shard] if self.param_shards is not None else self.model.parameters()
+        for p in held:  # on the device: one host read, below
             flag.mul_(torch.isfinite(p).all())
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
@@ -220,23 +227,46 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
                                      ctx.grid.dp, ctx.coords.dp, t.seed)
     micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.grid.dp)
     pipeline = build_pipeline(model, cfg, ctx, forward_step, micro_batches)
-    reducer = GradientReducer(model, ctx.dp_cp, accumulations=micro_batches,
-                              bucket_mb=cfg.parallel.bucket_mb, shard=cfg.parallel.zero == 1, device=ctx.device,
-                              in_place=not uses_split_backward(cfg.parallel.schedule),
-                              alone=[p for p in [tied_parameter(model, ctx.embedding)] if p is not None])
-    optimizer = make_optimizer(model, reducer, cfg, ctx)
+    reducer, param_shards = make_reducer(model, cfg, ctx, micro_batches)
+    optimizer = make_optimizer(model, reducer, cfg, ctx, param_shards)
     gather_before_forwards(model, optimizer)
     scaler = LossScaler(t.loss_scale, t.loss_scale_window, t.min_loss_scale) if t.dtype == "fp16" else None
     source = resume_source(cfg)
     # the scaler resumes too: a fresh loss scale would skip steps the saved run did not
-    start = checkpoint.load_checkpoint(source, model, optimizer, ctx, scaler=scaler) if source is not None else 0
+    start = 0
+    if source is not None:
+        with whole_parameters(param_shards, when=_whole_format(source)):
+            start = checkpoint.load_checkpoint(source, model, optimizer, ctx, scaler=scaler)
     if source is None and cfg.checkpoint.init_from is not None:  # fine-tuning: weights only, step 0, fresh optimizer
         init = open_source(cfg.checkpoint.init_from, "--init-from")
-        checkpoint.init_weights(init.tensors, model, optimizer, ctx, where=init.where)
+        with whole_parameters(param_shards):
+            checkpoint.init_weights(init.tensors, model, optimizer, ctx, where=init.where)
     saver = BackgroundSaver() if cfg.checkpoint.save and cfg.checkpoint.save_async else None  # collective: its own process group
     return Trainer(cfg=cfg, ctx=ctx, model=model, pipeline=pipeline, reducer=reducer, optimizer=optimizer,
-                   scaler=scaler, num_micro_batches=micro_batches, data=data, sampler=sampler,
+                   scaler=scaler, param_shards=param_shards, num_micro_batches=micro_batches, data=data, sampler=sampler,
                    start_step=start, resumed_from=source, saver=saver)
+
+
+@contextlib.contextmanager
+def whole_parameters(param_shards: ParameterShards | None, when: bool = True):
+    """Under ZeRO-3, for code that writes whole parameters (a whole-tensor checkpoint,
+    ``--init-from``): every parameter gathered before, their new values taken into the
+    parameter shard after (the stage is whole on the rank meanwhile)."""
+    if param_shards is None or not when:
+        yield
+        return
+    param_shards.gather_all()
+    yield
+    param_shards.take_params()
+
+
+def _whole_format(path: Path) -> bool:
+    """Whether ``path`` is a whole-tensor checkpoint (False where it cannot be read:
+    loading it then says why)."""
+    try:
+        return not checkpoint.is_sharded(path)
+    except Exception:
+        return False
 
 
 def resume_source(cfg: Config) -> Path | None:
@@ -263,14 +293,42 @@ def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forwa
                          trace=cfg.metrics.trace is not None, recompute=ctx.recompute)
 
 
-def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext) -> Optimizer:
+def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext,
+                 micro_batches: int) -> tuple[GradientReducer, ParameterShards | None]:
+    """The gradient reducer of the run's ZeRO stage: all-reduce into a whole buffer (0),
+    reduce-scatter of it (1), gradient shards reduce-scattered per micro-batch (2); and
+    for ZeRO-3 the parameter shards, gathered block by block (a bucket per block)."""
+    p = cfg.parallel
+    alone = [q for q in [tied_parameter(model, ctx.embedding)] if q is not None]
+    common = dict(accumulations=micro_batches, bucket_mb=p.bucket_mb, device=ctx.device, alone=alone)
+    if p.zero < 2:
+        return GradientReducer(model, ctx.dp_cp, shard=p.zero == 1,
+                               in_place=not uses_split_backward(p.schedule), **common), None
+    if p.zero == 2:
+        return ShardedGradientReducer(model, ctx.dp_cp, **common), None
+    units, unit_of = make_units(model, Block)
+    reducer = ShardedGradientReducer(model, ctx.dp_cp, **{**common, "bucket_mb": math.inf}, units=unit_of)
+    attach_buckets(units, reducer)
+    by_module = {id(u.module): u for u in units}
+    chunks = getattr(model, "chunks", None)
+    sequences = None if chunks is None else \
+        [[by_module[id(model.blocks[str(i)])] for i in c.layer_ids] for c in chunks]
+    shards = ParameterShards(model, reducer, units, ctx.dp_cp, keep_gathered=p.zero3_keep_gathered,
+                             sequences=sequences)
+    reducer.after_grad = shards.after_grad
+    return reducer, shards
+
+
+def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext,
+                   param_shards: ParameterShards | None = None) -> Optimizer:
     """torch's AdamW on the parameters for fp32/fp64 without sharding; otherwise AdamW on
-    flat master weights, sharded over DP with ZeRO-1 (distributed_optimizer.py)."""
+    flat master weights, sharded over DP with ZeRO-1 and up (distributed_optimizer.py)."""
     if cfg.parallel.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64):
         counted = [p for p in model.parameters() if p.requires_grad and counts_towards_norm(p, ctx.tp.rank)]
         return AdamW(build_optimizer(model, cfg.optim), counted if ctx.dp_cp.rank == 0 else [], ctx.device)
     master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
-    return DistributedOptimizer(reducer, cfg.optim, dp=ctx.dp_cp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master)
+    return DistributedOptimizer(reducer, cfg.optim, dp=ctx.dp_cp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master,
+                                param_shards=param_shards)
 
 
 def gather_before_forwards(model: nn.Module, optimizer: Optimizer) -> None:

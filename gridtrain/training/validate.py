@@ -129,13 +129,25 @@ def _validate_recompute(a: ActivationsConfig, t: TrainingConfig) -> None:
 
 def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
     _require(p.schedule in ORDERS, f"--schedule {p.schedule!r} is not one of {', '.join(ORDERS)}")
-    _require(p.zero in (0, 1), f"--zero {p.zero} is not supported; use 0 or 1 (ZeRO-1)")
+    _validate_zero(p)
     _require(p.nproc is None or not under_torchrun() or p.nproc == world_size,
              f"--nproc {p.nproc} differs from torchrun's {world_size} workers; drop --nproc under torchrun")
     try:
         ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     except GridError as e:
         raise ConfigError(str(e)) from None
+
+
+def _validate_zero(p: ParallelConfig) -> None:
+    """ZeRO's options fit its stage and the data-parallel (x cp) group it shards over."""
+    _require(not p.zero3_keep_gathered or p.zero == 3,
+             f"--zero3-keep-gathered keeps ZeRO-3's gathered parameters, and this run has --zero {p.zero}; "
+             f"pass --zero 3 or drop it")
+    if p.zero_shard_size is not None:
+        _require(p.zero >= 1, f"--zero-shard-size {p.zero_shard_size} shards ZeRO state, and this run has --zero 0; "
+                              f"pass --zero 1, 2 or 3 or drop it")
+        _require(False, f"--zero-shard-size {p.zero_shard_size}: hybrid sharding is not built yet; drop the flag "
+                        f"to shard over the whole data-parallel group")
 
 
 def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:

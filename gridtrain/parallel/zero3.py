@@ -1,0 +1,306 @@
+"""ZeRO-3: every data-parallel rank stores 1/dp of each parameter; a block's parameters
+are all-gathered just before they are used and freed just after.
+
+The shards follow the gradient layout (data_parallel.py, fully_sharded.py): the reducer's
+buckets, each cut into dp slices, rank r owning slice r. ZeRO-3 gives every *unit* (a
+transformer block; the stage's remaining parameters, its embedding, final norm and head,
+form the root unit) buckets of its own, so a unit's parameters are whole buckets and a
+parameter lies in one bucket. Rank r keeps its slices in the parameters' dtype (its
+*parameter shard*, ``padded / dp`` elements: 2 bytes per parameter over dp for bf16);
+the optimizer's fp32 master shard has the same positions and writes into it after each
+step (fp32 and fp64 runs share one tensor for both).
+
+**Gather and free.** Between uses a parameter's ``.data`` is an empty tensor. A unit's
+forward pre-hook waits for its gather (launching it if no one has) and starts the next
+block's gather, so that it travels while this block computes (prefetch). After the
+forward the unit is freed again, unless ``keep_gathered`` (``--zero3-keep-gathered``):
+then it stays gathered until its last backward of the step. When backward reaches the
+unit (a hook on its output's gradient) it is gathered again and the previous block's
+gather starts; when every parameter of the unit has received this backward's gradient
+(the reducer's counts), the unit is freed. The root unit is not freed between its forward
+and its backward (they follow each other at once: FSDP2 does the same for its root).
+A unit gathered already is never gathered again: a gather per use at most, counted in
+:attr:`ParameterShards.gathers`.
+
+**What backward keeps.** Autograd would keep the gathered parameters alive from forward
+to backward (operations save their weights), which would make freeing pointless.
+While a unit runs, a saved-tensor hook replaces any saved tensor that views a gathered
+unit's memory by a reference (unit, bucket, strides); in backward the reference is
+resolved on the unit's gathered memory of that moment. Weights that a layer keeps as
+the parameter object (tensor_parallel.py's linears) read the parameter's ``.data`` in
+backward, gathered by then.
+
+**Recomputation.** A recomputed block (``--recompute full``) runs its forward again
+inside backward: it finds its unit gathered by the backward hook (or gathers it) and is
+not freed after that forward: its gradients are next.
+
+**Zero-bubble.** A deferred weight gradient (ZB-H1's W) goes straight to the reducer
+(split_backward.py ``_accumulate``): it needs no gathered parameter. A unit whose B has
+run but not its W stays gathered until its W: its count is not complete before.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gridtrain.parallel.comm import CommGroup, Pending
+from gridtrain.parallel.data_parallel import Bucket, GradientReducer
+from gridtrain.runtime import activation_meter
+
+
+def whole_shape(p: torch.Tensor) -> torch.Size:
+    """A parameter's shape on this rank when whole (under ZeRO-3, also while sharded)."""
+    return getattr(p, "whole_shape", p.shape)
+
+
+@dataclass(eq=False)
+class Unit:
+    """A module whose parameters are gathered together, and their buckets."""
+
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter]
+    buckets: list[Bucket]
+    root: bool = False
+    gathered: list[torch.Tensor] | None = None  # one tensor per bucket while gathered
+    pending: list[Pending] = field(default_factory=list)  # gathers in flight
+    ready: bool = False  # gathered and waited for: the parameters point into ``gathered``
+
+
+class ParameterShards:
+    """The parameter shards of one pipeline stage and the gathers that rebuild its
+    parameters (the module docstring)."""
+
+    def __init__(self, model: nn.Module, reducer: GradientReducer, units: list[Unit], dp: CommGroup, *,
+                 keep_gathered: bool = False, sequences: list[list[Unit]] | None = None):
+        self.model, self.reducer, self.units, self.dp = model, reducer, units, dp
+        self.keep_gathered = keep_gathered
+        self.dtype = reducer.params[0].dtype if reducer.params else torch.float32
+        self.device = reducer.device
+        self.unit_of = {p: u for u in units for p in u.params}
+        self.gathers = 0  # unit gathers launched this step (tests and reports)
+        self.gathers_total = 0
+        self.pinned = False  # gather_all: whole until the next step
+        self._storages: dict[int, tuple[Unit, int]] = {}  # gathered memory -> (unit, bucket)
+        # the blocks that run one after another (a model chunk's), for prefetching
+        self._neighbours: dict[int, tuple[Unit | None, Unit | None]] = {}
+        for run in sequences if sequences is not None else [[u for u in units if not u.root]]:
+            for i, u in enumerate(run):
+                self._neighbours[id(u)] = (run[i - 1] if i > 0 else None, run[i + 1] if i + 1 < len(run) else None)
+        self.shard = torch.zeros(reducer.shard_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for q in reducer.pieces:
+                self.shard[q.at:q.end] = q.param.detach().reshape(-1)[q.lo:q.hi]
+        for p in reducer.params:
+            p.whole_shape = p.shape  # what the parameter is when gathered (checkpoints read it)
+        for u in units:
+            self._free(u)
+            u.module.register_forward_pre_hook(self._make_pre_forward(u))
+            u.module.register_forward_hook(self._make_post_forward(u), always_call=True)
+        self._hooks: list = []
+
+    # ---- gather and free ------------------------------------------------------------------
+
+    def _gather(self, u: Unit) -> None:
+        """Start the gathers of ``u``'s buckets (nothing if gathered or on its way)."""
+        if u.gathered is not None:
+            return
+        u.gathered = []
+        for b in u.buckets:
+            size = (b.end - b.start) // self.dp.size
+            whole = torch.empty(b.end - b.start, dtype=self.dtype, device=self.device)
+            own = self.shard[b.at:b.at + size]
+            if self.dp.size == 1:
+                whole.copy_(own)
+            else:
+                u.pending.append(self.dp.start_all_gather_into(whole, own))
+            u.gathered.append(whole)
+        self.gathers += 1
+        self.gathers_total += 1
+
+    @torch.no_grad()
+    def _ready(self, u: Unit) -> None:
+        """Gather ``u`` if needed, wait for it, point its parameters into it."""
+        if u.ready:
+            return
+        self._gather(u)
+        for pending in u.pending:
+            pending.wait()
+        u.pending = []
+        for i, (b, whole) in enumerate(zip(u.buckets, u.gathered)):
+            self._storages[whole.untyped_storage()._cdata] = (u, i)
+            for p in b.params:
+                o = self.reducer.offsets[p] - b.start
+                p.data = whole[o:o + math.prod(p.whole_shape)].view(p.whole_shape)
+        u.ready = True
+
+    def _free(self, u: Unit) -> None:
+        if u.pending:  # a prefetch never used: let it land before dropping its memory
+            for pending in u.pending:
+                pending.wait()
+            u.pending = []
+        for whole in u.gathered or ():
+            self._storages.pop(whole.untyped_storage()._cdata, None)
+        u.gathered, u.ready = None, False
+        for p in u.params:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def _next(self, u: Unit, step: int) -> Unit | None:
+        """The block after (``step`` 1) or before (-1) ``u`` in its chunk's forward order."""
+        before, after = self._neighbours.get(id(u), (None, None))
+        return after if step == 1 else before
+
+    # ---- hooks ----------------------------------------------------------------------------
+
+    def _make_pre_forward(self, u: Unit) -> Callable:
+        def pre_forward(_module, _args):
+            self._ready(u)
+            after = self._next(u, 1)
+            if after is not None and torch._C._current_graph_task_id() == -1:  # not a recomputation
+                self._gather(after)  # prefetch: it travels while this block computes
+            if u.root:
+                self._enter_packing()
+        return pre_forward
+
+    def _make_post_forward(self, u: Unit) -> Callable:
+        def post_forward(module, _args, output):
+            if u.root:
+                self._exit_packing()
+            out = output[0] if isinstance(output, tuple) else output
+            if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+                out.register_hook(lambda grad: self._before_backward(u))
+                backward_next = u.root  # the root's backward follows its forward at once
+            else:
+                backward_next = False
+            in_backward = torch._C._current_graph_task_id() != -1  # a recomputation: its gradients are next
+            keep = self.pinned or in_backward or backward_next or (self.keep_gathered and module.training)
+            if not keep:
+                self._free(u)
+            return output
+        return post_forward
+
+    def _before_backward(self, u: Unit) -> None:
+        self._ready(u)
+        before = self._next(u, -1)
+        if before is not None:
+            self._gather(before)
+
+    def after_grad(self, p: nn.Parameter) -> None:
+        """Called by the reducer after each gradient of ``p``: free ``p``'s unit once all
+        of its parameters have this backward's gradient (with ``keep_gathered``: the
+        step's last backward's)."""
+        u = self.unit_of.get(p)
+        if u is None or not u.ready:
+            return
+        counts = self.reducer.counts
+        n = counts[p]
+        if any(counts[q] != n for q in u.params):
+            return
+        if not self.keep_gathered or n == self.reducer.accumulations:
+            self._free(u)
+
+    # ---- saved tensors ----------------------------------------------------------------------
+
+    def _enter_packing(self) -> None:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._hooks.append(hooks)
+
+    def _exit_packing(self) -> None:
+        if self._hooks:
+            self._hooks.pop().__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor):
+        """A view of gathered parameters is kept as a reference to them; anything else
+        goes on to the activation meter's hooks, when installed (only the innermost
+        hooks see a tensor)."""
+        found = self._storages.get(t.untyped_storage()._cdata) if t.device == self.device else None
+        if found is None:
+            return activation_meter.save(t)
+        u, i = found
+        return _GatheredView(u, i, t.size(), t.stride(), t.storage_offset())
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _GatheredView):
+            return activation_meter.load(packed)
+        self._ready(packed.unit)  # gathered by the backward hook already
+        return packed.unit.gathered[packed.bucket].as_strided(packed.size, packed.stride, packed.offset)
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step_done(self) -> None:
+        """The optimizer has written new values into the shard: nothing gathered is
+        current any more."""
+        self.pinned = False
+        for u in self.units:
+            if u.gathered is not None:
+                self._free(u)
+        self.gathers = 0
+
+    @torch.no_grad()
+    def gather_all(self) -> None:
+        """Every parameter whole, and left so until the next step: the end of a run (its
+        evaluation, sample and export read the weights), whole-tensor loads."""
+        for u in self.units:
+            self._ready(u)
+        self.pinned = True
+
+    @torch.no_grad()
+    def shard_from_params(self) -> None:
+        """While gathered whole (:meth:`gather_all`): the parameters' values, perhaps
+        written since, into the shard."""
+        if self.pinned:
+            for q in self.reducer.pieces:
+                self.shard[q.at:q.end] = q.param.detach().reshape(-1)[q.lo:q.hi]
+
+    def take_params(self) -> None:
+        """After writing whole parameters (gather_all first): their values into the
+        shard, and the parameters sharded again."""
+        self.shard_from_params()
+        self.step_done()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return [self.shard]
+
+
+@dataclass(frozen=True)
+class _GatheredView:
+    """What backward keeps of a saved view of gathered parameters."""
+
+    unit: Unit
+    bucket: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def make_units(model: nn.Module, block_type: type) -> tuple[list[Unit], dict[nn.Parameter, int]]:
+    """Each ``block_type`` module of ``model`` a unit (forward order: registration order),
+    the rest of its trainable parameters the root unit (the model itself); also each
+    parameter's unit index, for the reducer's layout."""
+    blocks = [m for m in model.modules() if isinstance(m, block_type)]
+    units, index = [], {}
+    inside = set()
+    for i, block in enumerate(blocks):
+        params = [p for p in block.parameters() if p.requires_grad]
+        units.append(Unit(f"block {i}", block, params, []))
+        for p in params:
+            index[p] = i
+            inside.add(id(p))
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in inside]
+    units.append(Unit("root", model, rest, [], root=True))
+    for p in rest:
+        index[p] = len(blocks)
+    return units, index
+
+
+def attach_buckets(units: list[Unit], reducer: GradientReducer) -> None:
+    """Each unit's buckets (the reducer laid them out unit by unit)."""
+    for u in units:
+        ids = {id(p) for p in u.params}
+        u.buckets = [b for b in reducer.buckets if any(id(p) in ids for p in b.params)]
