@@ -258,3 +258,13 @@ def test_the_cp_groups_are_made_only_when_cp_splits():
     kinds = dict(_group_kinds(ProcessGrid.build(8, tp=2, cp=2, pp=2)))
     assert kinds["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert kinds["dp_cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def test_hybrid_sharding_groups_cut_dp_x_cp_into_consecutive_runs():
+    """16 ranks, tp 2 x cp 2 x dp 4, ZeRO sharded over 4: each dp x cp group (8 ranks,
+    tp-strided) cut into two runs of 4 consecutive members, and the replica groups pair
+    the members at the same place in the two runs."""
+    g = ProcessGrid.build(16, tp=2, pp=1, dp=4, cp=2)
+    assert g.all_dp_cp_groups() == [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]
+    assert g.all_zero_shard_groups(4) == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    assert g.all_zero_replica_groups(4) == [[0, 8], [2, 10], [4, 12], [6, 14], [1, 9], [3, 11], [5, 13], [7, 15]]

@@ -81,6 +81,8 @@ FLAGS = {
 }
 
 FIXED_WORLD = {  # the world is part of the case
+    "shard size not dividing dp": (["--zero", "3", "--zero-shard-size", "3", "--nproc", "4"],
+                                   "--zero-shard-size 3 does not divide the 4 data-parallel x cp ranks"),
     "a world far beyond the host": (["--nproc", "4096"], "lower --nproc to at most"),
     "zero workers": (["--nproc", "0"], "--nproc must be >= 1, got 0"),
     "tp beyond the world": (["--tp", "4", "--nproc", "2"], "world size 2 is not divisible by tp=4"),

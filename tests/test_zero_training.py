@@ -45,9 +45,15 @@ RUNS: dict[str, tuple[int, dict]] = {
     "z3-dp2-pp2-interleaved": (4, dict(dp=2, pp=2, vpp=2, zero=3, schedule="interleaved-1f1b", n_layer=4,
                                        global_batch_size=16)),
     "z3-dp2-cp2": (4, dict(dp=2, cp=2, zero=3)),
+    "z1-dp4-hsdp2": (4, dict(dp=4, zero=1, zero_shard_size=2)),
+    "z2-dp4-hsdp2": (4, dict(dp=4, zero=2, zero_shard_size=2)),
+    "z3-dp4-hsdp2": (4, dict(dp=4, zero=3, zero_shard_size=2)),
+    "z3-dp2-cp2-hsdp2": (4, dict(dp=2, cp=2, zero=3, zero_shard_size=2)),
+    "z3-dp4-hsdp2-save": (4, dict(dp=4, zero=3, zero_shard_size=2)),  # saves at step 5
 }
 REFERENCE_FIELDS = ("arch", "n_kv_head", "n_layer", "global_batch_size")
-NOT_PARITY = ("z3-dp2-bf16", "z3-dp2-bf16-save", "z3-dp2-bf16-resumed", "z3-dp4-save", "z3-dp4-from-z0")
+NOT_PARITY = ("z3-dp2-bf16", "z3-dp2-bf16-save", "z3-dp2-bf16-resumed", "z3-dp4-save", "z3-dp4-from-z0",
+              "z3-dp4-hsdp2-save")
 
 
 @functools.cache
@@ -131,9 +137,19 @@ def test_a_checkpoint_moves_between_zero3_dp4_and_one_process():
         assert relative_difference(rank_run["losses"], reference()["losses"][5:]) <= 1e-9
 
 
-def _calls(name: str, kind: str) -> set[int]:
-    """The number of ``kind`` collectives on the dp group per step, over every step and rank."""
-    return {calls.get(f"{kind}/dp", 0) for r in run(name) for calls in r["step_calls"]}
+@pytest.mark.spawn
+def test_a_hybrid_sharded_checkpoint_resumes_on_one_process():
+    """Hybrid sharding (ZeRO-3 over pairs of dp 4): the first replica of each shard
+    writes it; one process resumes the remaining steps of the uninterrupted run."""
+    run("z3-dp4-hsdp2-save")
+    resumed = tiny_config()
+    resumed.checkpoint.load = str(_tmp() / "z3-dp4-hsdp2-save" / "step_0000005")
+    assert relative_difference(train_in_process(resumed)["losses"], reference()["losses"][5:]) <= 1e-9
+
+
+def _calls(name: str, kind: str, group: str = "dp") -> set[int]:
+    """The number of ``kind`` collectives on ``group`` per step, over every step and rank."""
+    return {calls.get(f"{kind}/{group}", 0) for r in run(name) for calls in r["step_calls"]}
 
 
 @pytest.mark.spawn
@@ -150,3 +166,15 @@ def test_gathers_and_reduce_scatters_per_step_are_the_closed_form():
     assert _calls("z3-dp2", "reduce_scatter") == {2 * 4}
     assert _calls("z2-dp2", "reduce_scatter") == {2}
     assert _calls("z2-dp2", "all_gather") == {1}
+
+
+@pytest.mark.spawn
+def test_hybrid_sharding_collectives_per_step():
+    """ZeRO-3 sharded over pairs of dp 4 (one micro-batch per rank): a micro-batch's
+    gathers (6) and reduce-scatters (4) of the closed form above, inside the pair; one
+    all-reduce of the gradient shard across the two pairs; nothing over the whole dp
+    group but the step's scalars."""
+    assert _calls("z3-dp4-hsdp2", "all_gather", "zero_shard") == {2 + 2 * 2}
+    assert _calls("z3-dp4-hsdp2", "reduce_scatter", "zero_shard") == {4}
+    assert _calls("z3-dp4-hsdp2", "all_reduce", "zero_replica") == {1}
+    assert _calls("z3-dp4-hsdp2", "all_gather") == _calls("z3-dp4-hsdp2", "reduce_scatter") == {0}

@@ -135,16 +135,18 @@ def state_to_save(model: nn.Module, optimizer: Optimizer | None, ctx) -> dict[st
     names = {p: name for name, p in model.named_parameters()}
     state: dict[str, Any] = {}
     weights = optimizer.weight_pieces() if optimizer is not None else None
+    # hybrid sharding: the replicas of a shard hold the same pieces; the first writes them
+    own_pieces = getattr(optimizer, "writes_shard", True)
     if weights is None:
         for name, p in model.named_parameters():
             if not getattr(p, "tied_copy", False) and writes(model_key(name), p, ctx):
                 state[model_key(name)] = Slab.of(p.detach(), placement(p, tp))
-    for piece in weights or []:  # ZeRO-3: each DP rank its own pieces of the parameter shard
+    for piece in weights if weights is not None and own_pieces else []:  # ZeRO-3: each its shard's pieces
         key = model_key(names[piece.param])
         if not getattr(piece.param, "tied_copy", False) and writes(key, piece.param, ctx, dp_copies=False):
             state[key] = _piece_slab(piece, piece.tensors["model"], tp)
     for piece in optimizer.state_pieces() if optimizer is not None else []:
-        if getattr(piece.param, "tied_copy", False):
+        if getattr(piece.param, "tied_copy", False) or (optimizer.shards_over_dp and not own_pieces):
             continue
         for what, flat in piece.tensors.items():
             key = optim_key(names[piece.param], what)

@@ -5,7 +5,11 @@
   model chunks (which the model provider builds from, so the model counted is the one
   built);
 * ``activations``: per layer: the bytes a transformer block saves for backward
-  (Korthikanti et al., adapted; docs/memory.md).
+  (Korthikanti et al., adapted; docs/memory.md);
+* ``zero``: ZeRO's closed forms: the parameter, gradient and optimizer bytes of a rank
+  for stages 0-3 and a shard group (hybrid sharding), ZeRO-3's gathered working set,
+  and the collectives of a step;
+* ``cp``: context parallelism's: the bytes a cp rank's attention sends.
 
 It describes ``parallel`` and ``models`` (partition, schedules, recomputation policy,
 block sizes), so it imports them; training (the run report), the dry run and the

@@ -7,18 +7,20 @@ recomputation policy, the dtype, ZeRO) and a rank of the grid, without building 
   the blocks into ``pp x vpp`` virtual stages (which blocks, whether the chunk embeds,
   whether it ends the model). The built-in model provider builds its chunks from it too,
   so the model counted here is the model that runs;
-* :func:`expected_parameters` and :func:`expected_bytes`: parameters, the gradient
-  buffer (ZeRO-1's padding and shard included) and the optimizer's state, as the code
-  allocates them;
+* :func:`expected_parameters` and :func:`expected_bytes`: parameters, the gradients
+  (ZeRO's padding and shards included) and the optimizer's state, as the code allocates
+  them, for every ZeRO stage and shard group (the closed forms of
+  :mod:`gridtrain.memory.zero`); :func:`expected_state_bytes` adds what ZeRO-2 and 3
+  hold only within a step (gathered parameters, gradient staging buffers);
 * :func:`expected_activation_peak`: the most bytes saved for backward at once, the
   schedule's action list walked with each chunk's per-layer bytes
   (:mod:`gridtrain.memory.activations`, docs/memory.md).
 
 Context parallelism (the grid's ``cp``; ``cfg.parallel.cp_comm``, ring by default) enters
 in two places: a rank's blocks run on ``seq_len / cp`` tokens with the cp attention core
-(:mod:`gridtrain.memory.activations`), and the gradients are reduced, ZeRO-1's state
+(:mod:`gridtrain.memory.activations`), and the gradients are reduced, ZeRO's state
 sharded, over the ``dp x cp`` ranks that hold the same shard (each cp rank holds the
-whole layer). With cp = 1 every form is the three-axis one.
+whole layer), or with ``--zero-shard-size`` over groups of that many of them. With cp = 1 every form is the three-axis one.
 
 The dry run measures the same quantities on fake tensors, and the tests hold them equal
 (the activation peak within a few percent: the norms' per-token statistics are left
@@ -35,8 +37,9 @@ from functools import lru_cache
 
 import torch
 
-from gridtrain.config import Config
+from gridtrain.config import Config, ModelConfig
 from gridtrain.memory import activations
+from gridtrain.memory.zero import zero_state_bytes
 from gridtrain.models.decoder import ChunkSpec, block_parameters, parameter_costs
 from gridtrain.parallel.distributed import TORCH_DTYPES
 from gridtrain.parallel.grid import ProcessGrid
@@ -79,9 +82,15 @@ def cp_layout(cfg: Config, grid: ProcessGrid) -> tuple[int, str]:
 
 
 def gradient_shards(grid: ProcessGrid) -> int:
-    """The ranks a dense gradient is reduced over and ZeRO-1 shards its state over: the
-    ``dp x cp`` group (cp ranks hold the same parameters and different tokens)."""
+    """The ranks a dense gradient is reduced over: the ``dp x cp`` group (cp ranks hold
+    the same parameters and different tokens)."""
     return grid.dp * grid.cp
+
+
+def zero_shards(cfg: Config, grid: ProcessGrid) -> int:
+    """The ranks ZeRO shards its state over: ``--zero-shard-size`` (hybrid sharding), else
+    the whole ``dp x cp`` group."""
+    return getattr(cfg.parallel, "zero_shard_size", None) or gradient_shards(grid)
 
 
 def _holds(cfg: Config, grid: ProcessGrid, rank: int) -> tuple[int, bool, bool]:
@@ -94,18 +103,23 @@ def _holds(cfg: Config, grid: ProcessGrid, rank: int) -> tuple[int, bool, bool]:
 # ---- parameters, gradients, optimizer state ------------------------------------------------------
 
 def expected_parameters(cfg: Config, grid: ProcessGrid, rank: int) -> int:
-    """Parameters rank ``rank`` holds, from the model's shape and the layout: per block
-    (models.decoder.block_parameters), GPT-2's column-parallel QKV and MLP expansion
-    (weights and biases / t), row-parallel projections (weights / t, whole biases), whole
-    LayerNorms, or Llama's q, proj, gate, up, down / t, the rank's whole key/value heads
-    and two whole RMSNorms; the vocabulary-parallel token table (padded vocabulary / t
-    rows) and GPT-2's whole position table on the first stage; the final norm and, unless
-    the stage also embeds, a copy of the (tied) table or the untied head on the last."""
-    m, t = cfg.model, grid.tp
+    """Parameters rank ``rank`` holds, from the model's shape and the layout
+    (:func:`stage_parameters` of the blocks, embedding and head it holds)."""
+    return stage_parameters(cfg.model, grid.tp, *_holds(cfg, grid, rank))
+
+
+def stage_parameters(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: bool) -> int:
+    """Parameters of a TP rank holding ``blocks`` blocks, and the embedding and the head
+    if it ``embeds`` and ``ends``: per block (models.decoder.block_parameters), GPT-2's
+    column-parallel QKV and MLP expansion (weights and biases / t), row-parallel
+    projections (weights / t, whole biases), whole LayerNorms, or Llama's q, proj, gate,
+    up, down / t, the rank's whole key/value heads and two whole RMSNorms; the
+    vocabulary-parallel token table (padded vocabulary / t rows) and GPT-2's whole
+    position table where it embeds; the final norm and, unless it also embeds, a copy of
+    the (tied) table or the untied head where it ends."""
     d = m.d_model
-    table = m.padded_vocab_size(t) // t * d
-    blocks, embeds, ends = _holds(cfg, grid, rank)
-    n = block_parameters(m, t) * blocks
+    table = m.padded_vocab_size(tp) // tp * d
+    n = block_parameters(m, tp) * blocks
     gpt2 = m.arch == "gpt2"
     if embeds:
         n += table + (m.seq_len * d if gpt2 else 0)
@@ -115,43 +129,50 @@ def expected_parameters(cfg: Config, grid: ProcessGrid, rank: int) -> int:
 
 
 def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
-    """parameter, gradient and optimizer bytes of a rank, as the code allocates them:
+    """parameter, gradient and optimizer bytes of a rank, as the code allocates them
+    (:func:`gridtrain.memory.zero.zero_state_bytes` for the rank's parameters and ZeRO
+    stage, sharded over :func:`zero_shards` ranks):
 
-    * parameters in the run's dtype;
+    * parameters in the run's dtype (ZeRO-3: the rank's shard of them);
     * gradients: the reducer's flat buffer (fp32 for 16-bit parameters, else the
-      parameters' dtype); with ZeRO-1 padded to a multiple of the dp x cp group
-      (:func:`_padded_buffer`), plus this rank's reduce-scattered 1/(dp cp) slice of it;
+      parameters' dtype); with ZeRO padded to a multiple of the shard group
+      (:func:`_padded_buffer`), each bucket reduce-scattered into the rank's own slice
+      (ZeRO-1: no second copy; ZeRO-2 and 3 keep only that slice);
     * optimizer: torch's AdamW (fp32/fp64 without ZeRO) keeps two moments per parameter
-      and a 4-byte step count per parameter tensor; the flat optimizer (16-bit or ZeRO-1)
+      and a 4-byte step count per parameter tensor; the flat optimizer (16-bit or ZeRO)
       keeps master weights and two moments for its slice (all of it without ZeRO) and
-      nothing else (``DistributedOptimizer.state_bytes``)."""
-    n = expected_parameters(cfg, grid, rank)
-    t = cfg.training
-    dtype = TORCH_DTYPES[t.dtype]
-    e = dtype.itemsize
-    wide = 8 if dtype == torch.float64 else 4  # gradient buffer and master weights
-    shards = gradient_shards(grid)
-    padded = _padded_buffer(cfg, grid, rank, n) if cfg.parallel.zero == 1 else n
-    grads = padded * wide  # ZeRO-1 reduces each bucket into the rank's own slice of it: no second copy
-    if cfg.parallel.zero == 0 and dtype in (torch.float32, torch.float64):
-        tensors = _parameter_tensors(cfg, grid, rank)
-        optim = 2 * n * e + 4 * tensors
-    else:
-        owned = padded // shards if cfg.parallel.zero == 1 else n
-        optim = 3 * owned * wide
-    return {"parameters": n, "parameter_bytes": n * e, "gradient_bytes": grads, "optimizer_bytes": optim}
+      nothing else (``DistributedOptimizer.state_bytes``); ZeRO-3 in fp32 and fp64 keeps
+      no master copy beside its parameter shard."""
+    state = expected_state_bytes(cfg, grid, rank)
+    return {k: state[k] for k in ("parameters", "parameter_bytes", "gradient_bytes", "optimizer_bytes")}
 
 
-def _padded_buffer(cfg: Config, grid: ProcessGrid, rank: int, n: int) -> int:
-    """ZeRO-1's gradient buffer (data_parallel.bucket_bounds): padded to a multiple of its
-    shards (dp x cp) at its end, and a token table tied across pipeline stages in a bucket
-    padded on its own (on the first and last stage)."""
-    shards = gradient_shards(grid)
+def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
+    """:func:`expected_bytes` and what a rank holds only within a step, beyond the
+    activations: ZeRO-3's gathered parameters (``gathered_bytes``: two blocks and the
+    stage's other parameters, or the whole stage with ``--zero3-keep-gathered``) and
+    ZeRO-2/3's gradient staging buffers (``staging_bytes``); both zero for ZeRO-0 and 1."""
+    holds = _holds(cfg, grid, rank)
+    n = stage_parameters(cfg.model, grid.tp, *holds)
+    par = cfg.parallel
+    state = zero_state_bytes(n, TORCH_DTYPES[cfg.training.dtype], par.zero, zero_shards(cfg, grid),
+                             padded=_padded_buffer(cfg, grid, holds, n) if par.zero else n,
+                             tensors=_parameter_tensors(cfg, holds), bucket_mb=par.bucket_mb,
+                             block_params=block_parameters(cfg.model, grid.tp), blocks=holds[0],
+                             keep_gathered=bool(getattr(par, "zero3_keep_gathered", False)))
+    return {"parameters": n, **state}
+
+
+def _padded_buffer(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool], n: int) -> int:
+    """ZeRO's gradient buffer (data_parallel.bucket_bounds): padded to a multiple of its
+    shard group (:func:`zero_shards`) at its end, and a token table tied across pipeline
+    stages in a bucket padded on its own (on the first and last stage)."""
+    shards = zero_shards(cfg, grid)
 
     def up(x: int) -> int:
         return -(-x // shards) * shards
 
-    _, embeds, ends = _holds(cfg, grid, rank)
+    _, embeds, ends = holds
     m = cfg.model
     if m.tie_embeddings and grid.pp > 1 and (embeds or ends):
         table = m.padded_vocab_size(grid.tp) // grid.tp * m.d_model
@@ -159,9 +180,10 @@ def _padded_buffer(cfg: Config, grid: ProcessGrid, rank: int, n: int) -> int:
     return up(n)
 
 
-def _parameter_tensors(cfg: Config, grid: ProcessGrid, rank: int) -> int:
-    """Parameter tensors of a rank (AdamW keeps one step count per tensor)."""
-    blocks, embeds, ends = _holds(cfg, grid, rank)
+def _parameter_tensors(cfg: Config, holds: tuple[int, bool, bool]) -> int:
+    """Parameter tensors of a rank holding ``holds`` (:func:`_holds`; AdamW keeps one
+    step count per tensor)."""
+    blocks, embeds, ends = holds
     gpt2 = cfg.model.arch == "gpt2"
     # GPT-2: 2 LayerNorms x 2, 4 linears x (weight, bias); Llama: 2 RMSNorms, 7 linears
     n = (12 if gpt2 else 9) * blocks

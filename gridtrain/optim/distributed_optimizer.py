@@ -82,6 +82,9 @@ class DistributedOptimizer:
                  tp_rank: int, master_dtype: torch.dtype, param_shards: ParameterShards | None = None):
         self.reducer, self.o, self.dp, self.mp = reducer, o, dp, mp
         self.param_shards = param_shards
+        # this rank's shard is its own, or the first of its hybrid-sharding replicas: it
+        # counts its slices in the gradient norm and writes them into checkpoints
+        self.writes_shard = reducer.replicas is None or reducer.replicas.rank == 0
         self.shards_over_dp = reducer.shard
         self.params = reducer.params
         self.offsets = [reducer.offsets[p] for p in self.params]  # where each starts in the buffer
@@ -104,7 +107,8 @@ class DistributedOptimizer:
         self._grads = reducer.shard_views
         # the parts of them that count towards the gradient norm; none on DP replicas other
         # than the first, which hold the same whole gradient when ZeRO-1 does not split it
-        counts = reducer.shard or dp.rank == 0
+        # (under hybrid sharding the replicas of a shard hold the same slices: the first counts them)
+        counts = (reducer.shard and self.writes_shard) or (not reducer.shard and dp.rank == 0)
         self._counted = [view for a, b in _runs([q for q in self.pieces if counts and counts_towards_norm(q.param, tp_rank)])
                          for view in reducer.shard_view(a, b)]
         self.steps = 0

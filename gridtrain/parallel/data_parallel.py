@@ -184,10 +184,12 @@ class GradientReducer:
     def __init__(self, model: nn.Module, dp: CommGroup, *, accumulations: int, bucket_mb: float = 25.0,
                  grad_dtype: torch.dtype | None = None, shard: bool = False,
                  device: torch.device | str | None = None, in_place: bool = True,
-                 alone: Collection[nn.Parameter] = (), units: dict[nn.Parameter, int] | None = None):
+                 alone: Collection[nn.Parameter] = (), units: dict[nn.Parameter, int] | None = None,
+                 replicas: CommGroup | None = None):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
         self.dp, self.accumulations, self.shard = dp, accumulations, shard
+        self.replicas = replicas if replicas is not None and replicas.size > 1 else None
         self.params = params = [p for _, p in reversed(named)]  # registration order reversed
         dtype = grad_dtype or _grad_dtype(params)
         device = _buffer_device(device, dp, params)
@@ -346,11 +348,24 @@ class GradientReducer:
                 if b.done_at is None:
                     b.done_at = self.clock.mark()
                 self.stats.buckets.append((b.launched_at, b.done_at, waiting_from))
-            torch._foreach_div_(self.shard_views, self.dp.size)
+        self._average()
         if self.shard:
             return  # the whole-parameter gradients are not reduced: no .grad
         for p in self.counts:
             p.grad = p.main_grad if p.main_grad.dtype == p.dtype else None
+
+    def _average(self) -> None:
+        """Sums over the shard group done: under hybrid sharding sum this rank's shard
+        over its replicas too (one all-reduce per slice, all in flight at once), then
+        divide by every rank that contributed."""
+        total = self.dp.size
+        if self.replicas is not None:
+            pending = [self.replicas.start_all_reduce(v) for v in self.shard_views if v.numel()]
+            for work in pending:
+                work.wait()
+            total *= self.replicas.size
+        if total > 1:
+            torch._foreach_div_(self.shard_views, total)
 
     def zero(self) -> None:
         """Start a step: empty buffer, no counts, no bucket in flight."""

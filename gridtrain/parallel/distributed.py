@@ -53,6 +53,13 @@ class DistributedContext:
     recorder: watchdog.FlightRecorder = field(default_factory=watchdog.process_recorder)  # the flight recorder
     cp: ContextParallel = field(default_factory=ContextParallel)  # the cp ring the sequence is split over
     dp_x_cp: CommGroup | None = None  # the dp x cp group when cp > 1 (see dp_cp)
+    zero_shard: CommGroup | None = None  # hybrid sharding: ZeRO shards within this part of dp x cp ...
+    zero_replica: CommGroup | None = None  # ... replicated across these
+
+    @property
+    def shard_group(self) -> CommGroup:
+        """The ranks ZeRO shards over: dp x cp, or its hybrid-sharding part."""
+        return self.zero_shard if self.zero_shard is not None else self.dp_cp
 
     @property
     def dp_cp(self) -> CommGroup:
@@ -117,7 +124,8 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     p = cfg.parallel
     grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     timeout_s = cfg.training.dist_timeout_s
-    groups = create_process_groups(grid, rank, timeout=timedelta(seconds=watchdog.backstop_timeout_s(timeout_s)))
+    groups = create_process_groups(grid, rank, timeout=timedelta(seconds=watchdog.backstop_timeout_s(timeout_s)),
+                                   zero_shard_size=p.zero_shard_size)
     device = rank_device(resolve_device_type(cfg.training.device), backend=cfg.training.backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -148,7 +156,11 @@ def setup_distributed(cfg: Config) -> DistributedContext:
                               embedding=_embedding_group(grid, rank, groups, counter, device), bytes=counter,
                               recorder=recorder, cp=_context_parallel(groups, p.cp_comm, counter, device),
                               dp_x_cp=CommGroup.of("dp_cp", groups.dp_cp, counter, device=device)
-                              if groups.dp_cp is not None else None)
+                              if groups.dp_cp is not None else None,
+                              zero_shard=CommGroup.of("zero_shard", groups.zero_shard, counter, device=device)
+                              if groups.zero_shard is not None else None,
+                              zero_replica=CommGroup.of("zero_replica", groups.zero_replica, counter, device=device)
+                              if groups.zero_replica is not None else None)
 
 
 def _context_parallel(groups: ProcessGroups, mode: str, counter: ByteCounter,

@@ -61,14 +61,16 @@ class ShardedGradientReducer(GradientReducer):
 
     def __init__(self, model: nn.Module, dp: CommGroup, *, accumulations: int, bucket_mb: float = 25.0,
                  grad_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 alone: Collection[nn.Parameter] = (), units: dict[nn.Parameter, int] | None = None):
+                 alone: Collection[nn.Parameter] = (), units: dict[nn.Parameter, int] | None = None,
+                 replicas: CommGroup | None = None):
         self._staged: dict[tuple[int, int], _Staged] = {}  # (round, bucket index) -> staging
         self._in_flight: list[_Staged] = []
         self.next_staged = (0, 0)  # the next (round, bucket index) to launch
         self.reduce_scatters = 0  # launched this step (counted for tests and reports)
         self.after_grad: Callable[[nn.Parameter], None] | None = None  # ZeRO-3: may free the unit
         super().__init__(model, dp, accumulations=accumulations, bucket_mb=bucket_mb, grad_dtype=grad_dtype,
-                         shard=True, device=device, in_place=False, alone=alone, units=units)
+                         shard=True, device=device, in_place=False, alone=alone, units=units,
+                         replicas=replicas)
         self._index = {id(b): i for i, b in enumerate(self.buckets)}
         sink = _weak_hook(self.accumulate)
         for p in self.params:
@@ -81,6 +83,15 @@ class ShardedGradientReducer(GradientReducer):
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.grad_shard]
+
+    def _average(self) -> None:
+        """As ZeRO-1's, with one all-reduce of the whole shard over the replicas."""
+        total = self.dp.size
+        if self.replicas is not None:
+            self.replicas.all_reduce(self.grad_shard)
+            total *= self.replicas.size
+        if total > 1:
+            self.grad_shard.div_(total)
 
     # ---- during backward ------------------------------------------------------------------
 
@@ -169,11 +180,10 @@ class ShardedGradientReducer(GradientReducer):
         waiting_from = self.clock.mark()
         self._launch_ready(everything=True)
         self._fold(wait=True)
-        if self.dp.size > 1:
-            for b in self.buckets:
-                if b.launched_at is not None:
-                    self.stats.buckets.append((b.launched_at, b.done_at, waiting_from))
-            torch._foreach_div_(self.shard_views, self.dp.size)
+        for b in self.buckets:
+            if b.launched_at is not None:
+                self.stats.buckets.append((b.launched_at, b.done_at, waiting_from))
+        self._average()
 
     def zero(self) -> None:
         self.grad_shard.zero_()

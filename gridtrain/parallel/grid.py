@@ -221,6 +221,17 @@ class ProcessGrid:
         """Every DP x CP group, ordered by (pp, tp)."""
         return [self.dp_cp_group(self.rank_of(0, p, t, 0)) for p in range(self.pp) for t in range(self.tp)]
 
+    def all_zero_shard_groups(self, size: int) -> list[list[int]]:
+        """Hybrid sharding's groups: each dp x cp group cut into runs of ``size``
+        consecutive members (in a run of tp-strided ranks, a node's when tp x size fits
+        one), ordered by (pp, tp, run)."""
+        return [g[i:i + size] for g in self.all_dp_cp_groups() for i in range(0, len(g), size)]
+
+    def all_zero_replica_groups(self, size: int) -> list[list[int]]:
+        """Hybrid sharding's replica groups: the members of a dp x cp group holding the
+        same shard (the same place in their runs of ``size``), ordered by (pp, tp, place)."""
+        return [g[i::size] for g in self.all_dp_cp_groups() for i in range(size)]
+
     def all_pp_groups(self) -> list[list[int]]:
         """Every pipeline, ordered by (dp, cp, tp), i.e. by its first-stage rank."""
         first_ranks = [self.rank_of(d, 0, t, k) for d in range(self.dp) for k in range(self.cp)
@@ -288,12 +299,15 @@ class ProcessGroups:
     embedding: ProcessGroup | None  # None on middle pipeline stages: they hold no embedding
     cp: ProcessGroup | None = None  # the cp ring and dp x cp (dense gradients): made only when cp > 1
     dp_cp: ProcessGroup | None = None
+    zero_shard: ProcessGroup | None = None  # hybrid sharding (--zero-shard-size): made only then
+    zero_replica: ProcessGroup | None = None
 
 
-def _group_kinds(grid: ProcessGrid) -> list[tuple[str, list[list[int]]]]:
+def _group_kinds(grid: ProcessGrid, zero_shard_size: int | None = None) -> list[tuple[str, list[list[int]]]]:
     """Every kind of group with all of its rank lists, in the one order all ranks use.
     The cp and dp x cp groups exist only when cp > 1 (with cp 1 the dp group is the
-    dp x cp group, and a run makes exactly the groups it made before cp existed)."""
+    dp x cp group, and a run makes exactly the groups it made before cp existed); the
+    hybrid-sharding groups only when ``zero_shard_size`` cuts dp x cp."""
     kinds = [
         ("tp", grid.all_tp_groups()),
         ("dp", grid.all_dp_groups()),
@@ -303,6 +317,9 @@ def _group_kinds(grid: ProcessGrid) -> list[tuple[str, list[list[int]]]]:
     ]
     if grid.cp > 1:
         kinds += [("cp", grid.all_cp_groups()), ("dp_cp", grid.all_dp_cp_groups())]
+    if zero_shard_size is not None and zero_shard_size < grid.dp * grid.cp:
+        kinds += [("zero_shard", grid.all_zero_shard_groups(zero_shard_size)),
+                  ("zero_replica", grid.all_zero_replica_groups(zero_shard_size))]
     return kinds
 
 
@@ -334,6 +351,7 @@ def create_process_groups(
     rank: int,
     backend: str | None = None,
     timeout: timedelta | None = None,
+    zero_shard_size: int | None = None,
 ) -> ProcessGroups:
     """Create every group of every kind on every rank and keep the ones holding ``rank``.
 
@@ -352,7 +370,7 @@ def create_process_groups(
 
     _check_world(grid, rank)
     mine: dict[str, ProcessGroup] = {}
-    for kind, rank_lists in _group_kinds(grid):
+    for kind, rank_lists in _group_kinds(grid, zero_shard_size):
         for ranks in rank_lists:
             group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
             if rank in ranks:

@@ -11,7 +11,7 @@ from pathlib import Path
 from gridtrain.config import PRESETS, ConfigError, ModelConfig, preset_config
 from gridtrain.planner.cost import Job, Prediction
 from gridtrain.planner.machine import MACHINES, machine
-from gridtrain.planner.search import CP_COMM, RECOMPUTE, SCHEDULES, Fixed, search
+from gridtrain.planner.search import CP_COMM, RECOMPUTE, SCHEDULES, ZERO, Fixed, search
 
 _MODEL_FLAGS = {"arch": str, "n_layer": int, "d_model": int, "n_head": int, "n_kv_head": int, "ffn_size": int,
                 "vocab_size": int}
@@ -37,7 +37,11 @@ def add_plan_parser(sub) -> None:
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--recompute", choices=RECOMPUTE)
     g.add_argument("--sequence-parallel", action="store_true", default=None)
-    g.add_argument("--zero", type=int, choices=(0, 1))
+    g.add_argument("--zero", type=int, choices=ZERO, help="ZeRO stage (0-3)")
+    g.add_argument("--zero-shard-size", type=int, metavar="N",
+                   help="ZeRO shards within groups of N dp (x cp) ranks, replicated across them (HSDP)")
+    g.add_argument("--zero3-keep-gathered", action="store_true", default=None,
+                   help="ZeRO-3 keeps a stage's parameters gathered through the step")
     g.add_argument("--schedule", choices=SCHEDULES)
     p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     p.add_argument("--json", action="store_true", help="print the layouts as JSON")
@@ -77,7 +81,7 @@ def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
              f"--vpp {lay.vpp}" if lay.vpp > 1 else "",
              f"--pp-layers {','.join(map(str, p.pp_layers))}" if lay.pp_partition != "uniform" else "",
              f"--recompute {lay.recompute}",
-             "--sequence-parallel" if lay.sequence_parallel else "", f"--zero {lay.zero}" if lay.zero else ""]
+             "--sequence-parallel" if lay.sequence_parallel else "", " ".join(lay.zero_flags())]
     return " ".join(x for x in parts if x)
 
 
@@ -87,9 +91,10 @@ def describe(p: Prediction) -> str:
             + f" x tp {lay.tp} x pp {lay.pp}" + (f" x vpp {lay.vpp}" if lay.vpp > 1 else "")
             + (f" (layers {','.join(map(str, p.pp_layers))})" if lay.pp_partition != "uniform" else "")
             + f", micro-batch {lay.micro_batch_size}, {lay.schedule}, recompute {lay.recompute}"
-            + (", SP" if lay.sequence_parallel else "") + (", ZeRO-1" if lay.zero else ""))
+            + (", SP" if lay.sequence_parallel else "") + (f", {lay.zero_name()}" if lay.zero else ""))
     fits = "fits" if p.fits else "DOES NOT FIT"
-    cp = f", exposed CP communication {p.cp_comm_s:.3f}" if lay.cp > 1 else ""
+    cp = (f", exposed CP communication {p.cp_comm_s:.3f}" if lay.cp > 1 else "") \
+        + (f", exposed ZeRO communication {p.zero_comm_s:.3f}" if lay.zero >= 2 else "")
     return (f"{name}\n    step {p.step_time_s:.3f} s: compute {p.compute_s:.3f} (of which TP communication "
             f"{p.tp_comm_s:.3f}{cp}), pipeline bubble {p.bubble_s:.3f}, exposed DP communication "
             f"{p.dp_exposed_s:.3f}, optimizer {p.optimizer_s:.3f}\n"
@@ -110,7 +115,8 @@ def plan_command(args: argparse.Namespace) -> int:
               gpus_per_node=args.gpus_per_node)
     fixed = Fixed(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
                   schedule=args.schedule, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
-                  zero=args.zero, cp=args.cp, cp_comm=args.cp_comm)
+                  zero=args.zero, cp=args.cp, cp_comm=args.cp_comm, zero_shard_size=args.zero_shard_size,
+                  zero3_keep_gathered=args.zero3_keep_gathered)
     best = search(job, args.gpus, fixed, top=args.top)
     if not best:
         raise ConfigError(f"plan: no layout of {args.gpus} GPUs divides this model and batch with the given "
@@ -145,22 +151,23 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 
 
 def draw(best: list[Prediction], path: Path) -> None:
-    """Stacked bars of each layout's step: compute, TP and exposed CP communication, bubble,
-    exposed DP communication, optimizer."""
+    """Stacked bars of each layout's step: compute, TP and exposed CP and ZeRO-2/3
+    communication, bubble, exposed DP communication, optimizer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [("compute", lambda p: p.compute_s - p.tp_comm_s - p.cp_comm_s), ("TP communication", lambda p: p.tp_comm_s),
-             ("exposed CP communication", lambda p: p.cp_comm_s),
+    parts = [("compute", lambda p: p.compute_s - p.tp_comm_s - p.cp_comm_s - p.zero_comm_s),
+             ("TP communication", lambda p: p.tp_comm_s), ("exposed CP communication", lambda p: p.cp_comm_s),
+             ("exposed ZeRO communication", lambda p: p.zero_comm_s),
              ("pipeline bubble", lambda p: p.bubble_s), ("exposed DP communication", lambda p: p.dp_exposed_s),
              ("optimizer", lambda p: p.optimizer_s)]
     fig, ax = plt.subplots(figsize=(9, 1 + 0.6 * len(best)))
     labels = [f"dp{p.layout.dp}{_cp_label(p.layout)} tp{p.layout.tp} pp{p.layout.pp} v{p.layout.vpp} "
               f"mb{p.layout.micro_batch_size} "
               f"{p.layout.schedule} {p.layout.recompute}{' sp' if p.layout.sequence_parallel else ''}"
-              f"{' z1' if p.layout.zero else ''}" for p in best]
+              f"{_zero_label(p.layout)}" for p in best]
     left = [0.0] * len(best)
     for name, part in parts:
         widths = [part(p) for p in best]
@@ -172,6 +179,11 @@ def draw(best: list[Prediction], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _zero_label(lay) -> str:
+    return (f" z{lay.zero}{f' s{lay.zero_shard_size}' if lay.zero_shard_size else ''}"
+            f"{' keep' if lay.zero3_keep_gathered else ''}") if lay.zero else ""
 
 
 def _cp_label(lay) -> str:

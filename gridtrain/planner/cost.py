@@ -42,6 +42,17 @@ One optimizer step of a ``dp x cp x tp x pp`` layout is modelled as gridtrain ru
   fires buckets during the last micro-batch's backward, so that much of it hides
   behind it, all but the last bucket; the ZeRO all-gathers, issued after the
   optimizer, hide likewise behind the next step's first forward, all but the first;
+* **ZeRO-2 and 3** (the collectives of :mod:`gridtrain.memory.zero`): ZeRO-2
+  reduce-scatters each micro-batch's gradients during its backward, ZeRO-3 also
+  gathers each block's parameters (and the embedding's and the head's) before its
+  forward and again before its backward, prefetched: per micro-batch and model chunk
+  they hide behind the chunk's forward (gathers) and backward (gathers and
+  reduce-scatters) up to their compute, the excess is exposed inside F and B (so the
+  pipeline simulator sees it), and the forward's first gather is always exposed; with
+  ``zero3_keep_gathered`` the parameters are gathered once a step, as ZeRO-1's. Under
+  hybrid sharding (``zero_shard_size`` s) these run in groups of s consecutive dp (x cp)
+  ranks and the gradient shard is all-reduced across the groups after the last
+  micro-batch's backward, in what that backward leaves;
 * **context parallelism** (cp > 1): each rank runs its blocks on ``S / cp`` tokens;
   its attention core runs in ``cp`` steps, each the local queries over one rank's
   key/value block, so the rank's attention is 1/cp of one process's (counted the way
@@ -59,7 +70,8 @@ One optimizer step of a ``dp x cp x tp x pp`` layout is modelled as gridtrain ru
 * **the optimizer**: one memory-bound pass over the owned master weights, moments and
   gradients;
 * **memory** per GPU: the memory model (memory/model.py, which the dry run is checked
-  against: expected_bytes: parameters, gradient buffer, optimizer state with ZeRO-1;
+  against: expected_state_bytes: parameters, gradients, optimizer state for every ZeRO
+  stage, ZeRO-3's gathered parameters and ZeRO-2/3's gradient staging;
   expected_activation_peak: the schedule's action list walked with each chunk's
   activation bytes for the recompute mode), for the first and last pipeline stage,
   whichever is larger.
@@ -72,12 +84,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from functools import lru_cache
 
 from gridtrain.config import Config, ModelConfig
 from gridtrain.memory.cp import kv_elements, kv_heads_per_rank, ring_transfers, wide_bytes
-from gridtrain.memory.model import chunks_of_stage, expected_activation_peak, expected_bytes, expected_parameters
+from gridtrain.memory.model import (chunks_of_stage, expected_activation_peak, expected_parameters,
+                                    expected_state_bytes, stage_parameters)
+from gridtrain.memory.zero import zero_step_collectives
 from gridtrain.parallel.grid import ProcessGrid
-from gridtrain.models.decoder import training_flops_per_token
+from gridtrain.models.decoder import block_parameters, training_flops_per_token
 from gridtrain.parallel.pipeline.schedules import build_schedule
 from gridtrain.parallel.pipeline.simulate import Costs, simulate
 from gridtrain.planner.machine import Link, ring_seconds  # noqa: F401 (ring_seconds: re-exported)
@@ -112,10 +127,31 @@ class Layout:
     pp_partition: str = "uniform"  # "parameters" where the layers do not divide evenly
     cp: int = 1  # context parallel: ranks that split each sequence
     cp_comm: str = "ring"  # how their attention exchanges keys and values: ring | allgather
+    zero_shard_size: int | None = None  # ZeRO shards within groups of this many dp x cp ranks (HSDP); None: all
+    zero3_keep_gathered: bool = False  # ZeRO-3: a stage's parameters stay gathered through the step
 
     @property
     def gpus(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def zero_shard(self) -> int:
+        """The ranks ZeRO shards over: ``zero_shard_size``, else the whole dp x cp group."""
+        return self.zero_shard_size or self.dp * self.cp
+
+    def zero_flags(self) -> list[str]:
+        """The layout's ZeRO as ``gridtrain train`` flags (none for ZeRO-0)."""
+        if not self.zero:
+            return []
+        return (["--zero", str(self.zero)]
+                + (["--zero-shard-size", str(self.zero_shard_size)] if self.zero_shard_size else [])
+                + (["--zero3-keep-gathered"] if self.zero3_keep_gathered else []))
+
+    def zero_name(self) -> str:
+        """``ZeRO-3 (shard 8, keep gathered)``; empty for ZeRO-0."""
+        extra = ([f"shard {self.zero_shard_size}"] if self.zero_shard_size else []) \
+            + (["keep gathered"] if self.zero3_keep_gathered else [])
+        return f"ZeRO-{self.zero}" + (f" ({', '.join(extra)})" if extra else "") if self.zero else ""
 
 
 @dataclass(frozen=True)
@@ -154,6 +190,7 @@ class Prediction:
     parts: dict[str, float] = field(default_factory=dict)
     pp_layers: list[int] = field(default_factory=list)  # blocks per virtual stage (--pp-layers)
     cp_comm_s: float = 0.0  # of compute: context-parallel communication not hidden behind attention
+    zero_comm_s: float = 0.0  # of compute: ZeRO-2/3's per-micro-batch collectives not hidden behind the chunks
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -176,13 +213,14 @@ class Prediction:
         return {"dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp,
                 "micro_batch_size": lay.micro_batch_size, "schedule": lay.schedule, "recompute": lay.recompute,
                 "sequence_parallel": lay.sequence_parallel, "zero": lay.zero, "cp_comm": lay.cp_comm,
+                "zero_shard_size": lay.zero_shard_size, "zero3_keep_gathered": lay.zero3_keep_gathered,
                 "pp_layers": self.pp_layers, "step_time_s": self.step_time_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
                 "model_tflops_per_gpu": self.model_tflops_per_gpu,
                 "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
                 "memory_gb_per_gpu": self.memory_bytes / 1e9, "fits": self.fits,
                 "breakdown_s": {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "cp_comm": self.cp_comm_s,
-                                "bubble": self.bubble_s, "dp_exposed": self.dp_exposed_s,
+                                "zero_comm": self.zero_comm_s, "bubble": self.bubble_s, "dp_exposed": self.dp_exposed_s,
                                 "optimizer": self.optimizer_s}}
 
 
@@ -367,21 +405,36 @@ def embedding_cost(job: Job, lay: Layout) -> tuple[float, float]:
 
 
 def pipeline_costs(job: Job, lay: Layout, layers_per_chunk: list[int]):
-    """Per (stage, chunk) costs of one micro-batch, for the simulator."""
+    """Per (stage, chunk) costs of one micro-batch, for the simulator, with ZeRO-2/3's
+    exposed per-micro-batch collectives inside F and B (:func:`zero_exposed_seconds`);
+    also the block's cost and each (stage, chunk)'s exposed ZeRO seconds (f, b)."""
     block = block_cost(job, lay)
     hf, hb, hw_ = head_cost(job, lay)
     ef, eb = embedding_cost(job, lay)
     p, v = lay.pp, lay.vpp
     last = p * v - 1
 
-    def cost(stage: int, chunk: int) -> Costs:
+    def exposed(stage: int, chunk: int) -> tuple[float, float]:
+        c = compute(stage, chunk)
+        virtual = chunk * p + stage
+        comm = zero_chunk_seconds(job, lay, layers_per_chunk[virtual], virtual == 0, virtual == last)
+        return zero_exposed_seconds(comm, c.f, c.b + c.w)
+
+    def compute(stage: int, chunk: int) -> Costs:
         virtual = chunk * p + stage
         n = layers_per_chunk[virtual]
         ends, starts = virtual == last, virtual == 0
         return Costs(f=n * block.f + (hf if ends else 0.0) + (ef if starts else 0.0),
                      b=n * block.b + (hb if ends else 0.0) + (eb if starts else 0.0),
                      w=n * block.w + (hw_ if ends else 0.0), latency=p2p_seconds(job, lay))
-    return cost, block
+
+    def cost(stage: int, chunk: int) -> Costs:
+        c = compute(stage, chunk)
+        if lay.zero < 2:
+            return c
+        zf, zb = exposed(stage, chunk)
+        return replace(c, f=c.f + zf, b=c.b + zb)
+    return cost, block, exposed
 
 
 def p2p_seconds(job: Job, lay: Layout) -> float:
@@ -396,6 +449,65 @@ def p2p_seconds(job: Job, lay: Layout) -> float:
     return link.send(nbytes)
 
 
+# ---- ZeRO -------------------------------------------------------------------------------------------
+
+
+def zero_links(job: Job, lay: Layout) -> tuple[Link, Link]:
+    """The links of ZeRO's collectives: the shard group's (``zero_shard`` consecutive dp x
+    cp ranks, ``tp`` apart: the whole group's without hybrid sharding) and, under hybrid
+    sharding, the all-reduce's across the groups (one rank of each, ``zero_shard x tp``
+    apart)."""
+    s = lay.zero_shard
+    return (ring_link(job.hardware, s, lay.tp, job.node),
+            ring_link(job.hardware, lay.dp * lay.cp // s, s * lay.tp, job.node))
+
+
+def zero_units(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: bool) -> list[int]:
+    """The parameters ZeRO-3 gathers one at a time for a model chunk, in forward order:
+    the embedding's (where it embeds), each block's, the final norm's and the head's
+    (where it ends)."""
+    embedding = stage_parameters(m, tp, 0, embeds, False)
+    head = stage_parameters(m, tp, 0, embeds, ends) - embedding
+    return [u for u in (embedding, *[block_parameters(m, tp)] * blocks, head) if u]
+
+
+def zero_chunk_seconds(job: Job, lay: Layout, blocks: int, embeds: bool, ends: bool) -> tuple[float, float, float]:
+    """ZeRO-2/3's collectives of one micro-batch through a model chunk of ``blocks``
+    blocks (embedding and head as ``embeds`` and ``ends`` say): (the forward's gathers,
+    the first of them, the backward's gathers and reduce-scatters). ZeRO-3 gathers and
+    reduce-scatters unit by unit (:func:`zero_units`), ZeRO-2 reduce-scatters the chunk's
+    gradients; like the once-a-step reduction of ZeRO-0 and 1, a unit's reduce-scatter
+    is timed as one collective, not bucket by bucket. Nothing for ZeRO-0 and 1 or one dp
+    x cp rank (their reduction is once a step: :func:`data_parallel_seconds`)."""
+    if lay.zero < 2 or lay.dp * lay.cp == 1:
+        return 0.0, 0.0, 0.0
+    e = DTYPE_BYTES[job.dtype]
+    w, s = wide_bytes(e), lay.zero_shard
+    link = ring_link(job.hardware, s, lay.tp, job.node)  # the shard group's (zero_links)
+    units = zero_units(job.model, lay.tp, blocks, embeds, ends)
+    if lay.zero == 2:
+        return 0.0, 0.0, link.collective(sum(units) * w, s, "reduce_scatter")
+    counts: dict[int, int] = {}
+    for u in units:  # the blocks are alike: time each size once
+        counts[u] = counts.get(u, 0) + 1
+    scatters = sum(n * link.collective(u * w, s, "reduce_scatter") for u, n in counts.items())
+    if lay.zero3_keep_gathered:
+        return 0.0, 0.0, scatters
+    gathers = sum(n * link.collective(u * e, s, "all_gather") for u, n in counts.items())
+    first = link.collective(units[0] * e, s, "all_gather") if units else 0.0
+    return gathers, first, gathers + scatters
+
+
+def zero_exposed_seconds(comm: tuple[float, float, float], forward: float, backward: float) -> tuple[float, float]:
+    """What a chunk's ZeRO-2/3 collectives of one micro-batch (``comm``, from
+    :func:`zero_chunk_seconds`) add to its forward and backward: prefetched, they hide
+    behind the chunk's compute (``forward``; ``backward``, B and W) up to it; the excess
+    is exposed, and so is the forward's first gather, which nothing of the micro-batch
+    precedes."""
+    gather, first, in_backward = comm
+    return (max(gather - forward, first) if gather else 0.0), max(0.0, in_backward - backward)
+
+
 # ---- the whole step ----------------------------------------------------------------------------------
 
 
@@ -403,7 +515,8 @@ def config_of(job: Job, lay: Layout) -> Config:
     cfg = Config(model=job.model, preset="")
     # cp and cp_comm as fields where the configuration has them, else as plain attributes
     # (the memory model reads them with getattr)
-    context = {"cp": lay.cp, "cp_comm": lay.cp_comm}
+    context = {"cp": lay.cp, "cp_comm": lay.cp_comm, "zero_shard_size": lay.zero_shard_size,
+               "zero3_keep_gathered": lay.zero3_keep_gathered}
     known = {f.name for f in fields(cfg.parallel)}
     cfg.parallel = replace(cfg.parallel, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, schedule=lay.schedule,
                            sequence_parallel=lay.sequence_parallel, zero=lay.zero, pp_partition=lay.pp_partition,
@@ -421,16 +534,28 @@ def grid_of(lay: Layout) -> ProcessGrid:
     return ProcessGrid(world_size=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp)
 
 
-def memory_bytes(job: Job, lay: Layout) -> float:
-    """Bytes per GPU: the memory model on the first and the last stage."""
+def memory_bytes(job: Job, lay: Layout, activation_peaks: dict | None = None) -> float:
+    """Bytes per GPU: the memory model on the first and the last stage: what a rank holds
+    (expected_state_bytes, ZeRO's transients within a step included) and the activation
+    peak. ``activation_peaks``: a cache of the peaks by layout without its ZeRO fields
+    (they do not change them), for a search that tries every ZeRO stage of a layout."""
     cfg = config_of(job, lay)
     grid = grid_of(lay)
+    device = "cpu" if job.hardware.name == "cpu" else "cuda"
+    base = replace(lay, zero=0, zero_shard_size=None, zero3_keep_gathered=False)
     worst = 0.0
     for stage in sorted({0, lay.pp - 1}):
         rank = grid.rank_of(dp=0, pp=stage, tp=0)
-        held = expected_bytes(cfg, grid, rank)
-        total = held["parameter_bytes"] + held["gradient_bytes"] + held["optimizer_bytes"] \
-            + expected_activation_peak(cfg, grid, rank, "cpu" if job.hardware.name == "cpu" else "cuda")
+        held = expected_state_bytes(cfg, grid, rank)
+        key = (base, stage)
+        if activation_peaks is None or key not in activation_peaks:
+            peak = expected_activation_peak(cfg, grid, rank, device)
+            if activation_peaks is not None:
+                activation_peaks[key] = peak
+        else:
+            peak = activation_peaks[key]
+        total = sum(held[k] for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "gathered_bytes",
+                                      "staging_bytes")) + peak
         worst = max(worst, total)
     return worst
 
@@ -449,8 +574,8 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
     for s, stage in enumerate(chunks):
         for c, chunk in enumerate(stage):
             layers[c * lay.pp + s] = len(chunk.layer_ids)
-    cost, block = pipeline_costs(job, lay, layers)
-    schedule = build_schedule(lay.schedule, lay.pp, mbs, lay.vpp)
+    cost, block, zero_exposed = pipeline_costs(job, lay, layers)
+    schedule = _schedule(lay.schedule, lay.pp, mbs, lay.vpp)
     timeline = simulate(schedule, cost, lay.vpp, rendezvous=True)
     busy = max(timeline.busy(s) for s in range(lay.pp))
     makespan = timeline.makespan
@@ -458,6 +583,8 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
     blocks_run = mbs * max(layers) * lay.vpp
     tp_comm = blocks_run * (block.tp_comm_f * forwards + block.tp_comm_b)
     cp_comm = blocks_run * (block.cp_comm_f * forwards + block.cp_comm_b)
+    zero_comm = mbs * max(sum(sum(zero_exposed(s, c)) for c in range(lay.vpp)) for s in range(lay.pp)) \
+        if lay.zero >= 2 else 0.0
     params = _rank_parameters(cfg, grid)
     exposed, gather, optimizer = data_parallel_seconds(job, lay, params, cost, cfg.parallel.bucket_mb)
     step = makespan + exposed + gather + optimizer
@@ -472,28 +599,63 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
                       dp_exposed_s=exposed + gather, optimizer_s=optimizer, memory_bytes=mem,
                       fits=mem <= hw.usable_memory_bytes, model_flops=model_flops, hardware_flops=hardware_flops,
                       tokens=tokens, gpus=lay.gpus, peak_flops=hw.peak_flops(job.dtype), pp_layers=layers,
-                      cp_comm_s=cp_comm)
+                      cp_comm_s=cp_comm, zero_comm_s=zero_comm)
+
+
+@lru_cache(maxsize=256)
+def _schedule(name: str, pp: int, micro_batches: int, vpp: int):
+    """The schedule's action lists (the simulator only reads them): cached, as a search
+    predicts several layouts of one schedule, pipeline and micro-batch count."""
+    return build_schedule(name, pp, micro_batches, vpp)
 
 
 def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: float) -> tuple[float, float, float]:
-    """The exposed gradient reduction, the exposed ZeRO-1 parameter gather and the
-    optimizer of a step: the reducer's fp32 buffer of ``params`` parameters reduced over
-    the ``dp x cp`` ranks that hold them (``tp`` apart), behind the last micro-batch's
-    backward; the gathers behind the next step's first forward."""
+    """The exposed gradient reduction, the exposed ZeRO parameter gather and the
+    optimizer of a step, for ``params`` parameters reduced over the ``dp x cp`` ranks that
+    hold them (``tp`` apart; :func:`gridtrain.memory.zero.zero_step_collectives`):
+
+    * ZeRO-0 and 1: the reducer's fp32 buffer all-reduced (ZeRO-1: reduce-scattered in the
+      shard group, and under hybrid sharding the shard all-reduced across the groups)
+      behind the last micro-batch's backward, all but the last bucket;
+    * ZeRO-2 and 3: the reduce-scatters ride in every micro-batch's backward
+      (:func:`pipeline_costs`); what is left is the all-reduce across the groups under
+      hybrid sharding, in what the last backward leaves, and the last bucket;
+    * the parameters' all-gather (ZeRO-1 and 2 after the optimizer, ZeRO-3 kept gathered
+      before the first forward) behind the next step's first forward, all but the first
+      bucket; ZeRO-3's per-micro-batch gathers are in the pipeline's costs;
+    * the optimizer: one memory-bound pass over the owned (ZeRO: the shard's) master
+      weights, moments and gradients."""
     hw = job.hardware
     n = lay.dp * lay.cp
-    grad_bytes = params * (8 if job.dtype == "fp64" else 4)
-    link = ring_link(hw, n, lay.tp, job.node)
-    reduce = link.collective(grad_bytes, n, "reduce_scatter" if lay.zero else "all_reduce")
-    last_mb_backward = sum(cost(0, c).b + cost(0, c).w for c in range(lay.vpp))
-    bucket = min(1.0, bucket_mb * 2**20 / max(grad_bytes, 1))
-    exposed = max(reduce - last_mb_backward, reduce * bucket) if n > 1 else 0.0
-    gather = link.collective(params * DTYPE_BYTES[job.dtype], n, "all_gather") if lay.zero and n > 1 else 0.0
-    # ZeRO's gathers travel behind the next step's first forward, all but the first bucket
+    e = DTYPE_BYTES[job.dtype]
+    owned = params / (lay.zero_shard if lay.zero else 1)
+    optimizer = owned * (4 + 3 * 8 + e) / hw.memory_bandwidth
+    if n == 1:
+        return 0.0, 0.0, optimizer
+    traffic = zero_step_collectives(params, job.dtype, lay.zero, micro_batches(job, lay), n,
+                                    shard=lay.zero_shard if lay.zero else None,
+                                    keep_gathered=lay.zero3_keep_gathered)
+    links = zero_links(job, lay)
+
+    def one(name: str) -> float:  # one of the step's collectives of that name
+        c = traffic.get(name)
+        return links[name == "replicas"].collective(c.nbytes, c.ranks, c.kind) if c else 0.0
+
+    grads, replicas, gather = one("gradients"), one("replicas"), one("parameters")
+    backward = sum(cost(0, c).b + cost(0, c).w for c in range(lay.vpp))
+    bucket = min(1.0, bucket_mb * 2**20 / max(params * wide_bytes(e), 1))
+    if lay.zero < 2:
+        reduce = grads + replicas
+        exposed = max(reduce - backward, reduce * bucket)
+    else:
+        per_gather = lay.zero == 3 and not lay.zero3_keep_gathered
+        in_backward = grads + (gather if per_gather else 0.0)
+        exposed = max(replicas - max(0.0, backward - in_backward), (grads + replicas) * bucket)
+        if per_gather:
+            gather = 0.0
+    # ZeRO's step gather travels behind the next step's first forward, all but the first bucket
     first_mb_forward = sum(cost(0, c).f for c in range(lay.vpp))
     gather = max(gather - first_mb_forward, gather * bucket)
-    owned = params / (n if lay.zero else 1)
-    optimizer = owned * (4 + 3 * 8 + DTYPE_BYTES[job.dtype]) / hw.memory_bandwidth
     return exposed, gather, optimizer
 
 

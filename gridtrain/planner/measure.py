@@ -46,9 +46,7 @@ def train_args(model_args: list[str], p: Prediction, global_batch_size: int, seq
         args += ["--cp", str(lay.cp), "--cp-comm", lay.cp_comm]
     if lay.sequence_parallel:
         args.append("--sequence-parallel")
-    if lay.zero:
-        args += ["--zero", "1"]
-    return args
+    return args + lay.zero_flags()
 
 
 def measure_one(args: list[str], timeout_s: float = 600) -> float:
@@ -79,6 +77,6 @@ def table(results: list[Measured]) -> list[str]:
         lay = r.prediction.layout
         name = (f"dp {lay.dp} tp {lay.tp} pp {lay.pp}" + (f" vpp {lay.vpp}" if lay.vpp > 1 else "")
                 + f" mb {lay.micro_batch_size} {lay.schedule} {lay.recompute}"
-                + (" SP" if lay.sequence_parallel else "") + (" ZeRO-1" if lay.zero else ""))
+                + (" SP" if lay.sequence_parallel else "") + (f" {lay.zero_name()}" if lay.zero else ""))
         lines.append(f"| {name} | {r.prediction.step_time_s:.4f} | {r.step_time_s:.4f} | {r.ratio:.3f} |")
     return lines

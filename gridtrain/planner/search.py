@@ -13,6 +13,17 @@ each) until ``shortlist`` layouts fit; those are predicted in full (the simulato
 schedule's action lists) and ranked by predicted step time. When none fits, the ones
 needing the least memory come back, marked as not fitting.
 
+ZeRO is searched per layout: stage 0 and, where the dp x cp group has more than one
+rank, stages 1, 2 and 3, each sharded over the whole group and, where the group spans
+more than a node, over the dp (x cp) ranks of one node (``gpus_per_node / tp``: hybrid
+sharding); ZeRO-3 with and without ``zero3_keep_gathered``. Within one layout and shard
+group the stages form a chain, ZeRO-1, ZeRO-2, ZeRO-3 kept gathered, ZeRO-3, along which
+the cost model's step never gets shorter and memory (but for tiny models, whose staging
+buffers outweigh their gradients) shrinks; so a stage is only kept when no earlier one
+of its chain fits (:func:`dominated`): ZeRO-2 and 3 come in where memory forbids ZeRO-1,
+and win where they let a layout with less tp or pp fit. ZeRO-0 is always tried (it can
+be faster or slower than ZeRO-1: no parameter gather, but an unsharded optimizer step).
+
 Context parallelism is searched where it can pay: cp > 1 only while each rank keeps at
 least ``CP_MIN_TOKENS`` tokens of a sequence (below that a step's attention is too short
 to hide its key/value transfer, and the sequences that need cp are far longer), each
@@ -27,11 +38,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from itertools import islice
 
-from gridtrain.config import ModelConfig
+from gridtrain.config import ZERO_STAGES, ModelConfig
 from gridtrain.memory.cp import CP_COMM_MODES
 from gridtrain.parallel.pipeline.schedules import ScheduleError, check_sizes
-from gridtrain.planner.cost import (Job, Layout, Prediction, block_cost, head_cost, memory_bytes, micro_batches,
-                                    predict)
+from gridtrain.planner.cost import (Job, Layout, Prediction, block_cost, embedding_cost, head_cost, memory_bytes,
+                                    micro_batches, predict, zero_chunk_seconds, zero_exposed_seconds)
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe")
 RECOMPUTE = ("none", "selective", "full")
@@ -39,6 +50,9 @@ MICRO_BATCHES = (1, 2, 4, 8, 16)
 VIRTUAL_STAGES = (1, 2, 3, 4)
 CP_COMM = CP_COMM_MODES
 CP_MIN_TOKENS = 1024  # the fewest tokens of a sequence a cp rank is left with, searching
+ZERO = ZERO_STAGES
+# (zero, keep gathered) in the order of the chain of the module docstring: step time up, memory down
+ZERO_CHAIN = ((1, False), (2, False), (3, True), (3, False))
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,8 @@ class Fixed:
     zero: int | None = None
     cp: int | None = None
     cp_comm: str | None = None
+    zero_shard_size: int | None = None
+    zero3_keep_gathered: bool | None = None
 
 
 def divisors(n: int) -> list[int]:
@@ -131,21 +147,72 @@ def _variants(job: Job, base: Layout, fixed: Fixed) -> Iterable[Layout]:
             for sp in ((False, True) if base.tp > 1 else (False,)):
                 if fixed.sequence_parallel is not None and sp != fixed.sequence_parallel:
                     continue
-                for zero in ((0, 1) if base.dp * base.cp > 1 else (0,)):
-                    if fixed.zero is not None and zero != fixed.zero:
-                        continue
-                    for comm in (fixed.cp_comm,) if fixed.cp_comm else CP_COMM if base.cp > 1 else ("ring",):
-                        yield replace(base, schedule=schedule, recompute=recompute, sequence_parallel=sp, zero=zero,
-                                      cp_comm=comm)
+                for comm in (fixed.cp_comm,) if fixed.cp_comm else CP_COMM if base.cp > 1 else ("ring",):
+                    lay = replace(base, schedule=schedule, recompute=recompute, sequence_parallel=sp, cp_comm=comm)
+                    for zero, shard, keep in zero_options(job, lay, fixed):
+                        yield replace(lay, zero=zero, zero_shard_size=shard, zero3_keep_gathered=keep)
 
 
-def rough_step(job: Job, lay: Layout) -> float:
-    """A cheap estimate for the first pass: one stage's compute for every micro-batch,
-    stretched by the schedule's closed-form bubble."""
-    block = block_cost(job, lay)
-    hf, hb, hw_ = head_cost(job, lay)
+def zero_options(job: Job, lay: Layout, fixed: Fixed = Fixed()) -> Iterator[tuple[int, int | None, bool]]:
+    """(zero, zero_shard_size, zero3_keep_gathered) to try for a layout: ZeRO-0; with more
+    than one dp x cp rank ZeRO-1, 2 and 3 (3 kept gathered first), each over the whole
+    group and, where the group spans more than a node, over the ``node / tp`` ranks of one
+    node (hybrid sharding). Fixed fields narrow them; a fixed shard size must divide the
+    group."""
+    group = lay.dp * lay.cp
+    local = job.node // lay.tp
+    if fixed.zero_shard_size is not None:
+        shards = [fixed.zero_shard_size] if 1 <= fixed.zero_shard_size and group % fixed.zero_shard_size == 0 else []
+    else:
+        shards = [None] + ([local] if 1 < local < group and group % local == 0 else [])
+    for zero in ZERO if group > 1 else (0,):
+        if fixed.zero is not None and zero != fixed.zero:
+            continue
+        for keep in (True, False) if zero == 3 else (False,):
+            if fixed.zero3_keep_gathered is not None and keep != fixed.zero3_keep_gathered:
+                continue
+            if zero == 0:
+                if fixed.zero_shard_size is None:
+                    yield 0, None, False
+                continue
+            for shard in shards:
+                yield zero, shard, keep
+
+
+def dominated(lay: Layout) -> list[Layout]:
+    """The layouts that make ``lay`` not worth predicting when they fit: the earlier ZeRO
+    stages of its chain (module docstring) with the same shard group."""
+    chain = [replace(lay, zero=z, zero3_keep_gathered=k) for z, k in ZERO_CHAIN]
+    return chain[:chain.index(lay)] if lay in chain else []
+
+
+def rough_step(job: Job, lay: Layout, parts: dict | None = None) -> float:
+    """A cheap estimate for the first pass: one stage's compute for every micro-batch
+    (with ZeRO-2/3's exposed collectives), stretched by the schedule's closed-form bubble.
+    ``parts``: a cache of the compute by layout without its ZeRO fields, which a search
+    shares between a layout's ZeRO stages."""
+    key = (lay.dp, lay.cp, lay.tp, lay.pp, lay.vpp, lay.micro_batch_size, lay.schedule, lay.recompute,
+           lay.sequence_parallel, lay.cp_comm, lay.pp_partition)
+    got = None if parts is None else parts.get(key)
+    if got is None:
+        block = block_cost(job, lay)
+        hf, hb, hw_ = head_cost(job, lay)
+        ef, eb = embedding_cost(job, lay)
+        blocks = math.ceil(job.model.n_layer / lay.pp)
+        per_mb = blocks * (block.f + block.b + block.w) + (hf + hb + hw_) / lay.pp
+        got = (blocks, per_mb, blocks * block.f + ef, blocks * (block.b + block.w) + eb)
+        if parts is not None:
+            parts[key] = got
+    blocks, per_mb, forward, backward = got
+    if lay.zero >= 2:  # ZeRO-2/3's exposed collectives on the first stage (per micro-batch)
+        zkey = (lay.dp * lay.cp, lay.tp, lay.zero, lay.zero_shard_size, lay.zero3_keep_gathered, blocks, lay.pp)
+        comm = None if parts is None else parts.get(zkey)
+        if comm is None:
+            comm = zero_chunk_seconds(job, lay, blocks, True, lay.pp == 1)
+            if parts is not None:
+                parts[zkey] = comm
+        per_mb += sum(zero_exposed_seconds(comm, forward, backward))
     m = micro_batches(job, lay)
-    per_mb = math.ceil(job.model.n_layer / lay.pp) * (block.f + block.b + block.w) + (hf + hb + hw_) / lay.pp
     # ZB-H1 as 1F1B: the runtime's blocking sends hold its deferred weight gradients back
     # (pipeline/simulate.py, rendezvous), so only the simulator can tell them apart
     bubble = (lay.pp - 1) / (lay.vpp * m)
@@ -158,19 +225,28 @@ def search(job: Job, gpus: int, fixed: Fixed = Fixed(), top: int = 5, shortlist:
     every = list(layouts(job, gpus, fixed))
     if not every:
         return []
-    ranked = sorted(every, key=lambda lay: rough_step(job, lay))  # stable: ties keep the layouts' order
-    pool = list(islice(_fitting(job, ranked), shortlist))
+    parts: dict = {}
+    ranked = sorted(every, key=lambda lay: rough_step(job, lay, parts))  # stable: ties keep the layouts' order
+    peaks: dict = {}
+    pool = list(islice(_fitting(job, ranked, set(every), peaks), shortlist))
     if not pool:
-        pool = sorted(((lay, memory_bytes(job, lay)) for lay in every), key=lambda c: c[1])[:top]
+        pool = sorted(((lay, memory_bytes(job, lay, peaks)) for lay in every), key=lambda c: c[1])[:top]
     predicted = [predict(job, lay, memory=mem) for lay, mem in pool]  # the simulator: the costly part
     predicted.sort(key=lambda p: (not p.fits, p.step_time_s if p.fits else p.memory_bytes))
     return predicted[:top]
 
 
-def _fitting(job: Job, ranked: Iterable[Layout]) -> Iterator[tuple[Layout, float]]:
-    """The layouts whose memory fits the device, in the given order, with their memory."""
+def _fitting(job: Job, ranked: Iterable[Layout], every: set[Layout], peaks: dict) -> Iterator[tuple[Layout, float]]:
+    """The layouts whose memory fits the device and that no fitting layout of ``every``
+    dominates (:func:`dominated`), in the given order, with their memory."""
     usable = job.hardware.usable_memory_bytes
+    memory: dict[Layout, float] = {}
+
+    def need(lay: Layout) -> float:
+        if lay not in memory:
+            memory[lay] = memory_bytes(job, lay, peaks)
+        return memory[lay]
+
     for lay in ranked:
-        mem = memory_bytes(job, lay)
-        if mem <= usable:
-            yield lay, mem
+        if need(lay) <= usable and not any(d in every and need(d) <= usable for d in dominated(lay)):
+            yield lay, need(lay)

@@ -301,19 +301,23 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext,
     p = cfg.parallel
     alone = [q for q in [tied_parameter(model, ctx.embedding)] if q is not None]
     common = dict(accumulations=micro_batches, bucket_mb=p.bucket_mb, device=ctx.device, alone=alone)
-    if p.zero < 2:
-        return GradientReducer(model, ctx.dp_cp, shard=p.zero == 1,
+    if p.zero == 0:
+        return GradientReducer(model, ctx.dp_cp, in_place=not uses_split_backward(p.schedule), **common), None
+    # ZeRO shards over dp x cp, or under hybrid sharding over a part of it (replicated across the parts)
+    common["replicas"] = ctx.zero_replica
+    if p.zero == 1:
+        return GradientReducer(model, ctx.shard_group, shard=True,
                                in_place=not uses_split_backward(p.schedule), **common), None
     if p.zero == 2:
-        return ShardedGradientReducer(model, ctx.dp_cp, **common), None
+        return ShardedGradientReducer(model, ctx.shard_group, **common), None
     units, unit_of = make_units(model, Block)
-    reducer = ShardedGradientReducer(model, ctx.dp_cp, **{**common, "bucket_mb": math.inf}, units=unit_of)
+    reducer = ShardedGradientReducer(model, ctx.shard_group, **{**common, "bucket_mb": math.inf}, units=unit_of)
     attach_buckets(units, reducer)
     by_module = {id(u.module): u for u in units}
     chunks = getattr(model, "chunks", None)
     sequences = None if chunks is None else \
         [[by_module[id(model.blocks[str(i)])] for i in c.layer_ids] for c in chunks]
-    shards = ParameterShards(model, reducer, units, ctx.dp_cp, keep_gathered=p.zero3_keep_gathered,
+    shards = ParameterShards(model, reducer, units, ctx.shard_group, keep_gathered=p.zero3_keep_gathered,
                              sequences=sequences)
     reducer.after_grad = shards.after_grad
     return reducer, shards
@@ -327,7 +331,7 @@ def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx:
         counted = [p for p in model.parameters() if p.requires_grad and counts_towards_norm(p, ctx.tp.rank)]
         return AdamW(build_optimizer(model, cfg.optim), counted if ctx.dp_cp.rank == 0 else [], ctx.device)
     master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
-    return DistributedOptimizer(reducer, cfg.optim, dp=ctx.dp_cp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master,
+    return DistributedOptimizer(reducer, cfg.optim, dp=reducer.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master,
                                 param_shards=param_shards)
 
 

@@ -133,9 +133,13 @@ def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
     _require(p.nproc is None or not under_torchrun() or p.nproc == world_size,
              f"--nproc {p.nproc} differs from torchrun's {world_size} workers; drop --nproc under torchrun")
     try:
-        ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+        grid = ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     except GridError as e:
         raise ConfigError(str(e)) from None
+    replicas = grid.dp * grid.cp
+    _require(p.zero_shard_size is None or replicas % p.zero_shard_size == 0,
+             f"--zero-shard-size {p.zero_shard_size} does not divide the {replicas} data-parallel x cp ranks; "
+             f"pass a divisor of {replicas}")
 
 
 def _validate_zero(p: ParallelConfig) -> None:
@@ -146,8 +150,6 @@ def _validate_zero(p: ParallelConfig) -> None:
     if p.zero_shard_size is not None:
         _require(p.zero >= 1, f"--zero-shard-size {p.zero_shard_size} shards ZeRO state, and this run has --zero 0; "
                               f"pass --zero 1, 2 or 3 or drop it")
-        _require(False, f"--zero-shard-size {p.zero_shard_size}: hybrid sharding is not built yet; drop the flag "
-                        f"to shard over the whole data-parallel group")
 
 
 def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:

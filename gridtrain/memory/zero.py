@@ -1,0 +1,154 @@
+"""ZeRO in closed form: what a rank holds and what it sends per step, stage by stage.
+
+ZeRO (Rajbhandari et al., 2020) shards the training state over the ``dp x cp`` ranks that
+hold the same parameters: stage 1 the optimizer's state (fp32 master weights and Adam's
+two moments), stage 2 also the gradients, stage 3 also the parameters, which are then
+gathered block by block while they are used (as FSDP does). With ``--zero-shard-size s``
+the state is sharded within groups of ``s`` consecutive dp (x cp) ranks and replicated
+across the ``dp cp / s`` groups (hybrid sharding, HSDP): every ``/ s`` below is over the
+group, and each step adds one all-reduce of the rank's gradient shard across the groups.
+
+For ``P`` parameters of a rank (one pipeline stage's, after tp), parameters of ``e`` bytes
+(2 for bf16 and fp16, 4 for fp32, 8 for fp64), gradients and master weights of ``w`` bytes
+(4, or 8 in fp64), held all along:
+
+* stage 0: parameters ``e P``; gradients ``w P`` (the reducer's buffer); optimizer: in
+  fp32 and fp64 torch's AdamW, two moments ``2 e P`` and a 4-byte step count per tensor,
+  in 16-bit the flat optimizer's master weights and moments ``3 w P``;
+* stage 1: ``e P``; ``w P`` (one buffer, each bucket reduce-scattered in place into the
+  rank's own slice); ``3 w P / s``, master weights included in every dtype;
+* stage 2: ``e P``; ``w P / s``, a shard that accumulates the micro-batches; ``3 w P / s``;
+* stage 3: ``e P / s`` (the rank's parameter shard); ``w P / s``; ``3 w P / s`` in 16-bit,
+  ``2 w P / s`` in fp32 and fp64 (the parameter shard is the master).
+
+Beside them, transiently within a step (:func:`zero_state_bytes`' ``gathered_bytes`` and
+``staging_bytes``): ZeRO-2 and 3 add each micro-batch's gradients into staging buffers of
+a bucket (``--bucket-mb``, in ``w`` bytes, or the whole gradient where that is smaller)
+that are reduce-scattered as they fill, about ``STAGING_BUCKETS`` of them at once (the
+one filling and the one in flight); ZeRO-3 holds the parameters it has gathered: two
+blocks (the one running and the one prefetched) and the stage's other parameters (the
+token table, GPT-2's positions, the final norm and the head), or, with
+``--zero3-keep-gathered``, the whole stage from its first forward to its last backward.
+
+Per step, with ``m`` micro-batches per rank (:func:`zero_step_collectives`): stage 0
+all-reduces the gradients once; stage 1 reduce-scatters them once and all-gathers the
+updated parameters once; stage 2 reduce-scatters each micro-batch's gradients (``m``
+times) and gathers once; stage 3 gathers every parameter before each forward and again
+before each backward (``2 m``; once a step when kept gathered) and reduce-scatters ``m``
+times.
+
+These forms are kept apart from the runtime (optim/, parallel/fully_sharded.py) so that
+the memory model, the planner (which times the collectives) and the runtime's tests (which
+count what its reducers allocate and send) hold one definition, as memory/cp.py does for
+context parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from gridtrain.config import ZERO_STAGES
+from gridtrain.memory.cp import wide_bytes
+from gridtrain.parallel.distributed import TORCH_DTYPES
+
+STAGING_BUCKETS = 2  # gradient staging buffers a ZeRO-2/3 rank holds at once, about
+GATHERED_BLOCKS = 2  # blocks a ZeRO-3 rank holds gathered: the running one and the prefetched one
+
+
+class Collective(NamedTuple):
+    """Collectives of one kind and purpose in a step: ``count`` of them, each of ``nbytes``
+    (the whole tensor: a reduce-scatter's input, an all-gather's output) over ``ranks``."""
+
+    kind: str  # all_reduce | reduce_scatter | all_gather
+    count: int
+    nbytes: int
+    ranks: int
+
+
+def element_bytes(dtype) -> int:
+    """Bytes of a parameter of ``dtype``: a name (bf16, fp16, fp32, fp64) or a torch dtype."""
+    return (TORCH_DTYPES[dtype] if isinstance(dtype, str) else dtype).itemsize
+
+
+def _check(zero: int, shard: int) -> None:
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage {zero} is not one of {ZERO_STAGES}")
+    if shard < 1:
+        raise ValueError(f"a ZeRO shard group needs at least one rank, not {shard}")
+
+
+def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int | None = None, tensors: int = 0,
+                     bucket_mb: float = 25.0, block_params: int = 0, blocks: int = 0,
+                     keep_gathered: bool = False) -> dict[str, int]:
+    """Bytes a rank holds for ``params`` parameters of ``dtype`` under ZeRO stage ``zero``
+    with its state sharded over ``shard`` ranks (the table of the module docstring):
+    ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` (held all along) and,
+    within a step, ``gathered_bytes`` (ZeRO-3's gathered parameters) and
+    ``staging_bytes`` (ZeRO-2/3's gradient staging buffers).
+
+    ``padded``: the flat buffer's length, a multiple of ``shard`` (default ``params``
+    rounded up to one), whose ``padded / shard`` elements a rank owns; ``tensors``: the
+    parameter tensors (torch's AdamW keeps a 4-byte step count per tensor: stage 0 in
+    fp32 and fp64); ``bucket_mb``: a gradient bucket in MiB; ``block_params`` and
+    ``blocks``: one transformer block's parameters and how many of ``params`` are in
+    blocks (ZeRO-3 gathers two of them at a time; the rest of ``params`` is gathered
+    while the stage runs); ``keep_gathered``: ZeRO-3 keeps all ``params`` gathered."""
+    _check(zero, shard)
+    e = element_bytes(dtype)
+    w = wide_bytes(e)
+    if padded is None:
+        padded = -(-params // shard) * shard
+    owned = padded // shard
+    full_precision = e >= 4  # fp32 and fp64: no separate master copy where ZeRO allows
+    if zero == 0:
+        optimizer = 2 * params * e + 4 * tensors if full_precision else 3 * params * w
+    elif zero == 3 and full_precision:
+        optimizer = 2 * owned * w  # two moments: the parameter shard is the master
+    else:
+        optimizer = 3 * owned * w
+    gathered = 0
+    if zero == 3:
+        in_blocks = blocks * block_params
+        gathered = params if keep_gathered else min(blocks, GATHERED_BLOCKS) * block_params + params - in_blocks
+    staging = STAGING_BUCKETS * min(int(bucket_mb * 2 ** 20), padded * w) if zero >= 2 else 0
+    return {"parameter_bytes": (owned if zero == 3 else params) * e,
+            "gradient_bytes": {0: params, 1: padded}.get(zero, owned) * w,
+            "optimizer_bytes": optimizer,
+            "gathered_bytes": gathered * e,
+            "staging_bytes": staging}
+
+
+def zero_step_collectives(params: int, dtype, zero: int, micro_batches: int, group: int, *,
+                          shard: int | None = None, keep_gathered: bool = False) -> dict[str, Collective]:
+    """The collectives of one optimizer step on the gradient path of a rank holding
+    ``params`` parameters, under ZeRO stage ``zero``, the gradients reduced over
+    ``group`` (dp x cp) ranks and the state sharded over ``shard`` of them (default: all),
+    with ``micro_batches`` micro-batches per step:
+
+    * ``gradients``: stage 0 one all-reduce of the ``w P`` gradient bytes over the group;
+      stage 1 one reduce-scatter over the shard group; stages 2 and 3 one per micro-batch;
+    * ``parameters``: the all-gather of the ``e P`` parameter bytes over the shard group:
+      once per step (stages 1 and 2, after the optimizer; stage 3 kept gathered, before
+      the first forward), twice per micro-batch for stage 3 (before its forward and
+      before its backward);
+    * ``replicas``: with ``shard < group`` (HSDP), one all-reduce of the rank's gradient
+      shard (``w P / shard`` bytes) across the ``group / shard`` groups.
+
+    Nothing where the group is one rank."""
+    shard = group if shard is None else shard
+    _check(zero, shard)
+    if group % shard:
+        raise ValueError(f"a ZeRO shard group of {shard} ranks does not divide the {group} data-parallel ranks")
+    if group == 1:
+        return {}
+    e = element_bytes(dtype)
+    w = wide_bytes(e)
+    grads = params * w
+    if zero == 0:
+        return {"gradients": Collective("all_reduce", 1, grads, group)}
+    out = {"gradients": Collective("reduce_scatter", 1 if zero == 1 else micro_batches, grads, shard),
+           "parameters": Collective("all_gather", 2 * micro_batches if zero == 3 and not keep_gathered else 1,
+                                    params * e, shard)}
+    if shard < group:
+        out["replicas"] = Collective("all_reduce", 1, -(-params // shard) * w, group // shard)
+    return out
