@@ -168,16 +168,18 @@ class DistributedOptimizer:
         self.steps += 1
         if self._decayed and lr * o.weight_decay != 0:
             torch._foreach_mul_(self._decayed, 1 - lr * o.weight_decay)
+        step_size = lr / (1 - o.beta1 ** self.steps)
+        correction = math.sqrt(1 - o.beta2 ** self.steps)
         at = 0
-        for grad in self._grads:  # the moments slice by slice, straight from the buffer
+        for grad in self._grads:  # slice by slice, straight from the buffer: temporaries of a slice's size
             n = grad.numel()
             grad = grad.to(self.master.dtype)
-            self.exp_avg[at:at + n].lerp_(grad, 1 - o.beta1)
-            self.exp_avg_sq[at:at + n].mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)
+            exp_avg, exp_avg_sq = self.exp_avg[at:at + n], self.exp_avg_sq[at:at + n]
+            exp_avg.lerp_(grad, 1 - o.beta1)
+            exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)
+            denom = exp_avg_sq.sqrt().div_(correction).add_(o.adam_eps)
+            self.master[at:at + n].addcdiv_(exp_avg, denom, value=-step_size)
             at += n
-        step_size = lr / (1 - o.beta1 ** self.steps)
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(1 - o.beta2 ** self.steps)).add_(o.adam_eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-step_size)
         self._publish()
 
     @torch.no_grad()

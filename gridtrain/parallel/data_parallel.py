@@ -190,7 +190,7 @@ class GradientReducer:
         self.names = {p: n for n, p in named}
         self.dp, self.accumulations, self.shard = dp, accumulations, shard
         self.replicas = replicas if replicas is not None and replicas.size > 1 else None
-        self.params = params = [p for _, p in reversed(named)]  # registration order reversed
+        self.params = params = _unit_order([p for _, p in reversed(named)], units)  # registration order reversed
         dtype = grad_dtype or _grad_dtype(params)
         device = _buffer_device(device, dp, params)
         element = torch.empty((), dtype=dtype).element_size()
@@ -380,6 +380,19 @@ class GradientReducer:
 
     def bytes_per_step(self) -> int:
         return self.buffer.numel() * self.buffer.element_size() if self.dp.size > 1 else 0
+
+
+def _unit_order(params: list[nn.Parameter], units: dict[nn.Parameter, int] | None) -> list[nn.Parameter]:
+    """``params`` (gradient order) with each unit's parameters together, units in the
+    order their last parameter comes (when backward completes them): ZeRO-3's root unit,
+    whose embedding's gradient comes last, becomes one run at the end, gathered and
+    reduce-scattered in one piece (its final norm and head would otherwise open the
+    buffer as a run of their own)."""
+    if units is None:
+        return params
+    last = {units[p]: i for i, p in enumerate(params)}
+    order = sorted(range(len(params)), key=lambda i: (last[units[params[i]]], i))
+    return [params[i] for i in order]
 
 
 def _weak_hook(method):

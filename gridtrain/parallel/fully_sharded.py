@@ -9,18 +9,26 @@ optimizer, checkpoints and the TP/tied sums of grads.py treat both alike). No wh
 buffer persists; instead, each micro-batch's gradients are reduce-scattered as soon as
 backward has produced them:
 
-* autograd gives each parameter its gradient (``param.grad``); the hook adds it into a
-  *staging* buffer of its bucket for the round it belongs to (the k-th gradient a
-  parameter receives in a step is round k: micro-batch k's, whatever the schedule), and
-  drops ``param.grad``;
-* when a bucket's staging buffer of round k holds all of its parameters' gradients, its
-  reduce-scatter starts, asynchronously, into this rank's slice of that buffer; when it
-  completes, the slice is added to the shard and the staging buffer is freed. Round 0
-  reduce-scatters straight into the shard (it starts the step at zero);
+* autograd gives each parameter its gradient (``param.grad``); the hook adds it into the
+  *staging* buffer of its bucket (one per bucket, made when the bucket's first matrix
+  gradient arrives) and drops ``param.grad``;
+* the k-th reduce-scatter of a bucket may start once each of its parameters has
+  received k gradients in the step (micro-batch k's, whatever the schedule): it runs,
+  asynchronously, into this rank's slice of the staging buffer, which is then handed to
+  the collective, and the next gradients start a new one. When it completes the slice is
+  added to the shard and the buffer freed; the first reduce-scatter of a step lands in
+  the shard itself. At most one is in flight besides the one being launched
+  (``MAX_IN_FLIGHT``): staging memory stays at about two buckets;
 * collectives pair up by issue order, so every rank launches them in one order:
-  rounds in turn, buckets in order within a round (an interleaved or zero-bubble schedule
-  that finishes a later round of one chunk before an earlier round of another keeps that
-  staging buffer until its turn: memory, never a reordering).
+  the k-th reduce-scatter of every bucket in bucket order, then the (k+1)-th. A bucket
+  whose turn has not come keeps accumulating: a gradient belongs to whichever
+  reduce-scatter of its bucket has not started yet (an interleaved schedule finishing a
+  later micro-batch of one chunk first just sums it in; every gradient is in exactly one
+  reduce-scatter, and each rank does the same);
+* zero-bubble schedules (ZB-H1) give a block's vectors (norm gains, biases) their
+  gradients in B and its matrices theirs in W, later: the vectors' gradients wait beside
+  the bucket (``_early``, a few kilobytes) until its matrices open its staging buffer,
+  so no bucket-sized buffer waits for a deferred W.
 
 **What accumulation costs.** A step with m micro-batches per rank reduce-scatters every
 bucket m times (m x the gradient bytes, as DeepSpeed's ZeRO-2 does by default), against
@@ -39,16 +47,20 @@ from torch import nn
 
 from gridtrain.parallel.comm import CommGroup, Pending
 from gridtrain.parallel.data_parallel import Bucket, GradientReducer, _weak_hook
+from gridtrain.parallel.zero3 import whole_shape
+
+
+MAX_IN_FLIGHT = 1  # reduce-scatters in flight while another is launched (each holds a bucket's gradients)
 
 
 @dataclass
 class _Staged:
-    """One bucket's gradients of one round, on their way to the shard."""
+    """A bucket's gradients on their way to the shard: its ``round``-th reduce-scatter."""
 
     bucket: Bucket
+    index: int
     round: int
-    tensor: torch.Tensor  # the bucket's elements (the round's local sum)
-    ready: int = 0  # parameters of the bucket whose round-``round`` gradient is in
+    tensor: torch.Tensor
     pending: Pending | None = None
 
 
@@ -56,22 +68,25 @@ class ShardedGradientReducer(GradientReducer):
     """ZeRO-2's reducer (the module docstring): the layout of ZeRO-1's, a gradient shard
     instead of a buffer, a reduce-scatter per bucket and micro-batch.
 
-    ``layout_units``: a unit per parameter (ZeRO-3: the block holding it); each unit's
+    ``units``: a unit per parameter (ZeRO-3: the block holding it); each unit's
     parameters get buckets of their own, each parameter inside one bucket."""
 
     def __init__(self, model: nn.Module, dp: CommGroup, *, accumulations: int, bucket_mb: float = 25.0,
                  grad_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  alone: Collection[nn.Parameter] = (), units: dict[nn.Parameter, int] | None = None,
                  replicas: CommGroup | None = None):
-        self._staged: dict[tuple[int, int], _Staged] = {}  # (round, bucket index) -> staging
+        self._staging: dict[int, torch.Tensor] = {}  # bucket index -> gradients for its next reduce-scatter
+        self._early: dict[nn.Parameter, torch.Tensor] = {}  # vectors' gradients before their bucket's staging
         self._in_flight: list[_Staged] = []
-        self.next_staged = (0, 0)  # the next (round, bucket index) to launch
+        self.next_launch = (0, 0)  # the next (round, bucket index) to launch
         self.reduce_scatters = 0  # launched this step (counted for tests and reports)
         self.after_grad: Callable[[nn.Parameter], None] | None = None  # ZeRO-3: may free the unit
         super().__init__(model, dp, accumulations=accumulations, bucket_mb=bucket_mb, grad_dtype=grad_dtype,
                          shard=True, device=device, in_place=False, alone=alone, units=units,
                          replicas=replicas)
         self._index = {id(b): i for i, b in enumerate(self.buckets)}
+        # a vector (norm gain, bias) alone in one bucket may wait in _early
+        self._vector = {p for p in self.params if len(whole_shape(p)) < 2 and len(self.buckets_of[p]) == 1}
         sink = _weak_hook(self.accumulate)
         for p in self.params:
             p.grad_sink = sink  # deferred weight gradients come here without touching .grad
@@ -104,73 +119,81 @@ class ShardedGradientReducer(GradientReducer):
     def accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         """Take ``grad``, the next gradient of ``p`` (from autograd's hook, or straight
         from a deferred weight gradient: split_backward.py)."""
-        k = self.counts[p]
         flat = grad.reshape(-1)
         for b in self.buckets_of[p]:
-            staged = self._staging(k, b)
+            i = self._index[id(b)]
+            if p in self._vector and i not in self._staging:
+                early = self._early.get(p)
+                self._early[p] = flat.to(self.dtype, copy=True) if early is None else early.add_(flat)
+                continue
             o = self.offsets[p]
-            lo, hi = max(b.start, o), min(b.end, o + p.numel())
-            staged.tensor[lo - b.start: hi - b.start].add_(flat[lo - o: hi - o])
-            staged.ready += 1
+            lo, hi = max(b.start, o), min(b.end, o + flat.numel())
+            self._staging_of(i)[lo - b.start: hi - b.start].add_(flat[lo - o: hi - o])
         self.counts[p] += 1
         self._launch_ready()
         self._fold(wait=False)
         if self.after_grad is not None:
             self.after_grad(p)
 
-    def _staging(self, k: int, b: Bucket) -> _Staged:
-        key = (k, self._index[id(b)])
-        staged = self._staged.get(key)
-        if staged is None:
-            staged = self._staged[key] = _Staged(b, k, torch.zeros(b.end - b.start, dtype=self.dtype,
-                                                                    device=self.device))
-        return staged
+    def _staging_of(self, i: int) -> torch.Tensor:
+        """Bucket ``i``'s staging buffer, made (zero, with the vectors that waited) if needed."""
+        staging = self._staging.get(i)
+        if staging is None:
+            b = self.buckets[i]
+            staging = self._staging[i] = torch.zeros(b.end - b.start, dtype=self.dtype, device=self.device)
+            for p in b.params:
+                early = self._early.pop(p, None)
+                if early is not None:
+                    o = self.offsets[p] - b.start
+                    staging[o:o + early.numel()].add_(early)
+        return staging
 
     def _launch_ready(self, everything: bool = False) -> None:
-        """Launch complete staging buffers in (round, bucket) order; ``everything``: the
-        rest too (the step's end: parameters that got no gradient take part with zeros)."""
-        while self.next_staged[0] < self.accumulations:
-            k, i = self.next_staged
+        """Launch, in (round, bucket) order, the reduce-scatters whose bucket holds enough
+        gradients; ``everything``: the rest too (the step's end: parameters that got no
+        gradient take part with zeros)."""
+        while self.next_launch[0] < self.accumulations:
+            k, i = self.next_launch
             b = self.buckets[i]
-            staged = self._staged.get((k, i))
-            if not everything and (staged is None or staged.ready < len(b.params)):
+            if not everything and any(self.counts[p] <= k for p in b.params):
                 return
-            staged = staged or self._staging(k, b)
-            self._start(staged)
-            self.next_staged = (k, i + 1) if i + 1 < len(self.buckets) else (k + 1, 0)
+            self._start(_Staged(b, i, k, self._staging_of(i)))
+            del self._staging[i]
+            self.next_launch = (k, i + 1) if i + 1 < len(self.buckets) else (k + 1, 0)
 
     def _start(self, staged: _Staged) -> None:
+        if len(self._in_flight) >= MAX_IN_FLIGHT:  # bound the staging memory: the oldest lands first
+            self._fold(wait=True, keep=MAX_IN_FLIGHT - 1)
         b = staged.bucket
         size = (b.end - b.start) // self.dp.size
-        own = self.shard_views[self._index[id(b)]]
+        own = self.shard_views[staged.index]
         if self.dp.size == 1:
             own.add_(staged.tensor)  # nothing to reduce: the local sum is the sum
-        else:
-            out = own if staged.round == 0 else staged.tensor[self.dp.rank * size: (self.dp.rank + 1) * size]
-            staged.pending = self.dp.start_reduce_scatter(staged.tensor, 0, out=out)
-            self.reduce_scatters += 1
-            if b.launched_at is None:
-                b.launched_at = self.clock.mark()
-            self._in_flight.append(staged)
-        del self._staged[(staged.round, self._index[id(b)])]
+            return
+        out = own if staged.round == 0 else staged.tensor[self.dp.rank * size: (self.dp.rank + 1) * size]
+        staged.pending = self.dp.start_reduce_scatter(staged.tensor, 0, out=out)
+        self.reduce_scatters += 1
+        if b.launched_at is None:
+            b.launched_at = self.clock.mark()
+        self._in_flight.append(staged)
 
-    def _fold(self, wait: bool) -> None:
-        """Add the reduce-scatters that have completed (all of them with ``wait``) into the
-        shard, freeing their staging buffers."""
-        still = []
-        for staged in self._in_flight:
-            if not wait and not staged.pending.is_completed():
-                still.append(staged)
-                continue
+    def _fold(self, wait: bool, keep: int = 0) -> None:
+        """Add the reduce-scatters that have completed into the shard, oldest first and
+        in launch order only (the same additions in the same order every run, and round
+        0, which lands in the shard itself, before anything is added to it), freeing
+        their staging buffers; with ``wait``, wait for all but the newest ``keep``."""
+        while self._in_flight:
+            staged = self._in_flight[0]
+            if not (wait and len(self._in_flight) > keep) and not staged.pending.is_completed():
+                return
             staged.pending.wait()
             b = staged.bucket
             if staged.round > 0:
                 size = (b.end - b.start) // self.dp.size
-                self.shard_views[self._index[id(b)]].add_(staged.tensor[self.dp.rank * size:
-                                                                        (self.dp.rank + 1) * size])
+                self.shard_views[staged.index].add_(staged.tensor[self.dp.rank * size: (self.dp.rank + 1) * size])
             if b.done_at is None or staged.round == self.accumulations - 1:
                 b.done_at = self.clock.mark()
-        self._in_flight = still
+            self._in_flight.pop(0)
 
     # ---- after the last backward ----------------------------------------------------------
 
@@ -187,9 +210,10 @@ class ShardedGradientReducer(GradientReducer):
 
     def zero(self) -> None:
         self.grad_shard.zero_()
-        self._staged.clear()
+        self._staging.clear()
+        self._early.clear()
         self._in_flight = []
-        self.next_staged = (0, 0)
+        self.next_launch = (0, 0)
         self.reduce_scatters = 0
         for p in self.counts:
             self.counts[p] = 0

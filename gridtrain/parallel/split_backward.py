@@ -49,6 +49,7 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add a deferred weight gradient, and tell the gradient reducer, as autograd's own
     post-accumulate hooks would; or hand it to the reducer at once where it takes
     gradients itself (``grad_sink``: ZeRO-2/3, whose parameters may be freed by then)."""
+    _tell_deferred(param, -1)
     sink = getattr(param, "grad_sink", None)
     if sink is not None:
         sink(param, grad)
@@ -73,8 +74,18 @@ def weight_grad_of(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor
 
     if store is None or store.key is None:
         return weight_grad()
+    _tell_deferred(weight, 1)
     store.add(lambda: _accumulate(weight, weight_grad()))
     return None
+
+
+def _tell_deferred(param: torch.Tensor, change: int) -> None:
+    """Tell whoever asked (``grad_deferred_hook``: ZeRO-3, which frees a block after its B
+    although its weights' gradients come in W) that a gradient of ``param`` was deferred
+    (+1) or has come (-1)."""
+    hook = getattr(param, "grad_deferred_hook", None)
+    if hook is not None:
+        hook(param, change)
 
 
 class _DeferrableLinear(torch.autograd.Function):

@@ -34,9 +34,10 @@ backward, gathered by then.
 inside backward: it finds its unit gathered by the backward hook (or gathers it) and is
 not freed after that forward: its gradients are next.
 
-**Zero-bubble.** A deferred weight gradient (ZB-H1's W) goes straight to the reducer
-(split_backward.py ``_accumulate``): it needs no gathered parameter. A unit whose B has
-run but not its W stays gathered until its W: its count is not complete before.
+**Zero-bubble.** A deferred weight gradient (ZB-H1's W) needs no parameter, only the
+layer's input and output gradient: it goes straight to the reducer (split_backward.py
+``_accumulate``), and a unit is freed after its B once each of its parameters has this
+backward's gradient or has it deferred (``grad_deferred_hook``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import torch
 from torch import nn
 
 from gridtrain.parallel.comm import CommGroup, Pending
-from gridtrain.parallel.data_parallel import Bucket, GradientReducer
+from gridtrain.parallel.data_parallel import Bucket, GradientReducer, _weak_hook
 from gridtrain.runtime import activation_meter
 
 
@@ -96,8 +97,11 @@ class ParameterShards:
         with torch.no_grad():
             for q in reducer.pieces:
                 self.shard[q.at:q.end] = q.param.detach().reshape(-1)[q.lo:q.hi]
+        self._deferred: dict[nn.Parameter, int] = {}  # gradients deferred to W, not yet come
+        deferred_hook = _weak_hook(self._grad_deferred)
         for p in reducer.params:
             p.whole_shape = p.shape  # what the parameter is when gathered (checkpoints read it)
+            p.grad_deferred_hook = deferred_hook
         for u in units:
             self._free(u)
             u.module.register_forward_pre_hook(self._make_pre_forward(u))
@@ -191,18 +195,24 @@ class ParameterShards:
             self._gather(before)
 
     def after_grad(self, p: nn.Parameter) -> None:
-        """Called by the reducer after each gradient of ``p``: free ``p``'s unit once all
-        of its parameters have this backward's gradient (with ``keep_gathered``: the
-        step's last backward's)."""
+        """Called by the reducer after each gradient of ``p`` (and by split_backward.py
+        when one is deferred to W): free ``p``'s unit once all of its parameters have this
+        backward's gradient or have it deferred (W needs no parameter; with
+        ``keep_gathered``: the step's last backward's)."""
         u = self.unit_of.get(p)
         if u is None or not u.ready:
             return
-        counts = self.reducer.counts
-        n = counts[p]
-        if any(counts[q] != n for q in u.params):
+        counts, deferred = self.reducer.counts, self._deferred
+        n = counts[p] + deferred.get(p, 0)
+        if any(counts[q] + deferred.get(q, 0) != n for q in u.params):
             return
         if not self.keep_gathered or n == self.reducer.accumulations:
             self._free(u)
+
+    def _grad_deferred(self, p: nn.Parameter, change: int) -> None:
+        self._deferred[p] = self._deferred.get(p, 0) + change
+        if change > 0:
+            self.after_grad(p)
 
     # ---- saved tensors ----------------------------------------------------------------------
 

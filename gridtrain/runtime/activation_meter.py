@@ -79,9 +79,12 @@ class ActivationMeter:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> "ActivationMeter":
-        """A meter that ignores ``model``'s parameters and buffers (saved by reference)."""
+        """A meter that ignores ``model``'s parameters and buffers (saved by reference).
+        Empty ones are not excluded: ZeRO-3's sharded parameters are empty tensors,
+        replaced when gathered, and an activation allocated later may get the storage
+        identity one of them had."""
         tensors = list(model.parameters()) + list(model.buffers())
-        return cls(excluded={_storage_key(t) for t in tensors})
+        return cls(excluded={_storage_key(t) for t in tensors if _storage_bytes(t) > 0})
 
     def acquire(self, t: torch.Tensor) -> tuple[str, int] | None:
         """A graph now references ``t``; returns the key to release, None if not counted."""
