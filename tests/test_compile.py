@@ -18,12 +18,13 @@ from tests.training import assert_same_training, tiny_config, train_in_process, 
 def test_compiled_blocks_train_the_eager_model_on_every_kind_of_layout():
     """One spawn of two ranks: DP with full recomputation and ZeRO-1, TP with and without
     sequence parallelism, a ZB-H1 pipeline (whose weight gradients a compiled backward
-    must still defer) and cp 2 (a compiled block breaks around the ring), each compiled, against the eager model in one process. Every step
+    must still defer), cp 2 (a compiled block breaks around the ring) and ZeRO-3 (a
+    compiled block's parameters gathered and freed around it), each compiled, against the eager model in one process. Every step
     moves the same bytes: a collective traced into a compiled graph would be counted
     (and recorded) only when it was traced."""
     reference = train_in_process(tiny_config())
     layouts = [dict(recompute="full", zero=1), dict(tp=2, sequence_parallel=True), dict(tp=2),
-               dict(pp=2, schedule="zb-h1"), dict(cp=2)]
+               dict(pp=2, schedule="zb-h1"), dict(cp=2), dict(zero=3)]
     cfgs = []
     for layout in layouts:
         cfg = tiny_config(compile=True, **{k: v for k, v in layout.items() if k in ("recompute", "zero")})
