@@ -37,6 +37,7 @@ RUNS: dict[str, tuple[int, dict]] = {
     "z3-dp4": (4, dict(dp=4, zero=3)),
     "z3-dp4-save": (4, dict(dp=4, zero=3)),  # saves at step 5 for the one-process resume
     "z3-dp4-from-z0": (4, dict(dp=4, zero=3)),  # resumes the one-process checkpoint of step 5
+    "z2-dp2-tp2-from-z3": (4, dict(dp=2, tp=2, zero=2)),  # resumes z3-dp4-save's checkpoint
     "z2-dp2-tp2-sp": (4, dict(dp=2, tp=2, sequence_parallel=True, zero=2)),
     "z3-dp2-tp2-sp": (4, dict(dp=2, tp=2, sequence_parallel=True, zero=3)),
     "z3-dp2-pp2-1f1b": (4, dict(dp=2, pp=2, zero=3, schedule="1f1b")),
@@ -54,6 +55,7 @@ RUNS: dict[str, tuple[int, dict]] = {
 }
 REFERENCE_FIELDS = ("arch", "n_kv_head", "n_layer", "global_batch_size")
 NOT_PARITY = ("z3-dp2-bf16", "z3-dp2-bf16-save", "z3-dp2-bf16-resumed", "z3-dp4-save", "z3-dp4-from-z0",
+              "z2-dp2-tp2-from-z3",
               "z3-dp4-hsdp2-save")
 
 
@@ -87,6 +89,8 @@ def _config(name: str) -> Config:
         cfg.checkpoint.load = str(_tmp() / "z3-dp2-bf16-save" / "step_0000005")
     if name == "z3-dp4-from-z0":
         cfg.checkpoint.load = str(_one_process_checkpoint())
+    if name == "z2-dp2-tp2-from-z3":
+        cfg.checkpoint.load = str(_tmp() / "z3-dp4-save" / "step_0000005")
     return cfg
 
 
@@ -128,13 +132,16 @@ def test_bf16_zero3_follows_fp64_and_resumes_bit_exact():
 @pytest.mark.spawn
 def test_a_checkpoint_moves_between_zero3_dp4_and_one_process():
     """Saved at step 5 by ZeRO-3 on dp 4 (each rank its own shard pieces, nothing
-    gathered), resumed on one process without ZeRO; saved by one process, resumed on
-    ZeRO-3 dp 4: either way the remaining steps are the uninterrupted run's."""
+    gathered), resumed on one process without ZeRO and on ZeRO-2 dp 2 x tp 2; saved by
+    one process, resumed on ZeRO-3 dp 4: every way the remaining steps are the
+    uninterrupted run's."""
     run("z3-dp4-save")
     resumed = tiny_config()
     resumed.checkpoint.load = str(_tmp() / "z3-dp4-save" / "step_0000005")
     assert relative_difference(train_in_process(resumed)["losses"], reference()["losses"][5:]) <= 1e-9
     for rank_run in run("z3-dp4-from-z0"):
+        assert relative_difference(rank_run["losses"], reference()["losses"][5:]) <= 1e-9
+    for rank_run in run("z2-dp2-tp2-from-z3"):  # and into ZeRO-2 on dp 2 x tp 2
         assert relative_difference(rank_run["losses"], reference()["losses"][5:]) <= 1e-9
 
 
