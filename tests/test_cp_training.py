@@ -19,7 +19,7 @@ import pytest
 from gridtrain.config import Config
 from gridtrain.memory.cp import cp_attention_bytes
 from gridtrain.parallel.grid import ProcessGrid
-from tests.training import assert_rank_matches, relative_difference, tiny_config, train_in_process, train_layouts
+from tests.training import SharedSpawns, assert_rank_matches, relative_difference, tiny_config, train_in_process
 
 # name -> (world size, fields); every run is the tiny model (2 layers, 4 heads, seq 64),
 # 10 steps of 4 micro-batches of 2 in fp64 unless its fields say otherwise
@@ -76,14 +76,7 @@ def _one_process_checkpoint() -> Path:
     return _tmp() / "cp1" / "step_0000005"
 
 
-@functools.cache
-def _runs(world: int) -> dict[str, list[dict]]:
-    names = [name for name, (w, _) in RUNS.items() if w == world]
-    return dict(zip(names, train_layouts([_config(n) for n in names], world, timeout_s=900)))
-
-
-def run(name: str) -> list[dict]:
-    return _runs(RUNS[name][0])[name]
+run = SharedSpawns(RUNS, _config).run
 
 
 @pytest.mark.spawn

@@ -6,6 +6,7 @@ one process with the same config, and :func:`assert_same_training` on the two.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -55,6 +56,25 @@ def train_layouts(cfgs: list[Config], world_size: int, timeout_s: float = 360) -
     returns, per config, one summary per rank."""
     per_rank = run_on_ranks(_train_many_worker, world_size, cfgs, timeout_s=timeout_s)
     return [[runs[i] for runs in per_rank] for i in range(len(cfgs))]
+
+
+class SharedSpawns:
+    """Named runs, each ``name -> (world size, fields)``, trained on demand with every run
+    of the same world size in one spawn (the first run asked for starts its world's
+    spawn; the others then read its results). ``config(name)`` builds a run's config."""
+
+    def __init__(self, runs: dict[str, tuple[int, dict]], config: Callable[[str], Config], timeout_s: float = 900):
+        self.runs, self.config, self.timeout_s = runs, config, timeout_s
+        self._done: dict[int, dict[str, list[dict]]] = {}
+
+    def run(self, name: str) -> list[dict]:
+        """The run's summaries, one per rank."""
+        world = self.runs[name][0]
+        if world not in self._done:
+            names = [n for n, (w, _) in self.runs.items() if w == world]
+            self._done[world] = dict(zip(names, train_layouts([self.config(n) for n in names], world,
+                                                              timeout_s=self.timeout_s)))
+        return self._done[world][name]
 
 
 def train_in_process(cfg: Config) -> dict:

@@ -219,7 +219,7 @@ class GradientReducer:
         self.next_bucket = 0
         self.clock = clock_for(device)
         self.stats = OverlapStats(self.clock)
-        hook = _weak_hook(self._on_grad)
+        hook = weak_hook(self._on_grad)
         for p in params:
             p.register_post_accumulate_grad_hook(hook)
             p.grad_ready_hook = hook  # for gradients accumulated outside autograd (ZB's W)
@@ -395,7 +395,7 @@ def _unit_order(params: list[nn.Parameter], units: dict[nn.Parameter, int] | Non
     return [params[i] for i in order]
 
 
-def _weak_hook(method):
+def weak_hook(method):
     """A gradient hook that calls ``method`` while its object lives. Hooks live on the
     parameters, which autograd's C++ nodes also hold, so a cycle parameter -> hook ->
     reducer -> parameter is invisible to Python's collector: with a strong hook every

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from gridtrain.parallel.comm import CommGroup, Pending
-from gridtrain.parallel.data_parallel import Bucket, GradientReducer, _weak_hook
+from gridtrain.parallel.data_parallel import Bucket, GradientReducer, weak_hook
 from gridtrain.parallel.zero3 import whole_shape
 
 
@@ -87,7 +87,7 @@ class ShardedGradientReducer(GradientReducer):
         self._index = {id(b): i for i, b in enumerate(self.buckets)}
         # a vector (norm gain, bias) alone in one bucket may wait in _early
         self._vector = {p for p in self.params if len(whole_shape(p)) < 2 and len(self.buckets_of[p]) == 1}
-        sink = _weak_hook(self.accumulate)
+        sink = weak_hook(self.accumulate)
         for p in self.params:
             p.grad_sink = sink  # deferred weight gradients come here without touching .grad
 

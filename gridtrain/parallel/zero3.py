@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from gridtrain.parallel.comm import CommGroup, Pending
-from gridtrain.parallel.data_parallel import Bucket, GradientReducer, _weak_hook
+from gridtrain.parallel.data_parallel import Bucket, GradientReducer, weak_hook
 from gridtrain.runtime import activation_meter
 
 
@@ -98,7 +98,7 @@ class ParameterShards:
             for q in reducer.pieces:
                 self.shard[q.at:q.end] = q.param.detach().reshape(-1)[q.lo:q.hi]
         self._deferred: dict[nn.Parameter, int] = {}  # gradients deferred to W, not yet come
-        deferred_hook = _weak_hook(self._grad_deferred)
+        deferred_hook = weak_hook(self._grad_deferred)
         for p in reducer.params:
             p.whole_shape = p.shape  # what the parameter is when gathered (checkpoints read it)
             p.grad_deferred_hook = deferred_hook
