@@ -26,6 +26,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 ATTENTION = ("sdpa", "math")
 ARCHS = ("gpt2", "llama")
 ROPE_SCALINGS = ("llama3",)
+QK_NORMS = ("head", "full")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("nccl", "gloo")
 
@@ -111,6 +112,36 @@ class ModelConfig:
                                               help="llama3 rope scaling: the context before scaling")
     max_positions: int | None = option(None, flag=None, range=">= 1",
                                        help="the context the model was published for (default: seq_len)")
+    attn_head_dim: int | None = option(None, flag=None, range=">= 1",
+                                       help="llama: width of each attention head (default d_model / n_head; "
+                                            "Qwen3: 128)")
+    qk_norm: str | None = option(None, flag=None, choices=QK_NORMS,
+                                 help="llama: RMSNorm of queries and keys before rotary positions: `head` (per "
+                                      "head, Qwen3) or `full` (over all heads, OLMoE); null: none")
+    # mixture of experts (models/moe.py, docs/moe.md): n_experts > 0 turns MoE MLPs on
+    n_experts: int = option(0, range=">= 0", metavar="E", help="experts per MoE layer (0: dense MLPs)",
+                            doc="experts per MoE layer; 0 (default) keeps dense MLPs")
+    moe_top_k: int = option(2, range=">= 1", metavar="K", help="experts each token is routed to")
+    moe_ffn_hidden: int | None = option(None, range=">= 1", metavar="H",
+                                        help="width of each expert's MLP (default: the dense MLP's)")
+    moe_shared_experts: int = option(0, range=">= 0", metavar="S",
+                                     help="shared experts every token goes through, besides its routed ones",
+                                     doc="shared experts every token goes through besides its routed ones (one "
+                                         "MLP S x H wide, split over tp like a dense MLP)")
+    moe_every: int = option(1, range=">= 1", metavar="N",
+                            help="every Nth layer is MoE (layers 0, N, 2N, ...; 1: every layer)")
+    moe_aux_loss_coeff: float = option(0.01, range=">= 0", metavar="C",
+                                       help="load-balancing loss coefficient (Switch/GShard, global statistics)",
+                                       doc="coefficient of the Switch/GShard load-balancing loss, taken from "
+                                           "the routing counts of the whole global micro-batch (0: off)")
+    moe_capacity_factor: float | None = option(None, range="> 0", metavar="F",
+                                               help="expert capacity, F x tokens x k / experts (default: dropless)",
+                                               doc="each expert takes at most F x tokens x k / E tokens of a global "
+                                                   "micro-batch, the rest are dropped in token order (default: "
+                                                   "none, dropless)")
+    moe_norm_topk: bool = option(True, flag=None,
+                                 help="renormalize the top-k routing weights to sum to 1 (Mixtral, Qwen3-MoE); "
+                                      "false: the softmax probabilities as they are (OLMoE)")
 
     @property
     def ffn_size(self) -> int:
@@ -122,7 +153,21 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.attn_head_dim or self.d_model // self.n_head
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Width of each expert's MLP."""
+        return self.moe_ffn_hidden or self.ffn_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` has experts instead of a dense MLP (Megatron's
+        ``--moe-layer-freq``: layers 0, N, 2N, ...)."""
+        return self.n_experts > 0 and layer % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layer) if self.is_moe_layer(i)]
 
     @property
     def kv_heads(self) -> int:
@@ -172,6 +217,11 @@ class ParallelConfig:
                               "attention) or `allgather` (keys and values all-gathered, gradients "
                               "reduce-scattered)")
     pp: int = option(1, range=">= 1", metavar="P", help="pipeline-parallel size")
+    ep: int = option(1, range=">= 1", metavar="P",
+                     help="expert-parallel size: each MoE layer's experts split over P of the dp x cp ranks",
+                     doc="expert-parallel size: each MoE layer's experts are split over groups of P consecutive "
+                         "dp x cp ranks (tokens reach them by all-to-all); expert gradients are reduced over the "
+                         "strided rest (expert-data-parallel). Divides dp x cp and `--n-experts`")
     vpp: int = option(1, range=">= 1", metavar="V", help="model chunks per pipeline rank (interleaved schedule)")
     schedule: str = option("1f1b", metavar="S", help="gpipe | 1f1b | interleaved-1f1b | zb-h1",
                            doc="`gpipe`, `1f1b` (default), `interleaved-1f1b` (needs micro-batches a multiple "
@@ -501,6 +551,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                       vocab_size=32000, seq_len=4096, max_positions=4096),
     "llama3-8b": dict(_LLAMA3, n_layer=32, n_head=32, d_model=4096, ffn_hidden=14336),
     "llama3-70b": dict(_LLAMA3, n_layer=80, n_head=64, d_model=8192, ffn_hidden=28672),
+    # mixtures of experts (docs/moe.md): Hugging Face config.json's num_local_experts / num_experts,
+    # num_experts_per_tok, moe_intermediate_size, norm_topk_prob; seq_len is the context trained at
+    "moe-tiny": dict(_LLAMA, n_layer=2, n_head=8, n_kv_head=2, d_model=64, ffn_hidden=160, seq_len=64,
+                     vocab_size=257, n_experts=8, moe_top_k=2, moe_ffn_hidden=32),
+    "mixtral-8x7b": dict(_LLAMA, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, ffn_hidden=14336,
+                         vocab_size=32000, rope_theta=1000000.0, seq_len=4096, max_positions=32768,
+                         n_experts=8, moe_top_k=2),
     # Llama 3.1: the 128K context by Llama 3's rope scaling of the 8K one
     "llama3-405b": dict(_LLAMA3, n_layer=126, n_head=128, d_model=16384, ffn_hidden=53248, max_positions=131072,
                         rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
