@@ -30,6 +30,8 @@ from gridtrain.runtime import activation_meter as memory
 from gridtrain.models.attention import KVCache, LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
 from gridtrain.parallel.context_parallel import ContextParallel
+from gridtrain.parallel.experts import ExpertParallel
+from gridtrain.models.moe import MoE
 from gridtrain.parallel.recompute import Recomputation
 from gridtrain.parallel.tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, ShardSpec,  # noqa: F401
                                        TensorParallel, VocabParallelEmbedding, gather_logits,
@@ -63,10 +65,11 @@ class CausalSelfAttention(SelfAttention):
 class MLP(nn.Module):
     """GELU MLP: column-parallel expansion, row-parallel contraction."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, width: int | None = None):
         super().__init__()
-        self.fc = ColumnParallelLinear(cfg.d_model, cfg.ffn_size, tp)
-        self.proj = RowParallelLinear(cfg.ffn_size, cfg.d_model, tp)
+        f = width or cfg.ffn_size  # a MoE layer's shared experts: their own width
+        self.fc = ColumnParallelLinear(cfg.d_model, f, tp)
+        self.proj = RowParallelLinear(f, cfg.d_model, tp)
         self.proj.weight.residual_projection = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +90,8 @@ class Block(nn.Module):
     grouped-query attention with rotary positions from the shared ``rotary``, SwiGLU)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation,
-                 rotary: llama.Rotary | None = None, cp: ContextParallel | None = None):
+                 rotary: llama.Rotary | None = None, cp: ContextParallel | None = None, *,
+                 layer: int = 0, ep: ExpertParallel | None = None):
         super().__init__()
         self.tp = tp
         is_llama = cfg.arch == "llama"
@@ -96,7 +100,12 @@ class Block(nn.Module):
         self.attn = (llama.Attention(cfg, tp, recompute, rotary, cp) if is_llama
                      else CausalSelfAttention(cfg, tp, recompute, cp))
         self.ln2 = norm(cfg, tp)
-        self.mlp = llama.SwiGLU(cfg, tp) if is_llama else MLP(cfg, tp)
+        dense = llama.SwiGLU if is_llama else MLP
+        if cfg.is_moe_layer(layer):
+            shared = dense(cfg, tp, cfg.moe_shared_experts * cfg.moe_ffn_size) if cfg.moe_shared_experts else None
+            self.mlp = MoE(cfg, layer, tp, ep or ExpertParallel(), recompute, shared)
+        else:
+            self.mlp = dense(cfg, tp)
         self.dropout = nn.Dropout(cfg.dropout)
         self.compiled: Callable | None = None  # see compile_blocks
 
@@ -171,11 +180,13 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, *, layer_ids: Iterable[int] | None = None,
                  pre_process: bool = True, post_process: bool = True,
                  tp: TensorParallel | None = None, chunks: list[ChunkSpec] | None = None,
-                 recompute: Recomputation | None = None, cp: ContextParallel | None = None):
+                 recompute: Recomputation | None = None, cp: ContextParallel | None = None,
+                 ep: ExpertParallel | None = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp = tp or TensorParallel()
         self.cp = cp = cp or ContextParallel()
+        self.ep = ep = ep or ExpertParallel()
         self.recompute = recompute = recompute or Recomputation(rng=tp.rng)
         ids = tuple(range(cfg.n_layer) if layer_ids is None else layer_ids)
         self.chunks = chunks or [ChunkSpec(ids, pre_process, post_process)]
@@ -184,7 +195,7 @@ class Decoder(nn.Module):
         self.padded_vocab = cfg.padded_vocab_size(tp.size)
         self.embedding = Embedding(cfg, self.padded_vocab, tp, cp) if has_embedding else None
         rotary = llama.Rotary(cfg) if cfg.arch == "llama" else None  # one table for all blocks
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, recompute, rotary, cp)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, recompute, rotary, cp, layer=i, ep=ep)
                                      for c in self.chunks for i in c.layer_ids})
         self.final_norm = (llama.rms_norm if cfg.arch == "llama" else layer_norm)(cfg, tp) if has_head else None
         if has_head and not (cfg.tie_embeddings and has_embedding):

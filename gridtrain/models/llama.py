@@ -203,12 +203,13 @@ class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``: gate and up column-parallel (separate tensors),
     down row-parallel, no biases."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, width: int | None = None):
         super().__init__()
         self.tp = tp
-        self.gate = ColumnParallelLinear(cfg.d_model, cfg.ffn_size, tp, bias=False)
-        self.up = ColumnParallelLinear(cfg.d_model, cfg.ffn_size, tp, bias=False)
-        self.down = RowParallelLinear(cfg.ffn_size, cfg.d_model, tp, bias=False)
+        f = width or cfg.ffn_size  # a MoE layer's shared experts: their own width
+        self.gate = ColumnParallelLinear(cfg.d_model, f, tp, bias=False)
+        self.up = ColumnParallelLinear(cfg.d_model, f, tp, bias=False)
+        self.down = RowParallelLinear(f, cfg.d_model, tp, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = column_linears(x, [self.gate.weight, self.up.weight], self.tp)

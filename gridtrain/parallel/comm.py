@@ -7,6 +7,7 @@ forward pass, and the backward pass must move their gradients the opposite way:
     reduce_from_tp      forward: all-reduce          backward: identity
     split_last_dim      forward: keep own slice      backward: all-gather last dim
     gather_last_dim     forward: all-gather last dim backward: keep own slice
+    all_to_all          forward: rows to their ranks backward: rows back (splits swapped)
     scatter_to_seq      forward: keep own seq slice  backward: all-gather sequence
     gather_from_seq     forward: all-gather sequence backward: reduce-scatter sequence
     reduce_scatter_seq  forward: reduce-scatter seq  backward: all-gather sequence
@@ -303,6 +304,30 @@ class CommGroup:
             pending.then(lambda r: r.copy_(landed))
         return pending
 
+    def all_to_all(self, tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """Rows ``tensor[first:first + send_splits[r]]`` to member r, for every r; returns the
+        rows received, ``recv_splits[r]`` of them from member r, in member order
+        (``all_to_all_single`` with variable splits: expert parallelism's token dispatch).
+        Counted as an ``all_to_all`` of the rows this rank sends (its own included: the
+        payload the formula counts; (n-1)/n of it crosses a link when the rows spread
+        evenly), recorded with the group's ranks."""
+        if self.size == 1:
+            return tensor
+        self.check_device("all_to_all", tensor)
+        tensor = tensor.contiguous()
+        if sum(send_splits) != tensor.shape[0] or len(send_splits) != self.size or len(recv_splits) != self.size:
+            raise ValueError(f"all_to_all on group {self.name!r}: {len(send_splits)} send splits summing to "
+                             f"{sum(send_splits)} for {tuple(tensor.shape)} rows over {self.size} ranks")
+        out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
+        self.counter.add("all_to_all", self.name, tensor)
+        rec = self.record("all_to_all", tensor, _nbytes(tensor))
+        try:
+            dist.all_to_all_single(out, tensor, output_split_sizes=list(recv_splits),
+                                   input_split_sizes=list(send_splits), group=self.group)
+        finally:
+            self.done(rec, tensor)
+        return out
+
     def own_slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         if self.size == 1:
             return tensor
@@ -500,3 +525,25 @@ gather_last_dim = _mapping("gather_last_dim", lambda c, x: c.all_gather(x, -1), 
 scatter_to_seq = _mapping("scatter_to_seq", lambda c, x: c.own_slice(x, 1), lambda c, g: c.all_gather(g, 1))
 gather_from_seq = _mapping("gather_from_seq", lambda c, x: c.all_gather(x, 1), lambda c, g: c.reduce_scatter(g, 1))
 reduce_scatter_seq = _mapping("reduce_scatter_seq", lambda c, x: c.reduce_scatter(x, 1), lambda c, g: c.all_gather(g, 1))
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to the ranks that need them and, for the gradient, the same rows' gradients
+    back: the backward is the forward with the splits swapped (expert parallelism sends
+    tokens to their experts' ranks with it, and the experts' outputs home)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, send_splits, recv_splits):
+        ctx.comm, ctx.splits = comm, (send_splits, recv_splits)
+        return comm.all_to_all(x, send_splits, recv_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return ctx.comm.all_to_all(grad, recv_splits, send_splits), None, None, None
+
+
+def all_to_all(x: torch.Tensor, comm: CommGroup, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    """``send_splits[r]`` rows of ``x`` (in order) to member r; ``recv_splits[r]`` rows come
+    from member r. Differentiable; the identity on a one-rank group."""
+    return x if comm.size == 1 else _AllToAll.apply(x, comm, list(send_splits), list(recv_splits))

@@ -59,9 +59,13 @@ class _Region:
             return
         inputs = [memory.load(k).detach().requires_grad_(g) for k, g in zip(self.kept, self.needs_grad)]
         self.kept = []
-        with replaying(self.rng, self.owner.rng, self.owner.device), torch.enable_grad(), \
-                memory.layer_scope(self.scope, "recompute"):
-            outputs = self.fn(*inputs)
+        self.owner.rebuilding = True
+        try:
+            with replaying(self.rng, self.owner.rng, self.owner.device), torch.enable_grad(), \
+                    memory.layer_scope(self.scope, "recompute"):
+                outputs = self.fn(*inputs)
+        finally:
+            self.owner.rebuilding = False
         self.rebuilt = (inputs, outputs if isinstance(outputs, tuple) else (outputs,))
         self.owner.recomputed += 1
 
@@ -131,6 +135,7 @@ class Recomputation:
         self.rng = rng
         self.device = rng.device if rng is not None else torch.device("cpu")
         self.keeping = False  # this micro-batch keeps its activations
+        self.rebuilding = False  # a region's forward is running again (statistics must not count it twice)
         self.key: Hashable | None = None
         self.pending: dict[Hashable, list[_Region]] = defaultdict(list)
         self.recomputed = 0  # regions rebuilt so far (counts for tests and reports) ...

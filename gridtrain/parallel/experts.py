@@ -1,0 +1,210 @@
+"""Expert parallelism: tokens to the ranks of their experts and back, and the routing
+statistics every layout agrees on.
+
+A mixture-of-experts layer (models/moe.py) routes each token to ``k`` of ``E`` experts.
+With ``--ep P`` each rank of an expert-parallel group (``P`` consecutive members of a
+dp x cp group, grid.py) holds ``E / P`` of them, and a token's rows travel to the ranks of
+its experts and back by two ``all_to_all_single`` with variable splits (comm.all_to_all,
+whose backward is the same exchange reversed):
+
+1. **permute**: the ``N k`` (token, expert) assignments sorted by expert, stably, so each
+   expert's rows are consecutive and in token order, and the rows bound for one rank are
+   one block (experts are numbered rank-major);
+2. **exchange counts**: each rank sends every peer how many rows it has for each of the
+   peer's experts (an ``all_to_all`` of ``E`` integers), so every rank knows the splits of
+   the exchange and how its received rows divide among its experts. One host read per
+   layer and micro-batch: dropless routing sizes tensors by the counts (Megatron's
+   dropless dispatch syncs here too);
+3. **dispatch**: the rows to their ranks; received rows come source-rank-major and are
+   regrouped expert-major, each local expert runs once on its rows (every expert runs
+   every micro-batch, on zero rows if none came, so each expert weight gets a gradient
+   per micro-batch as the gradient reducer counts on);
+4. **combine**: outputs back the reverse way, weighted by the router's weights and summed
+   into each token's row in expert order (the same order on every layout, so sums round
+   alike).
+
+With one rank the same code runs with the exchanges left out, so one process and every
+ep size share the permutation, the expert loop and the combine.
+
+**Routing statistics over a global micro-batch.** The load-balancing loss (Switch / GShard:
+``E sum_e f_e P_e``, ``f_e`` the fraction of assignments that went to expert ``e``, ``P_e``
+its mean router probability) and the capacity depend on the batch they are taken over. A
+per-rank (or per-micro-batch on one rank) statistic makes the model depend on the layout.
+gridtrain takes them over the *global micro-batch*: the ``j``-th micro-batch of every
+data-parallel rank together, whose tokens are spread over dp x cp (and over tp under
+sequence parallelism). The sampler orders each global batch micro-batch-major (data/
+sampler.py, as Megatron's does), so global micro-batch ``j`` is the same samples for every
+dp, and the counts and probability sums are all-reduced over those groups: every layout
+with the same number of micro-batches per step computes the same loss. (Statistics of the
+whole global batch would need every micro-batch routed before any backward: GPipe's
+memory; 1F1B runs a micro-batch's backward before later ones exist.)
+
+The loss's gradient is injected at the layer's output (:func:`with_aux_loss`), scaled so
+that, after the data-parallel average, each layer contributes ``coeff x (1 / m) x
+d aux / d theta`` per micro-batch: the aux loss is summed over layers and averaged over the
+step's ``m`` micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gridtrain.runtime import host_sync
+from gridtrain.parallel.comm import CommGroup, OnGroup, all_to_all, single
+
+
+@dataclass
+class LayerStats:
+    """One MoE layer's routing over a step (global micro-batches summed)."""
+
+    counts: torch.Tensor  # [E] assignments per expert (before capacity), fp64
+    aux: torch.Tensor  # sum over micro-batches of E sum_e f_e P_e (without the coefficient)
+    dropped: torch.Tensor  # assignments dropped by capacity
+    micro_batches: int = 0
+
+
+@dataclass
+class RoutingLog:
+    """Per-step routing statistics of this rank's MoE layers, by global layer index.
+    Recorded once per micro-batch forward (never by a recomputation's rebuild, never in
+    validation), from the globally reduced counts: every rank of a stage holds the same
+    numbers."""
+
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.layers.clear()
+
+    def record(self, layer: int, counts: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor) -> None:
+        s = self.layers.get(layer)
+        if s is None:
+            self.layers[layer] = LayerStats(counts.clone(), aux.clone(), dropped.clone(), 1)
+            return
+        s.counts += counts
+        s.aux += aux
+        s.dropped += dropped
+        s.micro_batches += 1
+
+
+@dataclass
+class ExpertParallel(OnGroup):
+    """What a MoE layer needs from the grid: its expert-parallel group (``comm``; one rank
+    when ``--ep`` is 1), the groups a global micro-batch's tokens are spread over
+    (``token_groups``: dp x cp, plus tp under sequence parallelism), the gradient scale of
+    the load-balancing loss this step, and the step's routing log."""
+
+    comm: CommGroup = field(default_factory=lambda: single("ep"))
+    token_groups: tuple[CommGroup, ...] = ()
+    aux_grad_scale: float = 1.0  # set by the trainer each step: dp x cp x loss scale / micro-batches
+    log: RoutingLog = field(default_factory=RoutingLog)
+
+    def local_experts(self, n_experts: int) -> range:
+        """The experts this rank holds: ``E / ep`` consecutive ones."""
+        per = n_experts // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def global_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over every rank holding tokens of this global micro-batch."""
+        for g in self.token_groups:
+            g.all_reduce(t)
+        return t
+
+
+# ---- permutation ------------------------------------------------------------------------------------
+
+def permutation(chosen: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chosen`` [N, k] expert ids -> (order, counts): ``order`` lists the N k assignments
+    (``token * k + slot``) sorted by expert, stably (token order within an expert);
+    ``counts`` [E] how many each expert got."""
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=chosen.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts
+
+
+def permute(tokens: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """The rows of the sorted assignments: ``tokens[order // k]``."""
+    return tokens.index_select(0, order // k)
+
+
+def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: int, n_tokens: int) -> torch.Tensor:
+    """Each token's sum of its rows times their routing weights (``weights`` [N, k]),
+    added in expert order: the inverse of :func:`permute` when every weight is 1 and k is 1."""
+    w = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    out = rows.new_zeros((n_tokens, rows.shape[-1]))
+    return out.index_add(0, order // k, rows * w)
+
+
+def _uniform(total: int, parts: int) -> list[int]:
+    """``total`` split as evenly as possible into ``parts`` (the dry run's stand-in)."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def dispatch_combine(tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, n_experts: int,
+                     ep: ExpertParallel, run_expert) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts' weighted sum for every token (``tokens`` [N, d], ``chosen`` and
+    ``weights`` [N, k]); ``run_expert(e, rows)`` runs local expert ``e`` (global id).
+    Returns (output [N, d], this rank's counts per expert [E])."""
+    n, k = chosen.shape
+    order, counts = permutation(chosen, n_experts)
+    rows = permute(tokens, order, k)
+    local = ep.local_experts(n_experts)
+    per = len(local)
+    if ep.size == 1:
+        sizes = host_sync.read("moe_routing", counts, lambda t: t.tolist(), stand_in=lambda: _uniform(n * k, n_experts))
+        outs = [run_expert(e, part) for e, part in zip(local, rows.split(sizes))]
+        return unpermute(torch.cat(outs), order, weights, k, n), counts
+    # how many rows each peer sends to each of my experts: [ep, E/ep]
+    received = ep.comm.all_to_all(counts, [per] * ep.size, [per] * ep.size)
+    both = host_sync.read("moe_routing", torch.cat([counts, received]), lambda t: t.tolist(),
+                          stand_in=lambda: _uniform(n * k, n_experts) * 2)
+    mine, theirs = both[:n_experts], both[n_experts:]
+    send = [sum(mine[r * per:(r + 1) * per]) for r in range(ep.size)]
+    grid = [theirs[r * per:(r + 1) * per] for r in range(ep.size)]  # grid[src][local expert]
+    recv = [sum(row) for row in grid]
+    arrived = all_to_all(rows, ep.comm, send, recv)  # source-major, expert-major within a source
+    starts, at = [], 0
+    for src in range(ep.size):
+        starts.append([])
+        for j in range(per):
+            starts[src].append(at)
+            at += grid[src][j]
+    # regroup expert-major (each expert's rows from every source, in source order)
+    segments = [(starts[src][j], grid[src][j]) for j in range(per) for src in range(ep.size)]
+    regroup = torch.cat([torch.arange(s, s + c, device=tokens.device) for s, c in segments]) if segments else \
+        torch.zeros(0, dtype=torch.int64, device=tokens.device)
+    grouped = arrived.index_select(0, regroup)
+    sizes = [sum(grid[src][j] for src in range(ep.size)) for j in range(per)]
+    outs = torch.cat([run_expert(e, part) for e, part in zip(local, grouped.split(sizes))])
+    back = torch.empty_like(outs).index_copy(0, regroup, outs)  # source-major again
+    returned = all_to_all(back, ep.comm, recv, send)
+    return unpermute(returned, order, weights, k, n), counts
+
+
+# ---- the load-balancing loss -----------------------------------------------------------------------
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on ``out``; in backward, ``scale`` as the gradient of ``aux`` (a scalar
+    computed from the router's probabilities), so the load-balancing loss trains the
+    router without being added to the loss the pipeline carries."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale):
+        ctx.scale = scale
+        ctx.aux_meta = (aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.aux_meta
+        return grad, torch.full((), ctx.scale, dtype=dtype, device=device), None
+
+
+def with_aux_loss(out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    """``out``, with ``scale x d aux`` joining backward where ``out``'s gradient arrives."""
+    if scale == 0.0 or not torch.is_grad_enabled() or not aux.requires_grad:
+        return out
+    return _AuxLossGrad.apply(out, aux, scale)
