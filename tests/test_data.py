@@ -263,16 +263,32 @@ def test_build_datasets_too_small_names_sizes(tmp_path: Path):
 
 
 @pytest.mark.parametrize("dp", [1, 2, 4, 8])
-def test_dp_local_batches_concatenate_to_global_batch(dp: int):
+def test_dp_micro_batches_cut_the_global_batch_micro_batch_major(dp: int):
     samplers = [GlobalBatchSampler(1000, 32, 2, dp, r, seed=7) for r in range(dp)]
     for step in range(5):
         glob = samplers[0].global_batch(step)
-        np.testing.assert_array_equal(np.concatenate([s.local_batch(step) for s in samplers]), glob)
+        # global micro-batch j = the j-th micro-batch of every rank, in rank order
+        together = [np.concatenate([s.micro_batches(step)[j] for s in samplers])
+                    for j in range(samplers[0].num_micro_batches)]
+        np.testing.assert_array_equal(np.concatenate(together), glob)
         for s in samplers:
             micro = s.micro_batches(step)
             assert len(micro) == s.num_micro_batches == 32 // (dp * 2)
             assert all(len(m) == 2 for m in micro)
             np.testing.assert_array_equal(np.concatenate(micro), s.local_batch(step))
+
+
+def test_global_micro_batches_are_the_same_for_every_dp():
+    """With the same number of micro-batches per step, the j-th global micro-batch (what MoE
+    routing statistics are taken over) holds the same samples whatever dp is."""
+    for m in (1, 2, 4):
+        reference = GlobalBatchSampler(500, 16, 16 // m, 1, 0, seed=3)
+        for dp in (2, 4):
+            ranks = [GlobalBatchSampler(500, 16, 16 // (m * dp), dp, r, seed=3) for r in range(dp)]
+            for step in range(5):
+                for j in range(m):
+                    np.testing.assert_array_equal(np.concatenate([s.micro_batches(step)[j] for s in ranks]),
+                                                  reference.micro_batches(step)[j])
 
 
 def test_global_batch_is_layout_independent():

@@ -17,9 +17,13 @@ class GlobalBatchSampler:
 
     The sample stream is the concatenation of per-epoch permutations, each seeded by
     (seed, epoch); step k's global batch is positions [k*G, (k+1)*G) of that stream (it
-    may straddle an epoch boundary). DP rank r takes the fixed slice [r*G/dp, (r+1)*G/dp)
-    and micro-batch j is slice [j*M, (j+1)*M) of the rank's slice. Nothing depends on how
-    many steps ran before, so resuming at step k reproduces the same batches.
+    may straddle an epoch boundary). The global batch is cut micro-batch-major, as
+    Megatron's sampler does: the j-th *global micro-batch* is slice [j*G/m, (j+1)*G/m)
+    (m micro-batches per step) and DP rank r takes its slice [r*M, (r+1)*M) of it. So
+    the j-th micro-batches of all DP ranks together are the same samples for every dp
+    with the same m: what a mixture-of-experts layer takes its routing statistics over
+    (parallel/experts.py). Nothing depends on how many steps ran before, so resuming at
+    step k reproduces the same batches.
     """
 
     def __init__(
@@ -73,12 +77,15 @@ class GlobalBatchSampler:
         return out
 
     def local_batch(self, step: int) -> np.ndarray:
-        size = self.local_batch_size
-        return self.global_batch(step)[self.dp_rank * size : (self.dp_rank + 1) * size]
+        """This DP rank's samples of step ``step``: its micro-batches, in order."""
+        return np.concatenate(self.micro_batches(step))
 
     def micro_batches(self, step: int) -> list[np.ndarray]:
-        local, m = self.local_batch(step), self.micro_batch_size
-        return [local[j * m : (j + 1) * m] for j in range(self.num_micro_batches)]
+        """This DP rank's slice of each global micro-batch of step ``step``."""
+        batch, m = self.global_batch(step), self.micro_batch_size
+        span = m * self.dp_size  # one global micro-batch
+        first = self.dp_rank * m
+        return [batch[j * span + first: j * span + first + m] for j in range(self.num_micro_batches)]
 
 
 def _check_sizes(num_samples, global_batch, micro_batch, dp_size, dp_rank, seed) -> None:

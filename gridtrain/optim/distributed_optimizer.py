@@ -88,7 +88,7 @@ class DistributedOptimizer:
         self.shards_over_dp = reducer.shard
         self.params = reducer.params
         self.offsets = [reducer.offsets[p] for p in self.params]  # where each starts in the buffer
-        size = reducer.padded // (dp.size if reducer.shard else 1)
+        size = reducer.shard_numel
         self.device = reducer.device
         self.pieces = reducer.pieces  # the parameter elements this rank updates, in shard order
         if param_shards is not None and param_shards.shard.dtype == master_dtype:
@@ -108,8 +108,11 @@ class DistributedOptimizer:
         # the parts of them that count towards the gradient norm; none on DP replicas other
         # than the first, which hold the same whole gradient when ZeRO-1 does not split it
         # (under hybrid sharding the replicas of a shard hold the same slices: the first counts them)
-        counts = (reducer.shard and self.writes_shard) or (not reducer.shard and dp.rank == 0)
-        self._counted = [view for a, b in _runs([q for q in self.pieces if counts and counts_towards_norm(q.param, tp_rank)])
+        # (under expert parallelism a rank's experts are replicated over their own group)
+        def counts(p: nn.Parameter) -> bool:
+            return self.writes_shard if reducer.shard else reducer.group_of(p).rank == 0
+        self._counted = [view for a, b in _runs([q for q in self.pieces
+                                                 if counts(q.param) and counts_towards_norm(q.param, tp_rank)])
                          for view in reducer.shard_view(a, b)]
         self.steps = 0
         self._gathering: dict[int, tuple] = {}  # bucket id -> (bucket, its gathered buffer, Pending)
@@ -204,9 +207,9 @@ class DistributedOptimizer:
             return
         self.parameters_ready()  # a bucket the last forward never needed (unused parameters)
         for b in reversed(self.reducer.buckets):
-            size = (b.end - b.start) // self.dp.size
+            size = (b.end - b.start) // b.group.size
             whole = torch.empty(b.end - b.start, dtype=self.params[0].dtype, device=self.device)
-            self._gathering[id(b)] = (b, whole, self.dp.start_all_gather_into(
+            self._gathering[id(b)] = (b, whole, b.group.start_all_gather_into(
                 whole, self.master[b.at:b.at + size].to(whole.dtype)))
         if not self._waits_in_forward:
             self.parameters_ready()

@@ -58,13 +58,15 @@ from gridtrain.parallel.comm import CommGroup, Pending
 from gridtrain.runtime.timing import Clock, HostClock, Mark, clock_for
 
 
-def broadcast_parameters(model: nn.Module, dp: CommGroup) -> None:
-    """Make every DP replica start from the DP group's first rank's weights."""
-    if dp.size == 1:
-        return
+def broadcast_parameters(model: nn.Module, dp: CommGroup, experts: CommGroup | None = None) -> None:
+    """Make every DP replica start from the DP group's first rank's weights; a rank's
+    experts (which differ across the expert-parallel group) from the first rank of
+    ``experts``, the ranks holding the same ones."""
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
-            dp.broadcast(tensor)
+            group = experts if experts is not None and getattr(tensor, "expert", False) else dp
+            if group.size > 1:
+                group.broadcast(tensor)
 
 
 @dataclass
@@ -78,6 +80,7 @@ class Bucket:
     end: int
     at: int = 0
     ready: int = 0
+    group: CommGroup | None = None  # whose members sum it: the reducer's, or the experts' (set by the reducer)
     pending: Pending | None = None  # its collective, once launched (comm.py)
     launched_at: Mark = None  # clock marks (timing.py)
     done_at: Mark = None
@@ -185,20 +188,24 @@ class GradientReducer:
                  grad_dtype: torch.dtype | None = None, shard: bool = False,
                  device: torch.device | str | None = None, in_place: bool = True,
                  alone: Collection[nn.Parameter] = (), units: dict[nn.Parameter, int] | None = None,
-                 replicas: CommGroup | None = None):
+                 replicas: CommGroup | None = None, experts: CommGroup | None = None):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.names = {p: n for n, p in named}
         self.dp, self.accumulations, self.shard = dp, accumulations, shard
         self.replicas = replicas if replicas is not None and replicas.size > 1 else None
+        # expert parallelism: a rank's experts are summed over the ranks holding the same
+        # experts (a part of dp x cp), in buckets of their own (see group_of)
+        self.experts = experts if experts is not None and experts is not dp else None
         self.params = params = _unit_order([p for _, p in reversed(named)], units)  # registration order reversed
         dtype = grad_dtype or _grad_dtype(params)
         device = _buffer_device(device, dp, params)
         element = torch.empty((), dtype=dtype).element_size()
         alone_ids = {id(p) for p in alone}
+        kinds = None if units is None and self.experts is None else \
+            [(units[p] if units is not None else 0, self._is_expert(p)) for p in params]
         offsets, bounds, self.padded = bucket_bounds(
             [p.numel() for p in params], bucket_mb * 2 ** 20 / element, multiple=dp.size if shard else 1,
-            alone=[i for i, p in enumerate(params) if id(p) in alone_ids],
-            units=None if units is None else [units[p] for p in params])
+            alone=[i for i, p in enumerate(params) if id(p) in alone_ids], units=kinds)
         self.offsets = dict(zip(params, offsets))  # where each parameter starts in the buffer
         self.dtype, self.device = dtype, device
         self.buckets = self._make_buckets(bounds)
@@ -236,18 +243,30 @@ class GradientReducer:
         """The gradient memory this reducer keeps between steps."""
         return [self.buffer]
 
+    def _is_expert(self, p: nn.Parameter) -> bool:
+        return self.experts is not None and getattr(p, "expert", False)
+
+    def group_of(self, p: nn.Parameter) -> CommGroup:
+        """The ranks ``p``'s gradient is summed over: the expert-data-parallel group for a
+        rank's experts under expert parallelism, else the reducer's group. The sum is
+        divided by the reducer's group size either way: the loss is scaled for that
+        average, and an expert's gradient already holds every token that reached it from
+        the whole expert-parallel group."""
+        return self.experts if self._is_expert(p) else self.dp
+
     def _make_buckets(self, bounds: list[tuple[int, int]]) -> list[Bucket]:
         buckets, at = [], 0
         for start, end in bounds:
             inside = [p for p in self.params
                       if self.offsets[p] < end and self.offsets[p] + p.numel() > start]
-            buckets.append(Bucket(inside, start, end, at))
-            at += (end - start) // (self.dp.size if self.shard else 1)
+            group = self.group_of(inside[0]) if inside else self.dp
+            buckets.append(Bucket(inside, start, end, at, group=group))
+            at += (end - start) // (group.size if self.shard else 1)
         return buckets
 
     def _own_slice(self, b: Bucket) -> torch.Tensor:
-        size = (b.end - b.start) // self.dp.size
-        return self.buffer[b.start + self.dp.rank * size: b.start + (self.dp.rank + 1) * size]
+        size = (b.end - b.start) // b.group.size
+        return self.buffer[b.start + b.group.rank * size: b.start + (b.group.rank + 1) * size]
 
     def shard_view(self, begin: int, end: int) -> list[torch.Tensor]:
         """Views of the buffer holding elements ``begin:end`` of this rank's shard (one
@@ -266,8 +285,8 @@ class GradientReducer:
         pieces = []
         for b in self.buckets:
             if self.shard:
-                size = (b.end - b.start) // self.dp.size
-                lo, hi = b.start + self.dp.rank * size, b.start + (self.dp.rank + 1) * size
+                size = (b.end - b.start) // b.group.size
+                lo, hi = b.start + b.group.rank * size, b.start + (b.group.rank + 1) * size
             else:
                 lo, hi = b.start, b.end
             for p in b.params:
@@ -315,9 +334,9 @@ class GradientReducer:
         own slice of it (in place), issued without waiting."""
         view = self.buffer[bucket.start: bucket.end]
         if self.shard:
-            bucket.pending = self.dp.start_reduce_scatter(view, 0, out=self._own_slice(bucket))
+            bucket.pending = bucket.group.start_reduce_scatter(view, 0, out=self._own_slice(bucket))
         else:
-            bucket.pending = self.dp.start_all_reduce(view)
+            bucket.pending = bucket.group.start_all_reduce(view)
         bucket.launched_at = self.clock.mark()
 
     def _poll(self) -> None:

@@ -25,6 +25,7 @@ from gridtrain.parallel.comm import ByteCounter, CommGroup
 from gridtrain.config import Config
 from gridtrain.runtime.devices import cuda_device_from_env, process_group_device, shares_gpus
 from gridtrain.parallel.context_parallel import ContextParallel
+from gridtrain.parallel.experts import ExpertParallel
 from gridtrain.parallel.grid import ProcessGrid, ProcessGroups, create_process_groups
 from gridtrain.runtime.launch import backend_for, init_from_env, resolve_device_type
 from gridtrain.parallel.recompute import Recomputation, policy_from
@@ -55,6 +56,14 @@ class DistributedContext:
     dp_x_cp: CommGroup | None = None  # the dp x cp group when cp > 1 (see dp_cp)
     zero_shard: CommGroup | None = None  # hybrid sharding: ZeRO shards within this part of dp x cp ...
     zero_replica: CommGroup | None = None  # ... replicated across these
+    ep: ExpertParallel = field(default_factory=ExpertParallel)  # experts' group, global routing statistics
+    expert_dp: CommGroup | None = None  # --ep > 1: the ranks holding this rank's experts (see expert_dp_cp)
+
+    @property
+    def expert_dp_cp(self) -> CommGroup:
+        """The ranks whose gradients of this rank's experts are summed: its
+        expert-data-parallel group, or dp x cp when the experts are not split."""
+        return self.expert_dp if self.expert_dp is not None else self.dp_cp
 
     @property
     def shard_group(self) -> CommGroup:
@@ -125,7 +134,7 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     timeout_s = cfg.training.dist_timeout_s
     groups = create_process_groups(grid, rank, timeout=timedelta(seconds=watchdog.backstop_timeout_s(timeout_s)),
-                                   zero_shard_size=p.zero_shard_size)
+                                   zero_shard_size=p.zero_shard_size, ep=p.ep)
     device = rank_device(resolve_device_type(cfg.training.device), backend=cfg.training.backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -147,20 +156,34 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     weight_grads = WeightGradStore() if uses_split_backward(p.schedule) else None
     tp = TensorParallel(CommGroup.of("tp", groups.tp, counter, device=device),
                         sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng, weight_grads=weight_grads)
+    dp = CommGroup.of("dp", groups.dp, counter, device=device)
+    dp_x_cp = CommGroup.of("dp_cp", groups.dp_cp, counter, device=device) if groups.dp_cp is not None else None
     return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
                               dtype=cfg.training.dtype, tp=tp,
                               recompute=Recomputation(policy_from(cfg.activations), rng),
-                              dp=CommGroup.of("dp", groups.dp, counter, device=device),
+                              dp=dp,
                               mp=CommGroup.of("mp", groups.mp, counter, device=device),
                               pp=CommGroup.of("pp", groups.pp, counter, device=device),
                               embedding=_embedding_group(grid, rank, groups, counter, device), bytes=counter,
                               recorder=recorder, cp=_context_parallel(groups, p.cp_comm, counter, device),
-                              dp_x_cp=CommGroup.of("dp_cp", groups.dp_cp, counter, device=device)
-                              if groups.dp_cp is not None else None,
+                              dp_x_cp=dp_x_cp,
                               zero_shard=CommGroup.of("zero_shard", groups.zero_shard, counter, device=device)
                               if groups.zero_shard is not None else None,
                               zero_replica=CommGroup.of("zero_replica", groups.zero_replica, counter, device=device)
-                              if groups.zero_replica is not None else None)
+                              if groups.zero_replica is not None else None,
+                              ep=_expert_parallel(groups, tp, dp_x_cp or dp, counter, device),
+                              expert_dp=CommGroup.of("expert_dp", groups.expert_dp, counter, device=device)
+                              if groups.expert_dp is not None else None)
+
+
+def _expert_parallel(groups: ProcessGroups, tp: TensorParallel, dp_cp: CommGroup, counter: ByteCounter,
+                     device: torch.device) -> ExpertParallel:
+    """The ep group (one rank when --ep is 1) and the groups a global micro-batch's tokens
+    are spread over: dp x cp, and tp under sequence parallelism (without it the tp ranks
+    hold the same tokens)."""
+    comm = CommGroup.of("ep", groups.ep, counter, device=device) if groups.ep is not None else None
+    spread = (dp_cp, tp.comm) if tp.sequence_parallel else (dp_cp,)
+    return ExpertParallel(comm, spread) if comm is not None else ExpertParallel(token_groups=spread)
 
 
 def _context_parallel(groups: ProcessGroups, mode: str, counter: ByteCounter,

@@ -225,11 +225,30 @@ class ProcessGrid:
         """Hybrid sharding's groups: each dp x cp group cut into runs of ``size``
         consecutive members (in a run of tp-strided ranks, a node's when tp x size fits
         one), ordered by (pp, tp, run)."""
-        return [g[i:i + size] for g in self.all_dp_cp_groups() for i in range(0, len(g), size)]
+        return self._runs(size)
 
     def all_zero_replica_groups(self, size: int) -> list[list[int]]:
         """Hybrid sharding's replica groups: the members of a dp x cp group holding the
         same shard (the same place in their runs of ``size``), ordered by (pp, tp, place)."""
+        return self._strided(size)
+
+    def all_ep_groups(self, ep: int) -> list[list[int]]:
+        """Expert-parallel groups: runs of ``ep`` consecutive dp x cp members (same tp and
+        pp), each holding every expert once between them; ordered by (pp, tp, run)."""
+        return self._runs(ep)
+
+    def all_expert_dp_groups(self, ep: int) -> list[list[int]]:
+        """Expert-data-parallel groups: the dp x cp members holding the same experts (the
+        same place in their ep runs), over which expert gradients are reduced; ordered by
+        (pp, tp, place)."""
+        return self._strided(ep)
+
+    def _runs(self, size: int) -> list[list[int]]:
+        """Each dp x cp group cut into runs of ``size`` consecutive members."""
+        return [g[i:i + size] for g in self.all_dp_cp_groups() for i in range(0, len(g), size)]
+
+    def _strided(self, size: int) -> list[list[int]]:
+        """The members of each dp x cp group at the same place in their runs of ``size``."""
         return [g[i::size] for g in self.all_dp_cp_groups() for i in range(size)]
 
     def all_pp_groups(self) -> list[list[int]]:
@@ -301,13 +320,17 @@ class ProcessGroups:
     dp_cp: ProcessGroup | None = None
     zero_shard: ProcessGroup | None = None  # hybrid sharding (--zero-shard-size): made only then
     zero_replica: ProcessGroup | None = None
+    ep: ProcessGroup | None = None  # expert parallelism (--ep > 1): made only then
+    expert_dp: ProcessGroup | None = None
 
 
-def _group_kinds(grid: ProcessGrid, zero_shard_size: int | None = None) -> list[tuple[str, list[list[int]]]]:
+def _group_kinds(grid: ProcessGrid, zero_shard_size: int | None = None,
+                 ep: int = 1) -> list[tuple[str, list[list[int]]]]:
     """Every kind of group with all of its rank lists, in the one order all ranks use.
     The cp and dp x cp groups exist only when cp > 1 (with cp 1 the dp group is the
     dp x cp group, and a run makes exactly the groups it made before cp existed); the
-    hybrid-sharding groups only when ``zero_shard_size`` cuts dp x cp."""
+    hybrid-sharding groups only when ``zero_shard_size`` cuts dp x cp; the expert groups
+    only when ``ep`` > 1 (with ep 1 experts are reduced over dp x cp, as dense weights)."""
     kinds = [
         ("tp", grid.all_tp_groups()),
         ("dp", grid.all_dp_groups()),
@@ -320,6 +343,8 @@ def _group_kinds(grid: ProcessGrid, zero_shard_size: int | None = None) -> list[
     if zero_shard_size is not None and zero_shard_size < grid.dp * grid.cp:
         kinds += [("zero_shard", grid.all_zero_shard_groups(zero_shard_size)),
                   ("zero_replica", grid.all_zero_replica_groups(zero_shard_size))]
+    if ep > 1:
+        kinds += [("ep", grid.all_ep_groups(ep)), ("expert_dp", grid.all_expert_dp_groups(ep))]
     return kinds
 
 
@@ -352,6 +377,7 @@ def create_process_groups(
     backend: str | None = None,
     timeout: timedelta | None = None,
     zero_shard_size: int | None = None,
+    ep: int = 1,
 ) -> ProcessGroups:
     """Create every group of every kind on every rank and keep the ones holding ``rank``.
 
@@ -370,7 +396,7 @@ def create_process_groups(
 
     _check_world(grid, rank)
     mine: dict[str, ProcessGroup] = {}
-    for kind, rank_lists in _group_kinds(grid, zero_shard_size):
+    for kind, rank_lists in _group_kinds(grid, zero_shard_size, ep):
         for ranks in rank_lists:
             group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
             if rank in ranks:

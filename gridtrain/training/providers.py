@@ -20,7 +20,8 @@ from gridtrain.parallel.pipeline.partition import UnitCosts
 def decoder_model_provider(cfg: Config, ctx: DistributedContext) -> nn.Module:
     """This rank's chunks of the Decoder of ``cfg.model``, split over TP and PP, initialised
     layout-independently, on this rank's device."""
-    model = Decoder(cfg.model, tp=ctx.tp, chunks=stage_chunks(cfg, ctx), recompute=ctx.recompute, cp=ctx.cp)
+    model = Decoder(cfg.model, tp=ctx.tp, chunks=stage_chunks(cfg, ctx), recompute=ctx.recompute, cp=ctx.cp,
+                    ep=ctx.ep)
     init_parameters(model, cfg.training.seed)
     return model.to(device=ctx.device, dtype=ctx.param_dtype)
 

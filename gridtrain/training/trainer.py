@@ -116,6 +116,9 @@ class Trainer:
         every_label_counts = self.data is not None and self.data.every_label_counts
         global_tokens = _global_token_count(batches, ctx, every_label_counts) if holds_loss else 1
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        # MoE: the load-balancing loss's gradient, per micro-batch, in the loss's scale
+        ctx.ep.aux_grad_scale = ctx.dp_cp.size * scale / self.num_micro_batches
+        ctx.ep.log.reset()
         loss_sum, stats = self.pipeline.run(batches, ctx.dp_cp.size / global_tokens * scale,
                                             lambda: reduce_gradients(self.model, self.reducer, ctx))
         if self.scaler is not None:
@@ -219,7 +222,7 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     if t.compile and compile_blocks(model) == 0:
         raise ValueError("--compile compiles gridtrain's transformer blocks (model.Block), and this model has "
                          "none; drop --compile or torch.compile your model in its provider")
-    broadcast_parameters(model, ctx.dp_cp)
+    broadcast_parameters(model, ctx.dp_cp, ctx.expert_dp_cp)
     data = datasets_provider(cfg) if datasets_provider is not None else None
     sampler = None
     if data is not None:
@@ -301,13 +304,14 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext,
     p = cfg.parallel
     alone = [q for q in [tied_parameter(model, ctx.embedding)] if q is not None]
     common = dict(accumulations=micro_batches, bucket_mb=p.bucket_mb, device=ctx.device, alone=alone)
-    if p.zero == 0:
-        return GradientReducer(model, ctx.dp_cp, in_place=not uses_split_backward(p.schedule), **common), None
+    if p.zero == 0:  # (expert parallelism: experts reduced over their own group, validated for ZeRO 0 and 1)
+        return GradientReducer(model, ctx.dp_cp, in_place=not uses_split_backward(p.schedule),
+                               experts=ctx.expert_dp, **common), None
     # ZeRO shards over dp x cp, or under hybrid sharding over a part of it (replicated across the parts)
     common["replicas"] = ctx.zero_replica
     if p.zero == 1:
-        return GradientReducer(model, ctx.shard_group, shard=True,
-                               in_place=not uses_split_backward(p.schedule), **common), None
+        return GradientReducer(model, ctx.shard_group, shard=True, in_place=not uses_split_backward(p.schedule),
+                               experts=ctx.expert_dp, **common), None
     if p.zero == 2:
         return ShardedGradientReducer(model, ctx.shard_group, **common), None
     units, unit_of = make_units(model, Block)
@@ -328,8 +332,10 @@ def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx:
     """torch's AdamW on the parameters for fp32/fp64 without sharding; otherwise AdamW on
     flat master weights, sharded over DP with ZeRO-1 and up (distributed_optimizer.py)."""
     if cfg.parallel.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64):
-        counted = [p for p in model.parameters() if p.requires_grad and counts_towards_norm(p, ctx.tp.rank)]
-        return AdamW(build_optimizer(model, cfg.optim), counted if ctx.dp_cp.rank == 0 else [], ctx.device)
+        # each gradient counted once in the norm: on the first of the ranks holding it
+        counted = [p for p in model.parameters() if p.requires_grad and counts_towards_norm(p, ctx.tp.rank)
+                   and reducer.group_of(p).rank == 0]
+        return AdamW(build_optimizer(model, cfg.optim), counted, ctx.device)
     master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
     return DistributedOptimizer(reducer, cfg.optim, dp=reducer.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master,
                                 param_shards=param_shards)

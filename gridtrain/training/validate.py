@@ -170,6 +170,33 @@ def _validate_context_parallel(m: ModelConfig, p: ParallelConfig) -> None:
              "runs train) or --cp 1")
 
 
+def _validate_experts(m: ModelConfig, p: ParallelConfig, t: TrainingConfig, replicas: int) -> None:
+    """Experts split evenly over ep, ep carved out of the dp x cp ranks (``replicas``);
+    what MoE does not compose with yet is refused."""
+    if m.n_experts == 0:
+        _require(p.ep == 1, f"--ep {p.ep} splits experts, and this model has none; pass --n-experts or drop --ep")
+        return
+    _require(m.moe_top_k <= m.n_experts,
+             f"--moe-top-k {m.moe_top_k} exceeds --n-experts {m.n_experts}; route to at most every expert")
+    _require(m.n_experts % p.ep == 0,
+             f"--ep {p.ep} does not divide --n-experts {m.n_experts}; choose an ep that divides the expert count")
+    _require(replicas % p.ep == 0,
+             f"--ep {p.ep} does not divide the {replicas} data-parallel x cp ranks it is carved from; choose an ep "
+             f"that divides dp x cp")
+    _require(m.moe_shared_experts == 0 or (m.moe_shared_experts * m.moe_ffn_size) % p.tp == 0,
+             f"--tp {p.tp} does not divide the shared experts' width {m.moe_shared_experts * m.moe_ffn_size}; "
+             f"choose a tp that divides it")
+    _require(m.moe_capacity_factor is None,
+             "--moe-capacity-factor: expert capacity (token dropping) is not built yet; drop it (routing is "
+             "dropless)")
+    if p.ep > 1:
+        _require(p.zero <= 1, f"--zero {p.zero} with --ep {p.ep}: ZeRO-2/3 do not shard experts over their own "
+                              f"group yet; use --zero 1 (or --ep 1)")
+        _require(p.zero_shard_size is None, f"--zero-shard-size with --ep {p.ep} is not supported yet; drop one")
+    _require(not t.compile, "--compile with --n-experts: MoE layers size their tensors by the routing counts "
+                            "(host reads inside the block); not compiled yet, drop --compile")
+
+
 def _validate_tensor_parallel(m: ModelConfig, p: ParallelConfig) -> None:
     """Each TP rank must own whole heads, an equal MLP slice and (under SP) sequence slice."""
     _require(m.n_head % p.tp == 0,
@@ -409,6 +436,7 @@ def validate(cfg: Config, world_size: int | None = None, *, data: bool = True) -
     _validate_cuda(p, t)
     _validate_tensor_parallel(m, p)
     _validate_context_parallel(m, p)
+    _validate_experts(m, p, t, world_size // (p.tp * p.pp))
     _validate_pipeline(cfg, world_size // (p.tp * p.cp * p.pp))
     if data:
         _validate_data(cfg.data, m, t)
