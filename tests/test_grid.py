@@ -268,3 +268,30 @@ def test_hybrid_sharding_groups_cut_dp_x_cp_into_consecutive_runs():
     assert g.all_dp_cp_groups() == [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]
     assert g.all_zero_shard_groups(4) == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
     assert g.all_zero_replica_groups(4) == [[0, 8], [2, 10], [4, 12], [6, 14], [1, 9], [3, 11], [5, 13], [7, 15]]
+
+
+def test_expert_groups_of_the_design_example():
+    """16 ranks, tp 2 x cp 2 x dp 2 x pp 2, ep 2: each (pp, tp) position's dp x cp group
+    (4 ranks, tp-strided) splits into expert-parallel runs of 2 consecutive members (the
+    two cp ranks of one dp index here) and expert-data-parallel groups of the members at
+    the same place (which hold the same experts)."""
+    g = ProcessGrid.build(16, tp=2, pp=2, dp=2, cp=2)
+    assert g.all_dp_cp_groups() == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert g.all_ep_groups(2) == [[0, 2], [4, 6], [1, 3], [5, 7], [8, 10], [12, 14], [9, 11], [13, 15]]
+    assert g.all_expert_dp_groups(2) == [[0, 4], [2, 6], [1, 5], [3, 7], [8, 12], [10, 14], [9, 13], [11, 15]]
+    assert g.all_ep_groups(4) == g.all_dp_cp_groups()  # ep = dp x cp: every rank holds distinct experts
+    assert g.all_expert_dp_groups(4) == [[r] for grp in g.all_dp_cp_groups() for r in grp]
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_groups_tile_each_dp_cp_group(ep):
+    """Every rank is in exactly one ep group and one expert-dp group, both inside its dp x
+    cp group, and the two meet in exactly that rank."""
+    g = ProcessGrid.build(16, tp=2, pp=2, dp=2, cp=2)
+    eps, edps = g.all_ep_groups(ep), g.all_expert_dp_groups(ep)
+    for rank in range(16):
+        (mine,) = [e for e in eps if rank in e]
+        (replicas,) = [e for e in edps if rank in e]
+        assert len(mine) == ep and len(replicas) == 4 // ep
+        assert set(mine) | set(replicas) <= set(g.dp_cp_group(rank))
+        assert set(mine) & set(replicas) == {rank}

@@ -35,7 +35,9 @@ def summarize(result: TrainResult) -> dict:
             "valid_loss": result.valid_loss, "state": state, "step_bytes": result.step_bytes,
             "step_calls": result.step_calls,
             "peak_in_flight": result.peak_in_flight, "memory": result.memory,
-            "recomputed": result.ctx.recompute.recomputed, "rebuilt_early": result.ctx.recompute.rebuilt_early}
+            "recomputed": result.ctx.recompute.recomputed, "rebuilt_early": result.ctx.recompute.rebuilt_early,
+            "routing": result.routing,  # MoE layers' routing per step (global counts: the same on every rank)
+            "received": {layer: s.received for layer, s in result.ctx.ep.log.layers.items()}}  # last step, this rank
 
 
 def _train_worker(rank: int, world_size: int, cfg: Config) -> dict:

@@ -105,14 +105,14 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, d)
         logits = self.router(tokens)
         probs, chosen, weights = route(logits, cfg.moe_top_k, cfg.moe_norm_topk)
-        out, counts = dispatch_combine(tokens, chosen, weights, cfg.n_experts, self.ep,
-                                       lambda e, rows: self.experts[str(e)](rows))
-        out = self._balance(out, probs, counts).view(b, s, d)
+        out, counts, received = dispatch_combine(tokens, chosen, weights, cfg.n_experts, self.ep,
+                                                 lambda e, rows: self.experts[str(e)](rows))
+        out = self._balance(out, probs, counts, received).view(b, s, d)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
 
-    def _balance(self, out: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _balance(self, out: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, received: int) -> torch.Tensor:
         """The global micro-batch's counts and probability sums (one all-reduce), the
         step's routing log, and the load-balancing loss's gradient joined to ``out``."""
         cfg, e = self.cfg, self.cfg.n_experts
@@ -123,8 +123,8 @@ class MoE(nn.Module):
         f = stats[:e] / assignments  # fraction of the assignments each expert got
         if self.training and not (self.recompute is not None and self.recompute.rebuilding):
             aux_value = e * (f * stats[e:] / tokens).sum()
-            self.ep.log.record(self.layer, stats[:e], aux_value, torch.zeros((), dtype=torch.float64,
-                                                                              device=stats.device))
+            self.ep.log.record(self.layer, stats[:e], aux_value,
+                               torch.zeros((), dtype=torch.float64, device=stats.device), received)
         if cfg.moe_aux_loss_coeff == 0.0:
             return out
         # this rank's share: its tokens' probabilities against the global fractions

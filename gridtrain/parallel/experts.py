@@ -63,6 +63,7 @@ class LayerStats:
     aux: torch.Tensor  # sum over micro-batches of E sum_e f_e P_e (without the coefficient)
     dropped: torch.Tensor  # assignments dropped by capacity
     micro_batches: int = 0
+    received: int = 0  # rows this rank's experts received (its own and its ep peers'), all micro-batches
 
 
 @dataclass
@@ -77,15 +78,17 @@ class RoutingLog:
     def reset(self) -> None:
         self.layers.clear()
 
-    def record(self, layer: int, counts: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor) -> None:
+    def record(self, layer: int, counts: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor,
+               received: int) -> None:
         s = self.layers.get(layer)
         if s is None:
-            self.layers[layer] = LayerStats(counts.clone(), aux.clone(), dropped.clone(), 1)
+            self.layers[layer] = LayerStats(counts.clone(), aux.clone(), dropped.clone(), 1, received)
             return
         s.counts += counts
         s.aux += aux
         s.dropped += dropped
         s.micro_batches += 1
+        s.received += received
 
 
 @dataclass
@@ -144,10 +147,10 @@ def _uniform(total: int, parts: int) -> list[int]:
 
 
 def dispatch_combine(tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, n_experts: int,
-                     ep: ExpertParallel, run_expert) -> tuple[torch.Tensor, torch.Tensor]:
+                     ep: ExpertParallel, run_expert) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The routed experts' weighted sum for every token (``tokens`` [N, d], ``chosen`` and
     ``weights`` [N, k]); ``run_expert(e, rows)`` runs local expert ``e`` (global id).
-    Returns (output [N, d], this rank's counts per expert [E])."""
+    Returns (output [N, d], this rank's counts per expert [E], the rows its experts ran)."""
     n, k = chosen.shape
     order, counts = permutation(chosen, n_experts)
     rows = permute(tokens, order, k)
@@ -156,7 +159,7 @@ def dispatch_combine(tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.
     if ep.size == 1:
         sizes = host_sync.read("moe_routing", counts, lambda t: t.tolist(), stand_in=lambda: _uniform(n * k, n_experts))
         outs = [run_expert(e, part) for e, part in zip(local, rows.split(sizes))]
-        return unpermute(torch.cat(outs), order, weights, k, n), counts
+        return unpermute(torch.cat(outs), order, weights, k, n), counts, n * k
     # how many rows each peer sends to each of my experts: [ep, E/ep]
     received = ep.comm.all_to_all(counts, [per] * ep.size, [per] * ep.size)
     both = host_sync.read("moe_routing", torch.cat([counts, received]), lambda t: t.tolist(),
@@ -181,7 +184,7 @@ def dispatch_combine(tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.
     outs = torch.cat([run_expert(e, part) for e, part in zip(local, grouped.split(sizes))])
     back = torch.empty_like(outs).index_copy(0, regroup, outs)  # source-major again
     returned = all_to_all(back, ep.comm, recv, send)
-    return unpermute(returned, order, weights, k, n), counts
+    return unpermute(returned, order, weights, k, n), counts, sum(recv)
 
 
 # ---- the load-balancing loss -----------------------------------------------------------------------
@@ -208,3 +211,47 @@ def with_aux_loss(out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.T
     if scale == 0.0 or not torch.is_grad_enabled() or not aux.requires_grad:
         return out
     return _AuxLossGrad.apply(out, aux, scale)
+
+
+# ---- what a step's routing looked like -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerRouting:
+    """One MoE layer over one step: assignments per expert (all ranks, every micro-batch),
+    its load-balancing loss (mean over the step's global micro-batches, without the
+    coefficient; 1.0 is perfect balance) and the assignments capacity dropped."""
+
+    tokens_per_expert: list[int]
+    aux_loss: float
+    dropped: int = 0
+
+    @property
+    def max_load(self) -> float:
+        """The busiest expert's assignments over the mean (1.0: perfectly even)."""
+        mean = sum(self.tokens_per_expert) / max(1, len(self.tokens_per_expert))
+        return max(self.tokens_per_expert) / mean if mean else 0.0
+
+    def as_json(self) -> dict:
+        return {"tokens_per_expert": self.tokens_per_expert, "max_load": self.max_load, "aux_loss": self.aux_loss,
+                "dropped": self.dropped}
+
+
+def step_routing(log: RoutingLog, moe_layers: list[int], n_experts: int, pp: CommGroup,
+                 device: torch.device) -> dict[int, LayerRouting]:
+    """Every MoE layer's routing this step, the same on every rank: each stage fills the
+    rows of its own layers (their counts are global already), one all-reduce over the
+    pipeline brings them together, one host read (``moe_routing_stats``)."""
+    if not moe_layers:
+        return {}
+    rows = torch.zeros(len(moe_layers), n_experts + 2, dtype=torch.float64, device=device)
+    for i, layer in enumerate(moe_layers):
+        s = log.layers.get(layer)
+        if s is not None:
+            rows[i, :n_experts] = s.counts
+            rows[i, n_experts] = s.aux / max(1, s.micro_batches)
+            rows[i, n_experts + 1] = s.dropped
+    pp.all_reduce(rows)
+    table = host_sync.read("moe_routing_stats", rows, lambda t: t.tolist(),
+                           stand_in=lambda: [[1.0] * n_experts + [1.0, 0.0]] * len(moe_layers))
+    return {layer: LayerRouting([int(c) for c in row[:n_experts]], row[n_experts], int(row[n_experts + 1]))
+            for layer, row in zip(moe_layers, table)}

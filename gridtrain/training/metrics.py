@@ -90,6 +90,9 @@ def tensorboard_scalars(record: StepRecord, extra: dict | None = None) -> dict[s
         scalars["train/loss_scale"] = float(extra["loss_scale"])
     for group, n in (extra.get("comm_bytes") or {}).items():
         scalars[f"comm_bytes/{group}"] = float(n)
+    for layer, r in (extra.get("moe") or {}).items():
+        scalars[f"moe/layer{layer}/max_load"] = float(r["max_load"])
+        scalars[f"moe/layer{layer}/aux_loss"] = float(r["aux_loss"])
     return scalars
 
 

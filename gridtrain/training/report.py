@@ -29,6 +29,7 @@ from gridtrain.config import Config, ModelConfig
 from gridtrain.memory.activations import dropout_mask_bytes, expected_by_layer, layer_shape
 from gridtrain.parallel.zero3 import whole_shape
 from gridtrain.parallel.distributed import DistributedContext
+from gridtrain.parallel.experts import LayerRouting
 from gridtrain.training.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.models.decoder import training_flops_per_token
 from gridtrain.runtime.activation_meter import ActivationMeter, saved_activations
@@ -53,6 +54,7 @@ class TrainResult:
     skipped_steps: int = 0  # fp16 steps skipped on gradient overflow
     trace_events: list[tuple[int, str, float, float]] = field(default_factory=list)  # (step, action, start, end)
     memory: list[StageMemory] = field(default_factory=list)  # every stage's, measured at step 1
+    routing: list[dict[int, LayerRouting]] = field(default_factory=list)  # MoE layers' routing, per step
 
 
 class RunReport:
@@ -116,6 +118,9 @@ class RunReport:
         result.step_bytes.append(_since(self._bytes_before, trainer.ctx.bytes.bytes))
         result.step_calls.append(_since(self._calls_before, trainer.ctx.bytes.calls))
         extra = {"comm_bytes": bytes_by_group(result.step_bytes[-1])}
+        result.routing.append(out.routing)
+        if out.routing:
+            extra["moe"] = {str(layer): r.as_json() for layer, r in out.routing.items()}
         if trainer.scaler is not None:
             extra["loss_scale"] = trainer.scaler.scale
             result.skipped_steps = trainer.scaler.skipped
@@ -180,6 +185,8 @@ class RunReport:
         if moved:
             log.print("communication per step (payload bytes, this rank): " +
                       ", ".join(f"{g} {format_bytes(n)}" for g, n in sorted(moved.items())))
+        if result.routing and result.routing[-1]:
+            log.print(routing_summary(result.routing))
         if ctx.dtype == "fp16":
             log.print(f"fp16: {result.skipped_steps} step(s) skipped on gradient overflow")
         if self.trainer.saves:
@@ -189,6 +196,19 @@ class RunReport:
             ref = "" if data.reference_loss is None else \
                 f" (corpus unigram entropy {data.reference_loss:.4f} {data.loss_unit})"
             log.print(f"validation loss {result.valid_loss:.4f} {data.loss_unit}{ref}")
+
+
+def routing_summary(steps: list[dict[int, LayerRouting]]) -> str:
+    """One line: each MoE layer's load (busiest expert over the mean) and load-balancing
+    loss, averaged over the run's steps, and the tokens capacity dropped."""
+    parts = []
+    for layer in steps[-1]:
+        rows = [s[layer] for s in steps if layer in s]
+        load = sum(r.max_load for r in rows) / len(rows)
+        aux = sum(r.aux_loss for r in rows) / len(rows)
+        dropped = sum(r.dropped for r in rows)
+        parts.append(f"layer {layer} load {load:.2f}, aux {aux:.3f}" + (f", {dropped} dropped" if dropped else ""))
+    return "experts (max/mean tokens per expert, load-balancing loss; mean over steps): " + "; ".join(parts)
 
 
 def save_summary(saves, background: bool) -> str:

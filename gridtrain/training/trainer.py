@@ -42,6 +42,7 @@ from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
 from gridtrain.parallel.context_parallel import split_sequence
 from gridtrain.parallel.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.parallel.distributed import DistributedContext, setup_distributed
+from gridtrain.parallel.experts import LayerRouting, step_routing
 from gridtrain.parallel.fully_sharded import ShardedGradientReducer
 from gridtrain.parallel.zero3 import ParameterShards, attach_buckets, make_units
 from gridtrain.optim.distributed_optimizer import DistributedOptimizer, LossScaler
@@ -68,6 +69,7 @@ class StepOutput:
     grad_norm: float  # global norm before clipping; inf for an fp16 step skipped on overflow
     stage: StageStats  # what this rank's pipeline stage did
     loss_scale: float | None = None  # fp16: the loss scale this step ran with
+    routing: dict[int, LayerRouting] = field(default_factory=dict)  # MoE layers' routing, by layer index
 
 
 @dataclass
@@ -121,6 +123,7 @@ class Trainer:
         ctx.ep.log.reset()
         loss_sum, stats = self.pipeline.run(batches, ctx.dp_cp.size / global_tokens * scale,
                                             lambda: reduce_gradients(self.model, self.reducer, ctx))
+        routing = step_routing(ctx.ep.log, self.cfg.model.moe_layers, self.cfg.model.n_experts, ctx.pp, ctx.device)
         if self.scaler is not None:
             self.optimizer.unscale(scale)
         max_norm = self.cfg.optim.grad_clip
@@ -130,11 +133,11 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.update(s.finite)
             if not s.finite:
-                return StepOutput(s.loss, float("inf"), stats, used_scale)
+                return StepOutput(s.loss, float("inf"), stats, used_scale, routing)
         self.optimizer.clip_to(s.grad_norm, max_norm)
         if math.isfinite(s.loss) and math.isfinite(s.grad_norm):  # never apply a NaN (stops.py stops the run)
             self.optimizer.step()
-        return StepOutput(s.loss, s.grad_norm, stats, used_scale)
+        return StepOutput(s.loss, s.grad_norm, stats, used_scale, routing)
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -1,0 +1,123 @@
+"""The MoE layer as data, in one process: permutation and its inverse, the dispatch against
+a plain loop over tokens and experts, the routing normalisations, the load-balancing
+loss's gradient against autograd of the loss written out, and the configurations that
+are refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gridtrain.config import ConfigError, preset_config, set_fields
+from gridtrain.models.moe import MoE, route
+from gridtrain.parallel.experts import ExpertParallel, dispatch_combine, permutation, permute, unpermute
+from gridtrain.parallel.tensor_parallel import TensorParallel
+from gridtrain.training.validate import validate
+
+
+def _layer(seed: int = 0, **fields) -> MoE:
+    cfg = set_fields(preset_config("moe-tiny"), **fields).model
+    torch.manual_seed(seed)
+    layer = MoE(cfg, 0, TensorParallel(), ExpertParallel()).double()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return layer
+
+
+def test_permute_then_unpermute_is_the_identity_forward_and_backward():
+    """Each token copied to its k experts' rows (sorted by expert, token order within
+    one) and summed back with weights summing to 1 is the token again; the gradient of
+    that round trip is the identity too."""
+    torch.manual_seed(0)
+    n, d, k, e = 37, 5, 3, 6
+    x = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
+    chosen = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
+    weights = torch.softmax(torch.randn(n, k, dtype=torch.float64), -1)
+    order, counts = permutation(chosen, e)
+    assert counts.tolist() == torch.bincount(chosen.reshape(-1), minlength=e).tolist()
+    experts_in_order = chosen.reshape(-1)[order]
+    assert torch.all(experts_in_order[1:] >= experts_in_order[:-1])  # grouped by expert
+    rows = permute(x, order, k)
+    back = unpermute(rows, order, weights, k, n)
+    assert torch.allclose(back, x, rtol=1e-15, atol=1e-15)
+    g = torch.randn(n, d, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(back, x, g)
+    assert torch.allclose(grad, g, rtol=1e-15, atol=1e-15)
+
+
+def test_dispatch_equals_a_loop_over_tokens_and_experts():
+    """The permuted, grouped computation gives each token the weighted sum of its experts'
+    outputs, as a per-token loop (the first implementation anyone writes) does."""
+    layer = _layer()
+    cfg = layer.cfg
+    x = torch.randn(20, cfg.d_model, dtype=torch.float64)
+    _, chosen, weights = route(layer.router(x), cfg.moe_top_k, cfg.moe_norm_topk)
+    out, counts, received = dispatch_combine(x, chosen, weights, cfg.n_experts, layer.ep,
+                                             lambda e, rows: layer.experts[str(e)](rows))
+    loop = torch.stack([sum(weights[t, j] * layer.experts[str(int(chosen[t, j]))](x[t])
+                            for j in range(cfg.moe_top_k)) for t in range(x.shape[0])])
+    assert torch.allclose(out, loop, rtol=1e-12, atol=1e-14)
+    assert int(counts.sum()) == received == 20 * cfg.moe_top_k
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_weights_are_softmax_top_k_optionally_renormalized(renormalize):
+    """Mixtral / Qwen3-MoE renormalise the k chosen probabilities to sum to 1; OLMoE takes
+    them as the softmax gave them."""
+    logits = torch.tensor([[2.0, 0.5, 1.0, -1.0]], dtype=torch.float64)
+    probs, chosen, weights = route(logits, 2, renormalize)
+    p = torch.softmax(logits, -1)[0]
+    assert chosen.tolist() == [[0, 2]]
+    expected = p[[0, 2]] / (p[0] + p[2]) if renormalize else p[[0, 2]]
+    assert torch.allclose(weights[0], expected)
+    assert torch.allclose(probs, torch.softmax(logits, -1))
+
+
+def test_the_load_balancing_gradient_is_the_switch_loss_gradient():
+    """With the gradient injected at the layer's output (scale = coefficient), the
+    parameters' gradients equal autograd of ``out . g + C E sum_e f_e P_e`` written out,
+    ``f`` the (constant) fraction of assignments per expert, ``P`` the mean probability."""
+    layer = _layer(moe_aux_loss_coeff=0.3)
+    cfg = layer.cfg
+    x = torch.randn(2, 9, cfg.d_model, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 9, cfg.d_model, dtype=torch.float64)
+    layer.train()
+    (layer(x) * g).sum().backward()
+    injected = [p.grad.clone() for p in layer.parameters()] + [x.grad.clone()]
+    layer.zero_grad()
+    x.grad = None
+    layer.cfg = set_fields(preset_config("moe-tiny"), moe_aux_loss_coeff=0.0).model  # no injection
+    out = layer(x)
+    probs, chosen, _ = route(layer.router(x.reshape(-1, cfg.d_model)), cfg.moe_top_k, True)
+    f = torch.bincount(chosen.reshape(-1), minlength=cfg.n_experts).double() / chosen.numel()
+    aux = cfg.n_experts * (f * probs.mean(0)).sum()
+    ((out * g).sum() + 0.3 * aux).backward()
+    written_out = [p.grad for p in layer.parameters()] + [x.grad]
+    for a, b in zip(injected, written_out):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
+
+
+def test_the_logged_aux_loss_is_one_for_perfect_balance():
+    """E sum_e f_e P_e is 1 when assignments and probabilities are uniform (a zero router)."""
+    layer = _layer(moe_top_k=2)
+    torch.nn.init.zeros_(layer.router.weight)
+    layer.train()
+    layer(torch.randn(1, 16, layer.cfg.d_model, dtype=torch.float64))
+    (stats,) = layer.ep.log.layers.values()
+    assert abs(float(stats.aux) - 1.0) < 1e-12
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(ep=2, nproc=2), "--ep 2 splits experts, and this model has none"),
+    (dict(n_experts=8, ep=3, nproc=3), "--ep 3 does not divide --n-experts 8"),
+    (dict(n_experts=8, ep=4, nproc=2), "--ep 4 does not divide the 2 data-parallel x cp ranks"),
+    (dict(n_experts=4, moe_top_k=5), "--moe-top-k 5 exceeds --n-experts 4"),
+    (dict(n_experts=8, ep=2, nproc=2, zero=2), "--zero 2 with --ep 2"),
+    (dict(n_experts=8, moe_capacity_factor=1.25), "--moe-capacity-factor"),
+    (dict(n_experts=8, compile=True), "--compile with --n-experts"),
+])
+def test_moe_configurations_refused_in_one_line(fields, message):
+    cfg = set_fields(preset_config("llama-tiny"), **fields)
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(cfg, data=False)
+    assert "\n" not in str(e.value)
