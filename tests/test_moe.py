@@ -10,7 +10,8 @@ import torch
 
 from gridtrain.config import ConfigError, preset_config, set_fields
 from gridtrain.models.moe import MoE, route
-from gridtrain.parallel.experts import ExpertParallel, dispatch_combine, permutation, permute, unpermute
+from gridtrain.parallel.experts import (ExpertParallel, capacity_order, dispatch_combine, permutation, permute,
+                                       unpermute)
 from gridtrain.parallel.tensor_parallel import TensorParallel
 from gridtrain.training.validate import validate
 
@@ -58,6 +59,42 @@ def test_dispatch_equals_a_loop_over_tokens_and_experts():
                             for j in range(cfg.moe_top_k)) for t in range(x.shape[0])])
     assert torch.allclose(out, loop, rtol=1e-12, atol=1e-14)
     assert int(counts.sum()) == received == 20 * cfg.moe_top_k
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.5])
+def test_capacity_keeps_each_experts_first_assignments_in_token_order(factor):
+    """Each expert keeps the first ceil(F N k / E) assignments of the micro-batch in token
+    order (a loop over tokens, counting), the same whichever order the rank holds its runs
+    in; the kept ones come first in ``order``, sorted by expert."""
+    torch.manual_seed(1)
+    n, k, e = 50, 2, 4
+    chosen = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
+    keys = list(range(n))
+    order, kept, capacity, counts = capacity_order(chosen, e, factor, ExpertParallel(), keys, most_runs=1)
+    limit = -(-factor * n * k // e)
+    assert float(capacity) == limit
+    seen, expected = [0] * e, []
+    for t in range(n):
+        for j in range(k):
+            x = int(chosen[t, j])
+            if seen[x] < limit:
+                expected.append(t * k + j)
+            seen[x] += 1
+    assert counts.tolist() == seen
+    n_kept = int(kept.sum())
+    assert sorted(order[:n_kept].tolist()) == expected
+    experts_kept = chosen.reshape(-1)[order[:n_kept]]
+    assert torch.all(experts_kept[1:] >= experts_kept[:-1])
+    assert kept.tolist() == [min(c, int(limit)) for c in seen]
+
+
+def test_token_keys_follow_the_global_micro_batch():
+    """A rank's tokens are its dp slice's samples at its cp chunks' true positions, cut to
+    its tp share under sequence parallelism."""
+    ep = ExpertParallel(dp_rank=1, cp_size=2, cp_rank=0, sp_size=2, sp_rank=1)
+    # seq 16: cp rank 0 holds chunks 0 and 3 (positions 0-3, 12-15); tp rank 1 the second half
+    assert ep.token_keys(batch=2, local_len=4) == [2 * 16 + p for p in (12, 13, 14, 15)] + \
+        [3 * 16 + p for p in (12, 13, 14, 15)]
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -113,7 +150,6 @@ def test_the_logged_aux_loss_is_one_for_perfect_balance():
     (dict(n_experts=8, ep=4, nproc=2), "--ep 4 does not divide the 2 data-parallel x cp ranks"),
     (dict(n_experts=4, moe_top_k=5), "--moe-top-k 5 exceeds --n-experts 4"),
     (dict(n_experts=8, ep=2, nproc=2, zero=2), "--zero 2 with --ep 2"),
-    (dict(n_experts=8, moe_capacity_factor=1.25), "--moe-capacity-factor"),
     (dict(n_experts=8, compile=True), "--compile with --n-experts"),
 ])
 def test_moe_configurations_refused_in_one_line(fields, message):

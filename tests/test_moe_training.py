@@ -1,6 +1,7 @@
 """Mixtures of experts train the one-process model on every layout (DESIGN.md, "The
 invariant"): fp64, 1e-9 relative, per-step losses and grad norms, validation loss and
-every rank's final weights (its own experts, its tp shard of the rest), dropless, with
+every rank's final weights (its own experts, its tp shard of the rest), dropless and with
+capacity (the same tokens dropped on every layout), with
 expert parallelism at ep 2 and 4 (dp 4), with tp 2 (with and without sequence
 parallelism), pp 2 (1f1b, interleaved, zb-h1), cp 2, ZeRO-1, both recomputations,
 shared experts, GPT-2 experts with the embedding tied across stages, and MoE every other
@@ -36,6 +37,8 @@ RUNS: dict[str, tuple[int, dict]] = {
     "ep2-selective": (2, dict(dp=2, ep=2, recompute="selective")),
     "ep2-shared": (2, dict(dp=2, ep=2, moe_shared_experts=1)),
     "ep2-every2": (2, dict(dp=2, ep=2, moe_every=2)),
+    "ep2-capacity": (2, dict(dp=2, ep=2, moe_capacity_factor=1.0)),
+    "ep2-bf16": (2, dict(dp=2, ep=2, dtype="bf16")),
     "ep2-save": (2, dict(dp=2, ep=2)),  # saves at step 3
     "ep2-from-one": (2, dict(dp=2, ep=2)),  # resumes the one-process checkpoint of step 3
     "ep4": (4, dict(dp=4, ep=4)),
@@ -48,10 +51,12 @@ RUNS: dict[str, tuple[int, dict]] = {
     "ep2-pp2-zbh1": (4, dict(dp=2, ep=2, pp=2, schedule="zb-h1")),
     "ep2-cp2": (4, dict(dp=2, cp=2, ep=2)),
     "gpt2-ep2-pp2-tied": (4, dict(dp=2, ep=2, pp=2, arch="gpt2", n_kv_head=None, tie_embeddings=True)),
+    "ep2-capacity-cp2": (4, dict(dp=2, cp=2, ep=2, moe_capacity_factor=1.0)),
+    "ep2-capacity-tp2-sp": (4, dict(dp=2, ep=2, tp=2, sequence_parallel=True, moe_capacity_factor=1.0)),
 }
 REFERENCE_FIELDS = ("arch", "n_kv_head", "n_layer", "moe_shared_experts", "moe_every", "tie_embeddings",
-                    "global_batch_size")
-NOT_PARITY = ("ep2-save", "ep2-from-one")
+                    "global_batch_size", "moe_capacity_factor")
+NOT_PARITY = ("ep2-save", "ep2-from-one", "ep2-bf16")
 
 
 def moe_config(**fields) -> Config:
@@ -114,7 +119,24 @@ def test_moe_layouts_train_the_one_process_model(name):
             assert mine.keys() == theirs.keys()
             for layer in mine:
                 assert mine[layer].tokens_per_expert == theirs[layer].tokens_per_expert
+                assert mine[layer].dropped == theirs[layer].dropped
                 assert abs(mine[layer].aux_loss - theirs[layer].aux_loss) <= 1e-9 * theirs[layer].aux_loss
+
+
+@pytest.mark.spawn
+def test_bf16_moe_follows_fp64():
+    """bf16 parameters and compute (fp32 master weights and gradient buffers, experts in
+    their own buckets): every step's loss within 2% of the fp64 one-process run's."""
+    for rank_run in run("ep2-bf16"):
+        for step, (x, y) in enumerate(zip(rank_run["losses"], reference()["losses"]), 1):
+            assert abs(x - y) <= 0.02 * y, f"step {step}: {x} vs {y}"
+
+
+@pytest.mark.spawn
+def test_capacity_drops_tokens():
+    """The capacity runs do drop assignments (factor 1 with an unbalanced router), so
+    their parity above covers which ones."""
+    assert sum(r.dropped for step in _reference_of("ep2-capacity")["routing"] for r in step.values()) > 0
 
 
 @pytest.mark.spawn

@@ -101,7 +101,7 @@ def layout_of(cfg: Config, ctx) -> dict[str, Any]:
     grid = getattr(ctx, "grid", None)
     return {"world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "dp": grid.dp if grid else 1, "tp": grid.tp if grid else 1, "pp": grid.pp if grid else 1,
-            "cp": getattr(grid, "cp", 1), "vpp": cfg.parallel.vpp, "schedule": cfg.parallel.schedule, "zero": cfg.parallel.zero,
+            "cp": getattr(grid, "cp", 1), "ep": cfg.parallel.ep, "vpp": cfg.parallel.vpp, "schedule": cfg.parallel.schedule, "zero": cfg.parallel.zero,
             "sequence_parallel": cfg.parallel.sequence_parallel, "dtype": cfg.training.dtype}
 
 
@@ -110,8 +110,9 @@ def layout_of(cfg: Config, ctx) -> dict[str, Any]:
 
 def writes(key: str, param: torch.Tensor, ctx, dp_copies: bool = True) -> bool:
     """Whether this rank writes ``key``'s pieces of ``param``: of the ranks that hold the
-    same pieces (its DP and CP replicas when ``dp_copies``, and the TP ranks holding the same
-    slice: all of them for a replicated parameter, ``spec.replicas`` for shared kv
+    same pieces (its DP and CP replicas when ``dp_copies``, or for a rank's experts under
+    expert parallelism the ranks holding the same experts; and the TP ranks holding the
+    same slice: all of them for a replicated parameter, ``spec.replicas`` for shared kv
     heads), the one a stable hash of the key picks, so that every piece is written once
     and the writes spread over the replicas. Decided before anything is staged: a rank
     copies to host memory only what it writes."""
@@ -119,10 +120,15 @@ def writes(key: str, param: torch.Tensor, ctx, dp_copies: bool = True) -> bool:
         return True
     spec, tp = shard_spec(param), ctx.tp
     tp_copies = tp.size if spec is None else (spec.replicas if tp.size > 1 else 1)
-    # the dp x cp replicas all hold the same pieces; this rank's index among them
-    cp, cp_index = getattr(ctx.grid, "cp", 1), getattr(ctx.coords, "cp", 0)
-    dp = ctx.grid.dp * cp if dp_copies else 1
-    index = ((ctx.coords.dp * cp + cp_index) if dp_copies else 0) * tp_copies + tp.rank % tp_copies
+    # the dp x cp replicas all hold the same pieces (the expert-data-parallel ones a
+    # rank's experts); this rank's index among them
+    expert_dp = getattr(ctx, "expert_dp", None) if getattr(param, "expert", False) else None
+    if expert_dp is not None:
+        dp, place = (expert_dp.size, expert_dp.rank) if dp_copies else (1, 0)
+    else:
+        cp, cp_index = getattr(ctx.grid, "cp", 1), getattr(ctx.coords, "cp", 0)
+        dp, place = (ctx.grid.dp * cp, ctx.coords.dp * cp + cp_index) if dp_copies else (1, 0)
+    index = place * tp_copies + tp.rank % tp_copies
     return zlib.crc32(key.encode()) % (dp * tp_copies) == index
 
 

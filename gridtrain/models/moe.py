@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.config import ModelConfig
-from gridtrain.parallel.experts import ExpertParallel, dispatch_combine, with_aux_loss
+from gridtrain.parallel.experts import ExpertParallel, capacity_order, dispatch_combine, with_aux_loss
 from gridtrain.parallel.recompute import Recomputation
 from gridtrain.parallel.tensor_parallel import TensorParallel
 
@@ -105,16 +105,24 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, d)
         logits = self.router(tokens)
         probs, chosen, weights = route(logits, cfg.moe_top_k, cfg.moe_norm_topk)
-        out, counts, received = dispatch_combine(tokens, chosen, weights, cfg.n_experts, self.ep,
-                                                 lambda e, rows: self.experts[str(e)](rows))
-        out = self._balance(out, probs, counts, received).view(b, s, d)
+        kept = capacity = None
+        if cfg.moe_capacity_factor is not None and self.training:  # inference is dropless
+            order, kept_counts, capacity, counts = capacity_order(
+                chosen, cfg.n_experts, cfg.moe_capacity_factor, self.ep, self.ep.token_keys(b, s),
+                most_runs=b * (2 if self.ep.cp_size > 1 else 1))
+            kept = (order, kept_counts)
+        out, used, received = dispatch_combine(tokens, chosen, weights, cfg.n_experts, self.ep,
+                                               lambda e, rows: self.experts[str(e)](rows), kept)
+        out = self._balance(out, probs, used if kept is None else counts, received, capacity).view(b, s, d)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
 
-    def _balance(self, out: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, received: int) -> torch.Tensor:
-        """The global micro-batch's counts and probability sums (one all-reduce), the
-        step's routing log, and the load-balancing loss's gradient joined to ``out``."""
+    def _balance(self, out: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, received: int,
+                 capacity: torch.Tensor | None) -> torch.Tensor:
+        """The global micro-batch's counts (before capacity) and probability sums (one
+        all-reduce), the step's routing log (with the assignments beyond ``capacity``),
+        and the load-balancing loss's gradient joined to ``out``."""
         cfg, e = self.cfg, self.cfg.n_experts
         stats = torch.cat([counts.to(torch.float64), probs.detach().sum(0).to(torch.float64)])
         self.ep.global_sum(stats)
@@ -123,8 +131,9 @@ class MoE(nn.Module):
         f = stats[:e] / assignments  # fraction of the assignments each expert got
         if self.training and not (self.recompute is not None and self.recompute.rebuilding):
             aux_value = e * (f * stats[e:] / tokens).sum()
-            self.ep.log.record(self.layer, stats[:e], aux_value,
-                               torch.zeros((), dtype=torch.float64, device=stats.device), received)
+            dropped = torch.zeros((), dtype=torch.float64, device=stats.device) if capacity is None else \
+                (stats[:e] - capacity).clamp(min=0).sum()
+            self.ep.log.record(self.layer, stats[:e], aux_value, dropped, received)
         if cfg.moe_aux_loss_coeff == 0.0:
             return out
         # this rank's share: its tokens' probabilities against the global fractions

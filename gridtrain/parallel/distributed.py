@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gridtrain.runtime import watchdog
-from gridtrain.parallel.comm import ByteCounter, CommGroup
+from gridtrain.parallel.comm import ByteCounter, CommGroup, single
 from gridtrain.config import Config
 from gridtrain.runtime.devices import cuda_device_from_env, process_group_device, shares_gpus
 from gridtrain.parallel.context_parallel import ContextParallel
@@ -171,19 +171,21 @@ def setup_distributed(cfg: Config) -> DistributedContext:
                               if groups.zero_shard is not None else None,
                               zero_replica=CommGroup.of("zero_replica", groups.zero_replica, counter, device=device)
                               if groups.zero_replica is not None else None,
-                              ep=_expert_parallel(groups, tp, dp_x_cp or dp, counter, device),
+                              ep=_expert_parallel(groups, tp, dp_x_cp or dp, counter, device, coords),
                               expert_dp=CommGroup.of("expert_dp", groups.expert_dp, counter, device=device)
                               if groups.expert_dp is not None else None)
 
 
 def _expert_parallel(groups: ProcessGroups, tp: TensorParallel, dp_cp: CommGroup, counter: ByteCounter,
-                     device: torch.device) -> ExpertParallel:
-    """The ep group (one rank when --ep is 1) and the groups a global micro-batch's tokens
-    are spread over: dp x cp, and tp under sequence parallelism (without it the tp ranks
-    hold the same tokens)."""
-    comm = CommGroup.of("ep", groups.ep, counter, device=device) if groups.ep is not None else None
+                     device: torch.device, coords) -> ExpertParallel:
+    """The ep group (one rank when --ep is 1), the groups a global micro-batch's tokens
+    are spread over (dp x cp, and tp under sequence parallelism: without it the tp ranks
+    hold the same tokens) and where this rank's tokens sit in it."""
+    comm = CommGroup.of("ep", groups.ep, counter, device=device) if groups.ep is not None else single("ep")
     spread = (dp_cp, tp.comm) if tp.sequence_parallel else (dp_cp,)
-    return ExpertParallel(comm, spread) if comm is not None else ExpertParallel(token_groups=spread)
+    sp = tp.sequence_parallel
+    return ExpertParallel(comm, spread, dp_rank=coords.dp, cp_size=groups.grid.cp, cp_rank=coords.cp,
+                          sp_size=tp.size if sp else 1, sp_rank=tp.rank if sp else 0)
 
 
 def _context_parallel(groups: ProcessGroups, mode: str, counter: ByteCounter,

@@ -102,11 +102,32 @@ class ExpertParallel(OnGroup):
     token_groups: tuple[CommGroup, ...] = ()
     aux_grad_scale: float = 1.0  # set by the trainer each step: dp x cp x loss scale / micro-batches
     log: RoutingLog = field(default_factory=RoutingLog)
+    # where this rank's tokens sit in the global micro-batch (capacity's drop order):
+    # its dp index, its cp group and, under sequence parallelism, its tp share
+    dp_rank: int = 0
+    cp_size: int = 1
+    cp_rank: int = 0
+    sp_size: int = 1
+    sp_rank: int = 0
 
     def local_experts(self, n_experts: int) -> range:
         """The experts this rank holds: ``E / ep`` consecutive ones."""
         per = n_experts // self.size
         return range(self.rank * per, (self.rank + 1) * per)
+
+    def token_keys(self, batch: int, local_len: int) -> list[int]:
+        """Each of this rank's ``batch x local_len`` tokens' place in the global micro-batch,
+        ``sample x seq_len + true position``, in the rank's token order: its samples are
+        the dp rank's slice of the global micro-batch (data/sampler.py), its positions its
+        cp chunks, cut to its tp share under sequence parallelism. Plain integers: they
+        follow from the layout alone (and a dry run's tensors could not be read)."""
+        cp_len = local_len * self.sp_size  # the cp rank's tokens of a sequence
+        seq_len = cp_len * self.cp_size
+        n = seq_len // (2 * self.cp_size)  # a cp chunk
+        chunks = (self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank)
+        positions = [c * n + i for c in chunks for i in range(n)] if self.cp_size > 1 else list(range(seq_len))
+        positions = positions[self.sp_rank * local_len:(self.sp_rank + 1) * local_len]
+        return [s * seq_len + p for s in range(self.dp_rank * batch, (self.dp_rank + 1) * batch) for p in positions]
 
     def global_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over every rank holding tokens of this global micro-batch."""
@@ -147,24 +168,29 @@ def _uniform(total: int, parts: int) -> list[int]:
 
 
 def dispatch_combine(tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, n_experts: int,
-                     ep: ExpertParallel, run_expert) -> tuple[torch.Tensor, torch.Tensor, int]:
+                     ep: ExpertParallel, run_expert,
+                     kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The routed experts' weighted sum for every token (``tokens`` [N, d], ``chosen`` and
     ``weights`` [N, k]); ``run_expert(e, rows)`` runs local expert ``e`` (global id).
+    ``kept``: capacity's (order, counts) from :func:`capacity_order` (the kept
+    assignments first); default every assignment (:func:`permutation`).
     Returns (output [N, d], this rank's counts per expert [E], the rows its experts ran)."""
     n, k = chosen.shape
-    order, counts = permutation(chosen, n_experts)
-    rows = permute(tokens, order, k)
+    order, counts = kept if kept is not None else permutation(chosen, n_experts)
     local = ep.local_experts(n_experts)
     per = len(local)
     if ep.size == 1:
         sizes = host_sync.read("moe_routing", counts, lambda t: t.tolist(), stand_in=lambda: _uniform(n * k, n_experts))
-        outs = [run_expert(e, part) for e, part in zip(local, rows.split(sizes))]
-        return unpermute(torch.cat(outs), order, weights, k, n), counts, n * k
+        order = order[:sum(sizes)]
+        outs = [run_expert(e, part) for e, part in zip(local, permute(tokens, order, k).split(sizes))]
+        return unpermute(torch.cat(outs), order, weights, k, n), counts, sum(sizes)
     # how many rows each peer sends to each of my experts: [ep, E/ep]
     received = ep.comm.all_to_all(counts, [per] * ep.size, [per] * ep.size)
     both = host_sync.read("moe_routing", torch.cat([counts, received]), lambda t: t.tolist(),
                           stand_in=lambda: _uniform(n * k, n_experts) * 2)
     mine, theirs = both[:n_experts], both[n_experts:]
+    order = order[:sum(mine)]
+    rows = permute(tokens, order, k)
     send = [sum(mine[r * per:(r + 1) * per]) for r in range(ep.size)]
     grid = [theirs[r * per:(r + 1) * per] for r in range(ep.size)]  # grid[src][local expert]
     recv = [sum(row) for row in grid]
@@ -185,6 +211,59 @@ def dispatch_combine(tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.
     back = torch.empty_like(outs).index_copy(0, regroup, outs)  # source-major again
     returned = all_to_all(back, ep.comm, recv, send)
     return unpermute(returned, order, weights, k, n), counts, sum(recv)
+
+
+# ---- capacity -------------------------------------------------------------------------------------
+
+def token_runs(keys: list[int], most: int) -> tuple[list[int], list[int]]:
+    """This rank's tokens cut into runs of consecutive keys (a sample's positions, broken
+    at its cp chunks): (each token's run, each run's first key, ``most`` of them, padded
+    with a key past every token)."""
+    runs, starts = [], []
+    for i, key in enumerate(keys):
+        if i == 0 or key != keys[i - 1] + 1:
+            starts.append(key)
+        runs.append(len(starts) - 1)
+    if len(starts) > most:
+        raise ValueError(f"{len(starts)} runs of tokens, more than the {most} expected")
+    return runs, starts + [2 ** 63 - 1] * (most - len(starts))
+
+
+def capacity_order(chosen: torch.Tensor, n_experts: int, factor: float, ep: ExpertParallel,
+                   keys: list[int], most_runs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert capacity, the same tokens dropped on every layout: each expert takes at most
+    ``C = ceil(factor x N x k / E)`` assignments of the global micro-batch (``N`` tokens),
+    the first ones in token order (``keys``: sample, then true position; ExpertParallel.
+    token_keys). Each rank's tokens form runs of consecutive keys; the runs' first keys
+    and per-expert counts are all-gathered over the ranks holding the micro-batch, so
+    each rank knows how many assignments to each expert come before each of its runs.
+
+    Returns (order, kept counts [E], C, counts before dropping [E]): ``order`` lists the
+    kept assignments sorted by expert (token order within one), then the dropped ones."""
+    n, k = chosen.shape
+    device = chosen.device
+    order, counts = permutation(chosen, n_experts)
+    runs, firsts = token_runs(keys, most_runs)
+    run_of_token = torch.tensor(runs, dtype=torch.int64, device=device)
+    starts = torch.tensor(firsts, dtype=torch.int64, device=device)
+    sorted_experts = chosen.reshape(-1).index_select(0, order)
+    run = run_of_token.index_select(0, order // k)
+    table = torch.zeros(most_runs, n_experts, dtype=torch.int64, device=device)
+    table.index_put_((run, sorted_experts), torch.ones_like(run), accumulate=True)  # [runs, E] counts
+    everyone = torch.cat([starts[:, None], table], dim=1)
+    for g in ep.token_groups:  # every run of the global micro-batch: [ranks x runs, 1 + E]
+        everyone = g.all_gather(everyone, 0)
+    before = (everyone[None, :, 0] < starts[:, None]).to(torch.float64)  # exact as fp64 (counts < 2^53)
+    earlier = (before @ everyone[:, 1:].to(torch.float64)).round().to(torch.int64)  # [runs, E]
+    mine_before = torch.cumsum(table, 0) - table  # this rank's own earlier runs, already in 'earlier'
+    segment_start = torch.cumsum(counts, 0) - counts
+    within = torch.arange(n * k, device=device) - segment_start.index_select(0, sorted_experts)
+    place = earlier[run, sorted_experts] - mine_before[run, sorted_experts] + within
+    capacity = torch.ceil(factor * everyone[:, 1:].sum() / n_experts)
+    keep = place < capacity
+    kept_first = torch.argsort((~keep).to(torch.int8), stable=True)
+    kept_counts = torch.zeros_like(counts).index_add_(0, sorted_experts, keep.to(torch.int64))
+    return order.index_select(0, kept_first), kept_counts, capacity, counts
 
 
 # ---- the load-balancing loss -----------------------------------------------------------------------

@@ -83,12 +83,15 @@ def _validate_declared(cfg: Config) -> None:
 
 
 def _validate_model(m: ModelConfig) -> None:
-    _require(m.d_model % m.n_head == 0,
+    _require(m.d_model % m.n_head == 0 or (m.arch == "llama" and m.attn_head_dim is not None),
              f"--n-head {m.n_head} does not divide --d-model {m.d_model}; "
              "choose a head count that divides d_model")
     if m.arch == "llama":
         _validate_llama(m)
     else:
+        _require(m.qk_norm is None and m.attn_head_dim is None,
+                 "model.qk_norm and model.attn_head_dim are for --arch llama (GPT-2's heads are d_model / n_head "
+                 "wide, without query/key norms); drop them or pass --arch llama")
         _require(m.n_kv_head in (None, m.n_head),
                  f"--n-kv-head {m.n_kv_head}: GPT-2 has one key/value head per query head; "
                  "drop --n-kv-head or pass --arch llama")
@@ -102,8 +105,9 @@ def _validate_llama(m: ModelConfig) -> None:
              f"--n-kv-head {m.kv_heads} does not divide --n-head {m.n_head}; "
              "choose a key/value head count that divides the head count")
     _require(m.head_dim % 2 == 0,
-             f"rotary embeddings turn pairs of dimensions, but the head size d_model / n_head = "
-             f"{m.d_model} / {m.n_head} = {m.head_dim} is odd; choose an even head size")
+             f"rotary embeddings turn pairs of dimensions, but the head size "
+             f"{'model.attn_head_dim' if m.attn_head_dim else f'd_model / n_head = {m.d_model} / {m.n_head}'} = "
+             f"{m.head_dim} is odd; choose an even head size")
     _require(m.rope_scaling in (None, *ROPE_SCALINGS),
              f"model.rope_scaling {m.rope_scaling!r} is not one of {', '.join(ROPE_SCALINGS)} (or null)")
     _require(m.rope_scaling is None or m.rope_high_freq_factor > m.rope_low_freq_factor,
@@ -186,9 +190,6 @@ def _validate_experts(m: ModelConfig, p: ParallelConfig, t: TrainingConfig, repl
     _require(m.moe_shared_experts == 0 or (m.moe_shared_experts * m.moe_ffn_size) % p.tp == 0,
              f"--tp {p.tp} does not divide the shared experts' width {m.moe_shared_experts * m.moe_ffn_size}; "
              f"choose a tp that divides it")
-    _require(m.moe_capacity_factor is None,
-             "--moe-capacity-factor: expert capacity (token dropping) is not built yet; drop it (routing is "
-             "dropless)")
     if p.ep > 1:
         _require(p.zero <= 1, f"--zero {p.zero} with --ep {p.ep}: ZeRO-2/3 do not shard experts over their own "
                               f"group yet; use --zero 1 (or --ep 1)")
