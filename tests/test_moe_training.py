@@ -33,6 +33,8 @@ RUNS: dict[str, tuple[int, dict]] = {
     "dp2": (2, dict(dp=2)),
     "ep2": (2, dict(dp=2, ep=2)),
     "ep2-zero1": (2, dict(dp=2, ep=2, zero=1)),
+    "dp2-zero2": (2, dict(dp=2, zero=2)),  # experts not split: ZeRO-2/3 shard them with the rest
+    "dp2-zero3": (2, dict(dp=2, zero=3)),
     "ep2-full": (2, dict(dp=2, ep=2, recompute="full")),
     "ep2-selective": (2, dict(dp=2, ep=2, recompute="selective")),
     "ep2-shared": (2, dict(dp=2, ep=2, moe_shared_experts=1)),
@@ -192,3 +194,17 @@ def test_recomputation_counts_routing_once():
     for with_, without in zip(run("ep2-full")[0]["routing"], run("ep2")[0]["routing"]):
         assert {k: v.tokens_per_expert for k, v in with_.items()} == \
             {k: v.tokens_per_expert for k, v in without.items()}
+
+
+@pytest.mark.spawn
+def test_the_end_of_run_sample_gathers_every_expert():
+    """`gridtrain train` on dp 2 x ep 2 ends with a sample from the whole model: each
+    expert gathered once, from the first of the ranks holding it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "gridtrain", "train", "--model", "moe-tiny", "--nproc", "2", "--ep", "2",
+                          "--steps", "2", "--sample-tokens", "5", "--no-progress", "--eval-interval", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--- sample (5 tokens" in out.stdout and "experts (max/mean tokens per expert" in out.stdout

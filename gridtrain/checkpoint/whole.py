@@ -63,9 +63,17 @@ def gather_model(model: nn.Module, ctx) -> dict[str, torch.Tensor] | None:
     mine = full_model_state(model, _tp_of(ctx))
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
-    writer = ctx.coords.dp == 0 and ctx.coords.tp == 0 and getattr(ctx.coords, "cp", 0) == 0
+    # one copy of each weight: the first dp x cp replica's, and of a rank's experts (which
+    # differ across the expert-parallel group) the first of the ranks holding them
+    first_tp = ctx.coords.tp == 0
+    dense = first_tp and ctx.coords.dp == 0 and getattr(ctx.coords, "cp", 0) == 0
+    experts = getattr(ctx, "expert_dp_cp", None)
+    expert_writer = first_tp and (experts.rank == 0 if experts is not None else dense)
+    params = dict(model.named_parameters())
+    sent = {k: v for k, v in mine.items()
+            if (expert_writer if getattr(params[k], "expert", False) else dense)}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine if writer else {}, parts, dst=0)
+    dist.gather_object(sent, parts, dst=0)
     return {k: v for part in parts for k, v in part.items()} if parts is not None else None
 
 
