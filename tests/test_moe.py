@@ -149,7 +149,7 @@ def test_the_logged_aux_loss_is_one_for_perfect_balance():
     (dict(n_experts=8, ep=3, nproc=3), "--ep 3 does not divide --n-experts 8"),
     (dict(n_experts=8, ep=4, nproc=2), "--ep 4 does not divide the 2 data-parallel x cp ranks"),
     (dict(n_experts=4, moe_top_k=5), "--moe-top-k 5 exceeds --n-experts 4"),
-    (dict(n_experts=8, ep=2, nproc=2, zero=2), "--zero 2 with --ep 2"),
+    (dict(n_experts=8, ep=2, nproc=4, zero=1, zero_shard_size=2), "--zero-shard-size with --ep 2"),
     (dict(n_experts=8, compile=True), "--compile with --n-experts"),
 ])
 def test_moe_configurations_refused_in_one_line(fields, message):

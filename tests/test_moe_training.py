@@ -3,7 +3,7 @@ invariant"): fp64, 1e-9 relative, per-step losses and grad norms, validation los
 every rank's final weights (its own experts, its tp shard of the rest), dropless and with
 capacity (the same tokens dropped on every layout), with
 expert parallelism at ep 2 and 4 (dp 4), with tp 2 (with and without sequence
-parallelism), pp 2 (1f1b, interleaved, zb-h1), cp 2, ZeRO-1, both recomputations,
+parallelism), pp 2 (1f1b, interleaved, zb-h1), cp 2, ZeRO-1, 2 and 3, both recomputations,
 shared experts, GPT-2 experts with the embedding tied across stages, and MoE every other
 layer; checkpoints moving between ep 2 and one process both ways.
 
@@ -33,8 +33,9 @@ RUNS: dict[str, tuple[int, dict]] = {
     "dp2": (2, dict(dp=2)),
     "ep2": (2, dict(dp=2, ep=2)),
     "ep2-zero1": (2, dict(dp=2, ep=2, zero=1)),
-    "dp2-zero2": (2, dict(dp=2, zero=2)),  # experts not split: ZeRO-2/3 shard them with the rest
-    "dp2-zero3": (2, dict(dp=2, zero=3)),
+    "ep2-zero2": (2, dict(dp=2, ep=2, zero=2)),
+    "ep2-zero3": (2, dict(dp=2, ep=2, zero=3)),
+    "dp2-zero3": (2, dict(dp=2, zero=3)),  # experts not split: sharded with the rest
     "ep2-full": (2, dict(dp=2, ep=2, recompute="full")),
     "ep2-selective": (2, dict(dp=2, ep=2, recompute="selective")),
     "ep2-shared": (2, dict(dp=2, ep=2, moe_shared_experts=1)),
@@ -46,6 +47,8 @@ RUNS: dict[str, tuple[int, dict]] = {
     "ep4": (4, dict(dp=4, ep=4)),
     "ep2-dp4": (4, dict(dp=4, ep=2)),
     "ep2-dp4-zero1": (4, dict(dp=4, ep=2, zero=1)),
+    "ep2-dp4-zero3": (4, dict(dp=4, ep=2, zero=3)),  # experts sharded over their pairs
+    "ep2-pp2-zbh1-zero3": (4, dict(dp=2, ep=2, pp=2, schedule="zb-h1", zero=3)),
     "ep2-tp2": (4, dict(dp=2, ep=2, tp=2)),
     "ep2-tp2-sp": (4, dict(dp=2, ep=2, tp=2, sequence_parallel=True)),
     "ep2-pp2-1f1b": (4, dict(dp=2, ep=2, pp=2, schedule="1f1b")),

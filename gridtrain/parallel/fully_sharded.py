@@ -74,7 +74,7 @@ class ShardedGradientReducer(GradientReducer):
     def __init__(self, model: nn.Module, dp: CommGroup, *, accumulations: int, bucket_mb: float = 25.0,
                  grad_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  alone: Collection[nn.Parameter] = (), units: dict[nn.Parameter, int] | None = None,
-                 replicas: CommGroup | None = None):
+                 replicas: CommGroup | None = None, experts: CommGroup | None = None):
         self._staging: dict[int, torch.Tensor] = {}  # bucket index -> gradients for its next reduce-scatter
         self._early: dict[nn.Parameter, torch.Tensor] = {}  # vectors' gradients before their bucket's staging
         self._in_flight: list[_Staged] = []
@@ -83,7 +83,7 @@ class ShardedGradientReducer(GradientReducer):
         self.after_grad: Callable[[nn.Parameter], None] | None = None  # ZeRO-3: may free the unit
         super().__init__(model, dp, accumulations=accumulations, bucket_mb=bucket_mb, grad_dtype=grad_dtype,
                          shard=True, device=device, in_place=False, alone=alone, units=units,
-                         replicas=replicas)
+                         replicas=replicas, experts=experts)
         self._index = {id(b): i for i, b in enumerate(self.buckets)}
         # a vector (norm gain, bias) alone in one bucket may wait in _early
         self._vector = {p for p in self.params if len(whole_shape(p)) < 2 and len(self.buckets_of[p]) == 1}
@@ -93,8 +93,9 @@ class ShardedGradientReducer(GradientReducer):
 
     def _allocate(self) -> list[torch.Tensor]:
         self.buffer = None  # no whole buffer: see the module docstring
-        self.grad_shard = torch.zeros(self.padded // self.dp.size, dtype=self.dtype, device=self.device)
-        return [self.grad_shard[b.at: b.at + (b.end - b.start) // self.dp.size] for b in self.buckets]
+        sizes = [(b.end - b.start) // b.group.size for b in self.buckets]  # this rank's slice of each
+        self.grad_shard = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
+        return [self.grad_shard[b.at: b.at + n] for b, n in zip(self.buckets, sizes)]
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.grad_shard]
@@ -165,13 +166,14 @@ class ShardedGradientReducer(GradientReducer):
         if len(self._in_flight) >= MAX_IN_FLIGHT:  # bound the staging memory: the oldest lands first
             self._fold(wait=True, keep=MAX_IN_FLIGHT - 1)
         b = staged.bucket
-        size = (b.end - b.start) // self.dp.size
+        group = b.group  # the reducer's, or for a rank's experts their expert-data-parallel group
+        size = (b.end - b.start) // group.size
         own = self.shard_views[staged.index]
-        if self.dp.size == 1:
+        if group.size == 1:
             own.add_(staged.tensor)  # nothing to reduce: the local sum is the sum
             return
-        out = own if staged.round == 0 else staged.tensor[self.dp.rank * size: (self.dp.rank + 1) * size]
-        staged.pending = self.dp.start_reduce_scatter(staged.tensor, 0, out=out)
+        out = own if staged.round == 0 else staged.tensor[group.rank * size: (group.rank + 1) * size]
+        staged.pending = group.start_reduce_scatter(staged.tensor, 0, out=out)
         self.reduce_scatters += 1
         if b.launched_at is None:
             b.launched_at = self.clock.mark()
@@ -189,8 +191,8 @@ class ShardedGradientReducer(GradientReducer):
             staged.pending.wait()
             b = staged.bucket
             if staged.round > 0:
-                size = (b.end - b.start) // self.dp.size
-                self.shard_views[staged.index].add_(staged.tensor[self.dp.rank * size: (self.dp.rank + 1) * size])
+                size = (b.end - b.start) // b.group.size
+                self.shard_views[staged.index].add_(staged.tensor[b.group.rank * size: (b.group.rank + 1) * size])
             if b.done_at is None or staged.round == self.accumulations - 1:
                 b.done_at = self.clock.mark()
             self._in_flight.pop(0)

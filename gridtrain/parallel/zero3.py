@@ -116,13 +116,14 @@ class ParameterShards:
             return
         u.gathered = []
         for b in u.buckets:
-            size = (b.end - b.start) // self.dp.size
+            group = b.group  # the shard group, or for a rank's experts their expert-data-parallel group
+            size = (b.end - b.start) // group.size
             whole = torch.empty(b.end - b.start, dtype=self.dtype, device=self.device)
             own = self.shard[b.at:b.at + size]
-            if self.dp.size == 1:
+            if group.size == 1:
                 whole.copy_(own)
             else:
-                u.pending.append(self.dp.start_all_gather_into(whole, own))
+                u.pending.append(group.start_all_gather_into(whole, own))
             u.gathered.append(whole)
         self.gathers += 1
         self.gathers_total += 1

@@ -307,7 +307,7 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext,
     p = cfg.parallel
     alone = [q for q in [tied_parameter(model, ctx.embedding)] if q is not None]
     common = dict(accumulations=micro_batches, bucket_mb=p.bucket_mb, device=ctx.device, alone=alone)
-    if p.zero == 0:  # (expert parallelism: experts reduced over their own group, validated for ZeRO 0 and 1)
+    if p.zero == 0:  # (expert parallelism: a rank's experts in buckets of their own, reduced over their group)
         return GradientReducer(model, ctx.dp_cp, in_place=not uses_split_backward(p.schedule),
                                experts=ctx.expert_dp, **common), None
     # ZeRO shards over dp x cp, or under hybrid sharding over a part of it (replicated across the parts)
@@ -316,9 +316,10 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext,
         return GradientReducer(model, ctx.shard_group, shard=True, in_place=not uses_split_backward(p.schedule),
                                experts=ctx.expert_dp, **common), None
     if p.zero == 2:
-        return ShardedGradientReducer(model, ctx.shard_group, **common), None
+        return ShardedGradientReducer(model, ctx.shard_group, experts=ctx.expert_dp, **common), None
     units, unit_of = make_units(model, Block)
-    reducer = ShardedGradientReducer(model, ctx.shard_group, **{**common, "bucket_mb": math.inf}, units=unit_of)
+    reducer = ShardedGradientReducer(model, ctx.shard_group, **{**common, "bucket_mb": math.inf}, units=unit_of,
+                                     experts=ctx.expert_dp)
     attach_buckets(units, reducer)
     by_module = {id(u.module): u for u in units}
     chunks = getattr(model, "chunks", None)

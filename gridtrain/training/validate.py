@@ -190,10 +190,9 @@ def _validate_experts(m: ModelConfig, p: ParallelConfig, t: TrainingConfig, repl
     _require(m.moe_shared_experts == 0 or (m.moe_shared_experts * m.moe_ffn_size) % p.tp == 0,
              f"--tp {p.tp} does not divide the shared experts' width {m.moe_shared_experts * m.moe_ffn_size}; "
              f"choose a tp that divides it")
-    if p.ep > 1:
-        _require(p.zero <= 1, f"--zero {p.zero} with --ep {p.ep}: ZeRO-2/3 do not shard experts over their own "
-                              f"group yet; use --zero 1 (or --ep 1)")
-        _require(p.zero_shard_size is None, f"--zero-shard-size with --ep {p.ep} is not supported yet; drop one")
+    _require(p.ep == 1 or p.zero_shard_size is None,
+             f"--zero-shard-size with --ep {p.ep}: hybrid sharding of experts over their own group is not built "
+             f"yet; drop one of them")
     _require(not t.compile, "--compile with --n-experts: MoE layers size their tensors by the routing counts "
                             "(host reads inside the block); not compiled yet, drop --compile")
 
