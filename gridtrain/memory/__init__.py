@@ -9,7 +9,10 @@
 * ``zero``: ZeRO's closed forms: the parameter, gradient and optimizer bytes of a rank
   for stages 0-3 and a shard group (hybrid sharding), ZeRO-3's gathered working set,
   and the collectives of a step;
-* ``cp``: context parallelism's: the bytes a cp rank's attention sends.
+* ``cp``: context parallelism's: the bytes a cp rank's attention sends;
+* ``moe``: mixtures of experts': total and active parameters, model FLOPs over the
+  active ones, a rank's experts, the all-to-all bytes, what a MoE layer keeps for
+  backward.
 
 It describes ``parallel`` and ``models`` (partition, schedules, recomputation policy,
 block sizes), so it imports them; training (the run report), the dry run and the

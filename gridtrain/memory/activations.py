@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from gridtrain.memory.cp import wide_bytes as _wide_bytes
+from gridtrain.memory.moe import moe_mlp_bytes_per_token
 
 
 def dropout_mask_bytes(device: torch.device, element_bytes: int) -> int:
@@ -35,7 +36,8 @@ def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int
                       sequence_parallel: bool = False, recompute: str = "none", element_bytes: int = 2,
                       mask_bytes: int = 1, dropout: bool = True, arch: str = "gpt2",
                       kv_hidden: int | None = None, attention: str = "math", cp: int = 1,
-                      cp_comm: str = "ring") -> float:
+                      cp_comm: str = "ring", attn_hidden: int | None = None, qk_norm: str | None = None,
+                      mlp_bytes: float | None = None) -> float:
     """Activation bytes one transformer layer saves for backward, per micro-batch.
 
     Korthikanti et al. count, in 16-bit with 1-byte dropout masks and ffn = 4h,
@@ -74,13 +76,25 @@ def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int
     are views of the fused q/k/v output that q keeps, so they stay), its output and one
     log-sum-exp per (query head, token) in the accumulation dtype (``max(e, 4)`` bytes). ``selective`` does not recompute that core
     (it already keeps no ``seq x seq`` tensor), so it keeps what ``none`` keeps.
+
+    ``attn_hidden``: the width of the query heads together (``n_head x head_dim``; default
+    ``hidden``), where a model sets its own head size (Qwen3: 32 heads of 128 on
+    ``d = 2048``): q, the core's output and the output projection's input have it.
+    ``qk_norm`` (``head``: Qwen3's, ``full``: OLMoE's): the queries' and keys' norms keep
+    their inputs, ``e`` times the rank's query and key widths (``full`` under tp > 1: its
+    input widened to fp32 and its normalised output, ``max(e, 4) + e``; the per-head
+    statistics are left out, as the block norms' are). ``mlp_bytes``: per token, what the layer keeps
+    in the place of the dense MLP's intermediates (``(4|2) e ffn / t``): a MoE layer's
+    router, permuted rows and expert intermediates (:func:`gridtrain.memory.moe.
+    moe_activation_terms`).
     """
     tokens = seq * batch
     if recompute == "full":
         return tokens * hidden * element_bytes / (tp if sequence_parallel else 1)
     t = _terms(seq=seq, hidden=hidden, heads=heads, ffn=ffn, tp=tp, sequence_parallel=sequence_parallel,
                element_bytes=element_bytes, mask_bytes=mask_bytes, dropout=dropout, arch=arch, kv_hidden=kv_hidden,
-               attention=attention, cp=cp, cp_comm=cp_comm)
+               attention=attention, cp=cp, cp_comm=cp_comm, attn_hidden=attn_hidden, qk_norm=qk_norm,
+               mlp_bytes=mlp_bytes)
     if recompute == "selective":
         return tokens * (t["before_core"] + t["core_inputs"] + t["after_core"])
     return tokens * (t["before_core"] + t["q_k_v"] + t["scores"] + t["after_core"])
@@ -103,26 +117,34 @@ def rebuilt_core_bytes(**shape) -> float:
 def _terms(*, seq: int, hidden: int, heads: int, ffn: int, tp: int, sequence_parallel: bool,
            element_bytes: int, mask_bytes: int, dropout: bool, arch: str = "gpt2",
            kv_hidden: int | None = None, attention: str = "math", cp: int = 1,
-           cp_comm: str = "ring") -> dict[str, float]:
+           cp_comm: str = "ring", attn_hidden: int | None = None, qk_norm: str | None = None,
+           mlp_bytes: float | None = None) -> dict[str, float]:
     """Bytes per token of each part of a layer (see korthikanti_bytes)."""
     e, m, d = element_bytes, mask_bytes, int(dropout)
     sp = tp if sequence_parallel else 1
     llama = arch == "llama"
     fused = attention != "math"
-    repeated = llama and kv_hidden is not None and kv_hidden < hidden / tp and not fused  # shared kv heads
-    core_inputs = e * hidden / tp + 2 * e * (kv_hidden if llama else hidden / tp)
+    a = attn_hidden or hidden  # the query heads' width
+    repeated = llama and kv_hidden is not None and kv_hidden < a / tp and not fused  # shared kv heads
+    core_inputs = e * a / tp + 2 * e * (kv_hidden if llama else a / tp)
+    mlp = (4 if llama else 2) * e * ffn / tp if mlp_bytes is None else mlp_bytes
+    # the q/k norms' inputs; OLMoE's norm over a projection split over tp keeps its input
+    # widened to fp32 and its normalised output instead (llama.ProjectionNorm)
+    per_feature = e + _wide_bytes(e) if qk_norm == "full" and tp > 1 else e
+    norms = per_feature * (a / tp + (kv_hidden if llama and kv_hidden is not None else a / tp)) if qk_norm else 0.0
     terms = {
-        "before_core": 2 * e * hidden / sp,  # first norm's input, q/k/v's input
+        # first norm's input, q/k/v's input (and the q/k norms' inputs)
+        "before_core": 2 * e * hidden / sp + norms,
         # the core's q, k, v (op by op, Llama's k and v repeated per query head); fused, its
         # inputs as they are and its own output
-        "q_k_v": core_inputs + e * hidden / tp if fused else 3 * e * hidden / tp,
+        "q_k_v": core_inputs + e * a / tp if fused else 3 * e * a / tp,
         "core_inputs": core_inputs,  # kept by selective
         "scores": heads / tp * 4 if fused else heads * seq / tp * (e + d * (e + m)),  # fused: fp32 log-sum-exp
-        "repeated_kv": 2 * e * hidden / tp if repeated else 0.0,
-        "after_core": e * hidden / tp + hidden * (2 * e + 2 * m * d) / sp + (4 if llama else 2) * e * ffn / tp,
+        "repeated_kv": 2 * e * a / tp if repeated else 0.0,
+        "after_core": e * a / tp + hidden * (2 * e + 2 * m * d) / sp + mlp,
     }
     if cp > 1:
-        terms.update(_cp_core(hidden=hidden, heads=heads, tp=tp, e=e,
+        terms.update(_cp_core(hidden=a, heads=heads, tp=tp, e=e,
                               kv_hidden=kv_hidden if llama and kv_hidden is not None else hidden / tp,
                               gathered=cp if cp_comm == "allgather" else 0, fused_qkv=not llama))
     return terms
@@ -143,33 +165,47 @@ def _cp_core(*, hidden: int, heads: int, tp: int, e: int, kv_hidden: float, gath
 
 
 def layer_shape(m, *, batch: int, tp: int, sequence_parallel: bool, element_bytes: int,
-                mask_bytes: int, cp: int = 1, cp_comm: str = "ring") -> dict:
+                mask_bytes: int, cp: int = 1, cp_comm: str = "ring", layer: int | None = None,
+                ep: int = 1) -> dict:
     """The keyword arguments of :func:`korthikanti_bytes` for model config ``m``
     (config.ModelConfig) at micro-batch ``batch`` on ``tp`` ranks; with ``cp`` > 1 for
     the ``seq_len / cp`` tokens of one cp rank (the keys ``cp`` and ``cp_comm`` are
-    only there then: one rank's shape is the shape without context parallelism)."""
+    only there then: one rank's shape is the shape without context parallelism).
+    ``layer``: the shape of that block, a MoE block's (``mlp_bytes``) where
+    ``m.is_moe_layer(layer)`` (``ep``: its expert-parallel size); without it, a dense
+    block's. ``attn_hidden`` and
+    ``qk_norm`` only where the model has them (its own head size, q/k norms)."""
     kv_per_rank = max(m.kv_heads // tp, 1)  # whole kv heads per rank: replicated when tp exceeds them
     shape = dict(seq=m.seq_len // cp, batch=batch, hidden=m.d_model, heads=m.n_head, ffn=m.ffn_size, tp=tp,
                  sequence_parallel=sequence_parallel, element_bytes=element_bytes, mask_bytes=mask_bytes,
                  dropout=m.dropout > 0, arch=m.arch, kv_hidden=kv_per_rank * m.head_dim, attention=m.attention)
     if cp > 1:
         shape.update(cp=cp, cp_comm=cp_comm)
+    if m.n_head * m.head_dim != m.d_model:
+        shape.update(attn_hidden=m.n_head * m.head_dim)
+    if getattr(m, "qk_norm", None):
+        shape.update(qk_norm=m.qk_norm)
+    if layer is not None and m.is_moe_layer(layer):
+        shape.update(mlp_bytes=moe_mlp_bytes_per_token(m, tp=tp, sequence_parallel=sequence_parallel and tp > 1,
+                                                       element_bytes=element_bytes, ep=ep))
     return shape
 
 
 def expected_by_layer(runs: list[tuple[tuple[int, ...], bool]], mode: str, micro_batches: int,
-                      keep_last: bool, **shape) -> dict[str, float]:
+                      keep_last: bool, shape_of=None, **shape) -> dict[str, float]:
     """The formula's bytes per micro-batch for each block of a stage, given which runs of
     blocks are recomputed regions (charged to their first block) and whether the last
-    micro-batch keeps everything."""
-    plain = korthikanti_bytes(recompute="none", **shape)
+    micro-batch keeps everything. ``shape_of``: block id -> that block's shape, where
+    the blocks differ (a MoE model's: :func:`layer_shape` with ``layer``); else every
+    block has ``shape``."""
     kept_mode = "selective" if mode == "selective" else "none"
     out: dict[str, float] = {}
     for ids, recomputed in runs:
         for n, i in enumerate(ids):
-            value = (korthikanti_bytes(recompute="full", **shape) if n == 0 else 0.0) if recomputed \
-                else korthikanti_bytes(recompute=kept_mode, **shape)
+            block = shape if shape_of is None else shape_of(i)
+            value = (korthikanti_bytes(recompute="full", **block) if n == 0 else 0.0) if recomputed \
+                else korthikanti_bytes(recompute=kept_mode, **block)
             if keep_last and mode != "none":
-                value = ((micro_batches - 1) * value + plain) / micro_batches
+                value = ((micro_batches - 1) * value + korthikanti_bytes(recompute="none", **block)) / micro_batches
             out[f"blocks.{i}"] = value
     return out

@@ -22,6 +22,12 @@ in two places: a rank's blocks run on ``seq_len / cp`` tokens with the cp attent
 sharded, over the ``dp x cp`` ranks that hold the same shard (each cp rank holds the
 whole layer), or with ``--zero-shard-size`` over groups of that many of them. With cp = 1 every form is the three-axis one.
 
+A mixture of experts (:mod:`gridtrain.memory.moe`): a rank holds its ``E / ep`` experts
+of each MoE block it holds; with ``ep`` > 1 their gradients are reduced (their ZeRO-1
+state sharded) over the expert-data-parallel group (``dp x cp / ep``), the rest over
+``dp x cp``; a MoE block keeps its router's, permutation's and experts' tensors instead of
+the dense MLP's.
+
 The dry run measures the same quantities on fake tensors, and the tests hold them equal
 (the activation peak within a few percent: the norms' per-token statistics are left
 out); the planner reads these forms to decide whether a layout fits. The module describes
@@ -39,8 +45,9 @@ import torch
 
 from gridtrain.config import Config, ModelConfig
 from gridtrain.memory import activations
+from gridtrain.memory.moe import dense_block_parameters, edp_size, moe_block_parameters
 from gridtrain.memory.zero import zero_state_bytes
-from gridtrain.models.decoder import ChunkSpec, block_parameters, parameter_costs
+from gridtrain.models.decoder import ChunkSpec, parameter_costs
 from gridtrain.parallel.distributed import TORCH_DTYPES
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.parallel.pipeline.partition import UnitCosts, partition
@@ -93,6 +100,17 @@ def zero_shards(cfg: Config, grid: ProcessGrid) -> int:
     return getattr(cfg.parallel, "zero_shard_size", None) or gradient_shards(grid)
 
 
+def expert_parallel(cfg: Config) -> int:
+    """The expert-parallel size (``cfg.parallel.ep``; 1 where the configuration has none)."""
+    return getattr(cfg.parallel, "ep", 1) or 1
+
+
+def expert_shards(cfg: Config, grid: ProcessGrid) -> int:
+    """The ranks an expert's gradient is reduced (and ZeRO-1 shards its state) over: the
+    expert-data-parallel group, ``dp x cp / ep``."""
+    return edp_size(grid.dp, grid.cp, expert_parallel(cfg))
+
+
 def _holds(cfg: Config, grid: ProcessGrid, rank: int) -> tuple[int, bool, bool]:
     """How many blocks rank ``rank`` holds, and whether it holds the embedding and the head."""
     chunks = chunks_of_stage(cfg, grid, grid.coords(rank).pp)
@@ -100,15 +118,35 @@ def _holds(cfg: Config, grid: ProcessGrid, rank: int) -> tuple[int, bool, bool]:
             any(c.post_process for c in chunks))
 
 
+def moe_blocks_held(cfg: Config, grid: ProcessGrid, rank: int) -> int:
+    """How many of rank ``rank``'s blocks are MoE blocks (none for a dense model)."""
+    if not cfg.model.n_experts:
+        return 0
+    chunks = chunks_of_stage(cfg, grid, grid.coords(rank).pp)
+    return sum(cfg.model.is_moe_layer(i) for c in chunks for i in c.layer_ids)
+
+
 # ---- parameters, gradients, optimizer state ------------------------------------------------------
 
 def expected_parameters(cfg: Config, grid: ProcessGrid, rank: int) -> int:
     """Parameters rank ``rank`` holds, from the model's shape and the layout
-    (:func:`stage_parameters` of the blocks, embedding and head it holds)."""
-    return stage_parameters(cfg.model, grid.tp, *_holds(cfg, grid, rank))
+    (:func:`stage_parameters` of the blocks, embedding and head it holds; of a MoE
+    model's blocks, its ``E / ep`` experts of each MoE block)."""
+    return sum(stage_parameter_split(cfg, grid, rank))
 
 
-def stage_parameters(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: bool) -> int:
+def stage_parameter_split(cfg: Config, grid: ProcessGrid, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s parameters as (dense, experts): the ones reduced over ``dp x cp``
+    and its experts, reduced over the expert-data-parallel group
+    (:func:`expert_shards`); experts 0 for a dense model."""
+    moe, ep = moe_blocks_held(cfg, grid, rank), expert_parallel(cfg)
+    n = stage_parameters(cfg.model, grid.tp, *_holds(cfg, grid, rank), moe_blocks=moe, ep=ep)
+    experts = moe * moe_block_parameters(cfg.model, grid.tp, ep)[1]
+    return n - experts, experts
+
+
+def stage_parameters(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: bool, *, moe_blocks: int = 0,
+                     ep: int = 1) -> int:
     """Parameters of a TP rank holding ``blocks`` blocks, and the embedding and the head
     if it ``embeds`` and ``ends``: per block (models.decoder.block_parameters), GPT-2's
     column-parallel QKV and MLP expansion (weights and biases / t), row-parallel
@@ -116,10 +154,14 @@ def stage_parameters(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: b
     up, down / t, the rank's whole key/value heads and two whole RMSNorms; the
     vocabulary-parallel token table (padded vocabulary / t rows) and GPT-2's whole
     position table where it embeds; the final norm and, unless it also embeds, a copy of
-    the (tied) table or the untied head where it ends."""
+    the (tied) table or the untied head where it ends. ``moe_blocks`` of the blocks are
+    MoE blocks (gridtrain.memory.moe.moe_block_parameters: their dense part and
+    ``E / ep`` experts)."""
     d = m.d_model
     table = m.padded_vocab_size(tp) // tp * d
-    n = block_parameters(m, tp) * blocks
+    n = dense_block_parameters(m, tp) * (blocks - moe_blocks)
+    if moe_blocks:
+        n += sum(moe_block_parameters(m, tp, ep)) * moe_blocks
     gpt2 = m.arch == "gpt2"
     if embeds:
         n += table + (m.seq_len * d if gpt2 else 0)
@@ -151,15 +193,32 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
     """:func:`expected_bytes` and what a rank holds only within a step, beyond the
     activations: ZeRO-3's gathered parameters (``gathered_bytes``: two blocks and the
     stage's other parameters, or the whole stage with ``--zero3-keep-gathered``) and
-    ZeRO-2/3's gradient staging buffers (``staging_bytes``); both zero for ZeRO-0 and 1."""
+    ZeRO-2/3's gradient staging buffers (``staging_bytes``); both zero for ZeRO-0 and 1.
+
+    A MoE model's experts (``stage_parameter_split``): with ``ep`` = 1 in the one
+    buffer with the rest (the expert-data-parallel group is then all of ``dp x cp``);
+    with ``ep`` > 1 in a buffer of their own, padded to and ZeRO-1-sharded over the
+    expert-data-parallel group (``dp x cp / ep``), the dense parameters' as before.
+    ZeRO-3 gathers the stage's largest block twice."""
     holds = _holds(cfg, grid, rank)
-    n = stage_parameters(cfg.model, grid.tp, *holds)
-    par = cfg.parallel
-    state = zero_state_bytes(n, TORCH_DTYPES[cfg.training.dtype], par.zero, zero_shards(cfg, grid),
-                             padded=_padded_buffer(cfg, grid, holds, n) if par.zero else n,
-                             tensors=_parameter_tensors(cfg, holds), bucket_mb=par.bucket_mb,
-                             block_params=block_parameters(cfg.model, grid.tp), blocks=holds[0],
-                             keep_gathered=bool(getattr(par, "zero3_keep_gathered", False)))
+    m, par = cfg.model, cfg.parallel
+    dense, experts = stage_parameter_split(cfg, grid, rank)
+    moe, ep = moe_blocks_held(cfg, grid, rank), expert_parallel(cfg)
+    n = dense + experts
+    blocks = (holds[0] - moe) * dense_block_parameters(m, grid.tp) + moe * sum(moe_block_parameters(m, grid.tp, ep))
+    largest = max(dense_block_parameters(m, grid.tp) if holds[0] > moe else 0,
+                  sum(moe_block_parameters(m, grid.tp, ep)) if moe else 0)
+    dtype, keep = TORCH_DTYPES[cfg.training.dtype], bool(getattr(par, "zero3_keep_gathered", False))
+    own = dense if ep > 1 else n
+    state = zero_state_bytes(own, dtype, par.zero, zero_shards(cfg, grid),
+                             padded=_padded_buffer(cfg, grid, holds, own) if par.zero else own,
+                             tensors=_parameter_tensors(cfg, holds, moe), bucket_mb=par.bucket_mb,
+                             block_params=largest, blocks=holds[0], keep_gathered=keep,
+                             in_blocks=blocks - (experts if ep > 1 else 0))
+    if ep > 1 and experts:
+        apart = zero_state_bytes(experts, dtype, par.zero, expert_shards(cfg, grid), bucket_mb=par.bucket_mb,
+                                 keep_gathered=keep)
+        state = {k: state[k] + apart[k] for k in state}
     return {"parameters": n, **state}
 
 
@@ -180,13 +239,17 @@ def _padded_buffer(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool]
     return up(n)
 
 
-def _parameter_tensors(cfg: Config, holds: tuple[int, bool, bool]) -> int:
+def _parameter_tensors(cfg: Config, holds: tuple[int, bool, bool], moe_blocks: int = 0) -> int:
     """Parameter tensors of a rank holding ``holds`` (:func:`_holds`; AdamW keeps one
-    step count per tensor)."""
+    step count per tensor), ``moe_blocks`` of its blocks MoE blocks: the MLP's tensors
+    replaced by the router's weight, each of its ``E / ep`` experts' and the shared MLP's."""
     blocks, embeds, ends = holds
-    gpt2 = cfg.model.arch == "gpt2"
+    m = cfg.model
+    gpt2 = m.arch == "gpt2"
     # GPT-2: 2 LayerNorms x 2, 4 linears x (weight, bias); Llama: 2 RMSNorms, 7 linears
-    n = (12 if gpt2 else 9) * blocks
+    n = (12 if gpt2 else 9) * blocks + (2 * blocks if getattr(m, "qk_norm", None) else 0)
+    mlp = 4 if gpt2 else 3  # GPT-2: two linears with biases; Llama: gate, up, down
+    n += moe_blocks * (1 - mlp + mlp * (m.n_experts // expert_parallel(cfg) + (m.moe_shared_experts > 0)))
     n += (2 if gpt2 else 1) if embeds else 0  # token (and position) table
     n += ((2 if gpt2 else 1) + (0 if cfg.model.tie_embeddings and embeds else 1)) if ends else 0
     return n
@@ -207,7 +270,8 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     Describes ``--attention math`` (the fused kernel keeps no s x s scores) and
     ``--recompute-keep-last`` off. Under context parallelism everything per token is for
     the rank's ``seq_len / cp`` tokens (the micro-batches are still the global batch's
-    split over dp only)."""
+    split over dp only). A MoE model's MoE blocks have their own bytes (layer_shape with
+    ``layer``), with balanced routing."""
     m, t = cfg.model, cfg.training
     e = TORCH_DTYPES[t.dtype].itemsize
     sp = cfg.parallel.sequence_parallel and grid.tp > 1
@@ -215,6 +279,17 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     shape = activations.layer_shape(m, batch=t.micro_batch_size, tp=grid.tp, sequence_parallel=sp, element_bytes=e,
                                     mask_bytes=activations.dropout_mask_bytes(torch.device(device_type), e),
                                     cp=cp, cp_comm=cp_comm)
+    # a MoE model's MoE blocks keep their router, routed rows and expert intermediates instead
+    # of the dense MLP's (memory.moe.moe_activation_terms)
+    moe_shape = activations.layer_shape(m, batch=t.micro_batch_size, tp=grid.tp, sequence_parallel=sp,
+                                        element_bytes=e, mask_bytes=shape["mask_bytes"], cp=cp, cp_comm=cp_comm,
+                                        layer=m.moe_layers[0], ep=expert_parallel(cfg)) if m.n_experts else shape
+
+    def shape_of(i: int) -> dict:
+        return moe_shape if m.is_moe_layer(i) else shape
+
+    def shapes(c: ChunkSpec) -> list[dict]:  # the kinds of block a chunk has
+        return [x for x in (shape, moe_shape) if any(shape_of(i) is x for i in c.layer_ids)] or [shape]
     stage = grid.coords(rank).pp
     micro_batches = t.global_batch_size // (t.micro_batch_size * grid.dp)
     actions = _forwards_and_backwards(cfg.parallel.schedule, grid.pp, micro_batches, cfg.parallel.vpp, stage)
@@ -234,19 +309,20 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     embedding = tokens * 8 + positions + (tokens * 9 if grid.tp > 1 else 0) \
         + (tokens * m.d_model * shape["mask_bytes"] / sp_div if m.dropout > 0 else 0.0)
     cost = [sum(activations.expected_by_layer(policy.block_runs(c.layer_ids), policy.mode, micro_batches, False,
-                                              **shape).values())
+                                              shape_of=shape_of if m.n_experts else None, **shape).values())
             + (head if c.post_process else 0.0) + (embedding if c.pre_process else 0.0)
             for c in chunks]
     # with full recomputation, B rebuilds one region (the longest) on top of what is held;
     # its input is already counted (kept), and on the chunk that ends the model the
     # head's backward has released the softmax by then
     region = max((len(r) for c in chunks for r, redo in policy.block_runs(c.layer_ids) if redo), default=0)
-    rebuilt = [region * activations.korthikanti_bytes(recompute="none", **shape)
+    # (of a MoE model, the largest kind of block the chunk has)
+    rebuilt = [max(region * activations.korthikanti_bytes(recompute="none", **x) for x in shapes(c))
                - activations.korthikanti_bytes(recompute="full", **shape) - (head if c.post_process else 0.0)
                if region else 0.0 for c in chunks]
     if policy.mode == "selective":  # B rebuilds one block's attention core at a time
-        rebuilt = [max(0.0, activations.rebuilt_core_bytes(**shape) - (head if c.post_process else 0.0))
-                   if c.layer_ids else 0.0 for c in chunks]
+        rebuilt = [max(0.0, max(activations.rebuilt_core_bytes(**x) for x in shapes(c))
+                       - (head if c.post_process else 0.0)) if c.layer_ids else 0.0 for c in chunks]
     held = peak = 0.0
     for kind, chunk in actions:  # what the schedule holds between each F and its B, chunk by chunk
         if kind == F:

@@ -79,7 +79,7 @@ def _check(zero: int, shard: int) -> None:
 
 def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int | None = None, tensors: int = 0,
                      bucket_mb: float = 25.0, block_params: int = 0, blocks: int = 0,
-                     keep_gathered: bool = False) -> dict[str, int]:
+                     keep_gathered: bool = False, in_blocks: int | None = None) -> dict[str, int]:
     """Bytes a rank holds for ``params`` parameters of ``dtype`` under ZeRO stage ``zero``
     with its state sharded over ``shard`` ranks (the table of the module docstring):
     ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` (held all along) and,
@@ -92,7 +92,10 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
     fp32 and fp64); ``bucket_mb``: a gradient bucket in MiB; ``block_params`` and
     ``blocks``: one transformer block's parameters and how many of ``params`` are in
     blocks (ZeRO-3 gathers two of them at a time; the rest of ``params`` is gathered
-    while the stage runs); ``keep_gathered``: ZeRO-3 keeps all ``params`` gathered."""
+    while the stage runs); ``keep_gathered``: ZeRO-3 keeps all ``params`` gathered;
+    ``in_blocks``: how many of ``params`` are in blocks where the blocks differ (a MoE
+    model's; ``block_params`` is then the largest block's; default ``blocks x
+    block_params``)."""
     _check(zero, shard)
     e = element_bytes(dtype)
     w = wide_bytes(e)
@@ -108,7 +111,7 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
         optimizer = 3 * owned * w
     gathered = 0
     if zero == 3:
-        in_blocks = blocks * block_params
+        in_blocks = blocks * block_params if in_blocks is None else in_blocks
         gathered = params if keep_gathered else min(blocks, GATHERED_BLOCKS) * block_params + params - in_blocks
     staging = STAGING_BUCKETS * min(int(bucket_mb * 2 ** 20), padded * w) if zero >= 2 else 0
     return {"parameter_bytes": (owned if zero == 3 else params) * e,

@@ -14,7 +14,8 @@ from gridtrain.planner.machine import MACHINES, machine
 from gridtrain.planner.search import CP_COMM, RECOMPUTE, SCHEDULES, ZERO, Fixed, search
 
 _MODEL_FLAGS = {"arch": str, "n_layer": int, "d_model": int, "n_head": int, "n_kv_head": int, "ffn_size": int,
-                "vocab_size": int}
+                "vocab_size": int, "n_experts": int, "moe_top_k": int, "moe_ffn_hidden": int,
+                "moe_shared_experts": int, "moe_every": int}
 
 
 def add_plan_parser(sub) -> None:
@@ -32,6 +33,8 @@ def add_plan_parser(sub) -> None:
     g.add_argument("--tp", type=int)
     g.add_argument("--cp", type=int, help="context parallel: ranks that split each sequence (1: none)")
     g.add_argument("--cp-comm", choices=CP_COMM, help="how the cp ranks' attention exchanges keys and values")
+    g.add_argument("--ep", type=int, help="expert parallel: ranks of a dp x cp group that split each MoE layer's "
+                                          "experts (1: none)")
     g.add_argument("--pp", type=int)
     g.add_argument("--vpp", type=int)
     g.add_argument("--micro-batch-size", type=int)
@@ -78,6 +81,7 @@ def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
              f"--tp {lay.tp} --pp {lay.pp} --micro-batch-size {lay.micro_batch_size} --schedule {lay.schedule}",
              f"--cp {lay.cp}" if lay.cp > 1 else "",
              f"--cp-comm {lay.cp_comm}" if lay.cp > 1 and lay.cp_comm != "ring" else "",
+             f"--ep {lay.ep}" if lay.ep > 1 or p.moe else "",
              f"--vpp {lay.vpp}" if lay.vpp > 1 else "",
              f"--pp-layers {','.join(map(str, p.pp_layers))}" if lay.pp_partition != "uniform" else "",
              f"--recompute {lay.recompute}",
@@ -89,12 +93,14 @@ def describe(p: Prediction) -> str:
     lay = p.layout
     name = (f"dp {lay.dp}" + (f" x cp {lay.cp} ({lay.cp_comm})" if lay.cp > 1 else "")
             + f" x tp {lay.tp} x pp {lay.pp}" + (f" x vpp {lay.vpp}" if lay.vpp > 1 else "")
+            + (f", ep {lay.ep}" if lay.ep > 1 or p.moe else "")
             + (f" (layers {','.join(map(str, p.pp_layers))})" if lay.pp_partition != "uniform" else "")
             + f", micro-batch {lay.micro_batch_size}, {lay.schedule}, recompute {lay.recompute}"
             + (", SP" if lay.sequence_parallel else "") + (f", {lay.zero_name()}" if lay.zero else ""))
     fits = "fits" if p.fits else "DOES NOT FIT"
     cp = (f", exposed CP communication {p.cp_comm_s:.3f}" if lay.cp > 1 else "") \
-        + (f", exposed ZeRO communication {p.zero_comm_s:.3f}" if lay.zero >= 2 else "")
+        + (f", exposed ZeRO communication {p.zero_comm_s:.3f}" if lay.zero >= 2 else "") \
+        + (f", MoE communication {p.ep_comm_s:.3f}" if p.moe else "")
     return (f"{name}\n    step {p.step_time_s:.3f} s: compute {p.compute_s:.3f} (of which TP communication "
             f"{p.tp_comm_s:.3f}{cp}), pipeline bubble {p.bubble_s:.3f}, exposed DP communication "
             f"{p.dp_exposed_s:.3f}, optimizer {p.optimizer_s:.3f}\n"
@@ -116,7 +122,7 @@ def plan_command(args: argparse.Namespace) -> int:
     fixed = Fixed(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
                   schedule=args.schedule, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                   zero=args.zero, cp=args.cp, cp_comm=args.cp_comm, zero_shard_size=args.zero_shard_size,
-                  zero3_keep_gathered=args.zero3_keep_gathered)
+                  zero3_keep_gathered=args.zero3_keep_gathered, ep=args.ep)
     best = search(job, args.gpus, fixed, top=args.top)
     if not best:
         raise ConfigError(f"plan: no layout of {args.gpus} GPUs divides this model and batch with the given "
@@ -124,8 +130,10 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"layouts": [p.as_json() for p in best]}, indent=1))
     else:
+        experts = (f", {model.n_experts} experts (top {model.moe_top_k}) in {len(model.moe_layers)} layers"
+                   if model.n_experts else "")
         print(f"gridtrain plan: {args.gpus} x {hw.name} ({job.node} per node), {model.arch} {model.n_layer} layers "
-              f"d {model.d_model}, seq {model.seq_len}, global batch {args.global_batch_size}, {args.dtype}")
+              f"d {model.d_model}{experts}, seq {model.seq_len}, global batch {args.global_batch_size}, {args.dtype}")
         for i, p in enumerate(best, 1):
             print(f"{i}. {describe(p)}\n    {torchrun_command(args, p, job.node)}")
     if args.explain:
@@ -152,15 +160,15 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 
 def draw(best: list[Prediction], path: Path) -> None:
     """Stacked bars of each layout's step: compute, TP and exposed CP and ZeRO-2/3
-    communication, bubble, exposed DP communication, optimizer."""
+    communication, MoE communication, bubble, exposed DP communication, optimizer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [("compute", lambda p: p.compute_s - p.tp_comm_s - p.cp_comm_s - p.zero_comm_s),
+    parts = [("compute", lambda p: p.compute_s - p.tp_comm_s - p.cp_comm_s - p.zero_comm_s - p.ep_comm_s),
              ("TP communication", lambda p: p.tp_comm_s), ("exposed CP communication", lambda p: p.cp_comm_s),
-             ("exposed ZeRO communication", lambda p: p.zero_comm_s),
+             ("exposed ZeRO communication", lambda p: p.zero_comm_s), ("MoE communication", lambda p: p.ep_comm_s),
              ("pipeline bubble", lambda p: p.bubble_s), ("exposed DP communication", lambda p: p.dp_exposed_s),
              ("optimizer", lambda p: p.optimizer_s)]
     fig, ax = plt.subplots(figsize=(9, 1 + 0.6 * len(best)))
@@ -187,4 +195,5 @@ def _zero_label(lay) -> str:
 
 
 def _cp_label(lay) -> str:
-    return f" cp{lay.cp}{'' if lay.cp_comm == 'ring' else ' ag'}" if lay.cp > 1 else ""
+    return (f" cp{lay.cp}{'' if lay.cp_comm == 'ring' else ' ag'}" if lay.cp > 1 else "") \
+        + (f" ep{lay.ep}" if lay.ep > 1 else "")

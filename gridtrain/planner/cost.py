@@ -1,6 +1,7 @@
 """Step time and memory of a layout, predicted from the project's own parts.
 
-One optimizer step of a ``dp x cp x tp x pp`` layout is modelled as gridtrain runs it:
+One optimizer step of a ``dp x cp x tp x pp`` layout (with ``ep`` for a mixture of
+experts) is modelled as gridtrain runs it:
 
 * **compute** of one micro-batch through one model chunk, split as the schedules split
   it (forward F, input-gradient B, weight-gradient W; a schedule without W runs both in
@@ -67,6 +68,18 @@ One optimizer step of a ``dp x cp x tp x pp`` layout is modelled as gridtrain ru
   exposed time is inside F and B (with full recomputation the forward's again);
   selective recomputation leaves the cp core alone. Gradients are reduced over the
   ``dp x cp`` ranks;
+* **mixtures of experts** (a model with ``n_experts``; :mod:`gridtrain.memory.moe`): a
+  MoE block runs the attention's GEMMs, the router's, and each of its rank's ``E / ep``
+  experts' MLP GEMMs on ``N k ep / E`` rows (balanced routing; one expert after another,
+  no grouped GEMM: a launch per GEMM), the shared experts' MLP split over tp, the
+  permutation's and combine's passes over the ``N k`` rows; its all-to-alls (dispatch and
+  combine each way, full recomputation repeats the forward's) over the link the ep group
+  spans (NVLink when ``tp x ep`` fits a node, else the GPU's NIC for the shares bound for
+  other nodes), the routing counts' all-to-all, the host's read of them and the
+  statistics' tiny all-reduce, all synchronous, inside F and B; without shared experts
+  the block's TP collectives are attention's only. Expert gradients are reduced over the
+  expert-data-parallel group (``dp x cp / ep``, ZeRO-1 sharded over it), and under
+  sequence parallelism summed over tp after the backward;
 * **the optimizer**: one memory-bound pass over the owned master weights, moments and
   gradients;
 * **memory** per GPU: the memory model (memory/model.py, which the dry run is checked
@@ -88,11 +101,12 @@ from functools import lru_cache
 
 from gridtrain.config import Config, ModelConfig
 from gridtrain.memory.cp import kv_elements, kv_heads_per_rank, ring_transfers, wide_bytes
-from gridtrain.memory.model import (chunks_of_stage, expected_activation_peak, expected_parameters,
-                                    expected_state_bytes, stage_parameters)
+from gridtrain.memory.model import (chunks_of_stage, expected_activation_peak, expected_state_bytes,
+                                    stage_parameter_split, stage_parameters)
+from gridtrain.memory.moe import (all_to_all_payload, dense_block_parameters, model_flops_per_token,
+                                  moe_block_parameters, routed_tokens)
 from gridtrain.memory.zero import zero_step_collectives
 from gridtrain.parallel.grid import ProcessGrid
-from gridtrain.models.decoder import block_parameters, training_flops_per_token
 from gridtrain.parallel.pipeline.schedules import build_schedule
 from gridtrain.parallel.pipeline.simulate import Costs, simulate
 from gridtrain.planner.machine import Link, ring_seconds  # noqa: F401 (ring_seconds: re-exported)
@@ -129,6 +143,7 @@ class Layout:
     cp_comm: str = "ring"  # how their attention exchanges keys and values: ring | allgather
     zero_shard_size: int | None = None  # ZeRO shards within groups of this many dp x cp ranks (HSDP); None: all
     zero3_keep_gathered: bool = False  # ZeRO-3: a stage's parameters stay gathered through the step
+    ep: int = 1  # expert parallel: each MoE layer's experts split over this many of a dp x cp group
 
     @property
     def gpus(self) -> int:
@@ -191,6 +206,8 @@ class Prediction:
     pp_layers: list[int] = field(default_factory=list)  # blocks per virtual stage (--pp-layers)
     cp_comm_s: float = 0.0  # of compute: context-parallel communication not hidden behind attention
     zero_comm_s: float = 0.0  # of compute: ZeRO-2/3's per-micro-batch collectives not hidden behind the chunks
+    ep_comm_s: float = 0.0  # of compute: MoE all-to-alls, routing counts and statistics (not overlapped)
+    moe: bool = False  # the model has experts (the command and description then name ep)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -210,7 +227,7 @@ class Prediction:
 
     def as_json(self) -> dict:
         lay = self.layout
-        return {"dp": lay.dp, "cp": lay.cp, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp,
+        return {"dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp,
                 "micro_batch_size": lay.micro_batch_size, "schedule": lay.schedule, "recompute": lay.recompute,
                 "sequence_parallel": lay.sequence_parallel, "zero": lay.zero, "cp_comm": lay.cp_comm,
                 "zero_shard_size": lay.zero_shard_size, "zero3_keep_gathered": lay.zero3_keep_gathered,
@@ -220,8 +237,8 @@ class Prediction:
                 "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
                 "memory_gb_per_gpu": self.memory_bytes / 1e9, "fits": self.fits,
                 "breakdown_s": {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "cp_comm": self.cp_comm_s,
-                                "zero_comm": self.zero_comm_s, "bubble": self.bubble_s, "dp_exposed": self.dp_exposed_s,
-                                "optimizer": self.optimizer_s}}
+                                "zero_comm": self.zero_comm_s, "ep_comm": self.ep_comm_s, "bubble": self.bubble_s,
+                                "dp_exposed": self.dp_exposed_s, "optimizer": self.optimizer_s}}
 
 
 # ---- compute --------------------------------------------------------------------------------------
@@ -238,14 +255,27 @@ def gemm_seconds(m: int, n: int, k: int, hw, dtype: str, batch: int = 1) -> floa
     return max(flops / (hw.peak_flops(dtype) * eff), moved / hw.memory_bandwidth) + hw.kernel_s
 
 
-def block_gemms(m: ModelConfig, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    """(m, n, k) of the GEMMs of one block's forward on one TP rank, for ``tokens`` rows."""
-    d, f = m.d_model, m.ffn_size
+def block_gemms(m: ModelConfig, tokens: int, tp: int, mlp: bool = True) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the GEMMs of one block's forward on one TP rank, for ``tokens`` rows
+    (``mlp=False``: the attention's only). Llama's q and output projection are ``n_head x
+    head_dim`` wide (``d`` unless the model sets its own head size)."""
+    d = m.d_model
     if m.arch == "llama":
+        a = m.n_head * m.head_dim
         kv = max(1, m.kv_heads // tp) * m.head_dim  # replicated when tp exceeds the kv heads
-        return [(tokens, d // tp, d), (tokens, kv, d), (tokens, kv, d), (tokens, d, d // tp),
-                (tokens, f // tp, d), (tokens, f // tp, d), (tokens, d, f // tp)]
-    return [(tokens, 3 * d // tp, d), (tokens, d, d // tp), (tokens, f // tp, d), (tokens, d, f // tp)]
+        attention = [(tokens, a // tp, d), (tokens, kv, d), (tokens, kv, d), (tokens, d, a // tp)]
+    else:
+        attention = [(tokens, 3 * d // tp, d), (tokens, d, d // tp)]
+    return attention + (mlp_gemms(m, tokens, m.ffn_size // tp) if mlp else [])
+
+
+def mlp_gemms(m: ModelConfig, tokens: int, width: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) of an MLP's forward GEMMs, ``width`` wide on this rank, for ``tokens`` rows:
+    Llama's gate, up and down, GPT-2's expansion and projection."""
+    d = m.d_model
+    if m.arch == "llama":
+        return [(tokens, width, d), (tokens, width, d), (tokens, d, width)]
+    return [(tokens, width, d), (tokens, d, width)]
 
 
 def attention_core_seconds(m: ModelConfig, b: int, tp: int, hw, dtype: str, seq: int | None = None) -> float:
@@ -291,6 +321,8 @@ class BlockCost:
     tp_comm_b: float
     cp_comm_f: float = 0.0  # exposed context-parallel communication, inside f
     cp_comm_b: float = 0.0  # and inside b (its recomputed forward's not included)
+    ep_comm_f: float = 0.0  # a MoE block's all-to-alls and routing collectives, inside f
+    ep_comm_b: float = 0.0  # and inside b (its recomputed forward's not included)
 
 
 def local_seq(job: Job, lay: Layout) -> int:
@@ -298,11 +330,18 @@ def local_seq(job: Job, lay: Layout) -> int:
     return job.model.seq_len // lay.cp
 
 
-def block_cost(job: Job, lay: Layout) -> BlockCost:
+def block_cost(job: Job, lay: Layout, moe: bool = False) -> BlockCost:
+    """One block's F, B and W for one micro-batch (``moe``: a MoE block of the model:
+    :func:`moe_gemm_seconds`, :func:`moe_elementwise_seconds`, :func:`moe_comm_seconds`
+    in the place of the dense MLP)."""
     m, hw, dt = job.model, job.hardware, job.dtype
     b, t = lay.micro_batch_size, lay.tp
     tokens = b * local_seq(job, lay)
-    gemms = sum(gemm_seconds(mm, n, k, hw, dt) for mm, n, k in block_gemms(m, tokens, t))
+    if moe:
+        gemms = sum(gemm_seconds(mm, n, k, hw, dt) for mm, n, k in block_gemms(m, tokens, t, mlp=False)) \
+            + moe_gemm_seconds(job, lay)
+    else:
+        gemms = sum(gemm_seconds(mm, n, k, hw, dt) for mm, n, k in block_gemms(m, tokens, t))
     if lay.cp == 1:
         core = attention_core_seconds(m, b, t, hw, dt)
         scores_f, scores_b = attention_score_seconds(m, b, t, hw, dt)
@@ -313,17 +352,136 @@ def block_cost(job: Job, lay: Layout) -> BlockCost:
     act = tokens * m.d_model * DTYPE_BYTES[dt]
     elementwise = ELEMENTWISE_PASSES * act / (t if lay.sequence_parallel else 1) / hw.memory_bandwidth \
         + KERNELS_PER_BLOCK * hw.kernel_s
-    comm_f, comm_b = tp_collectives(job, lay, act, BLOCK_COLLECTIVES)
-    forward = gemms + core + scores_f + elementwise + comm_f + cp_f
+    ep_f = ep_b = 0.0
+    if moe:
+        elementwise += moe_elementwise_seconds(job, lay)
+        ep_f, ep_b = moe_comm_seconds(job, lay)
+    # a MoE block without shared experts leaves the TP region only for attention
+    table = MOE_BLOCK_COLLECTIVES if moe and not m.moe_shared_experts else BLOCK_COLLECTIVES
+    comm_f, comm_b = tp_collectives(job, lay, act, table)
+    forward = gemms + core + scores_f + elementwise + comm_f + cp_f + ep_f
     # selective recomputes the attention core, but not the cp core (it keeps no scores)
     selective = core + scores_f if lay.cp == 1 else 0.0
     recompute = {"none": 0.0, "selective": selective, "full": forward}[lay.recompute]
     # backward: the input-gradient GEMMs (as many FLOPs as the forward's), the attention
     # core's backward (twice its forward, and its passes over the scores), twice the
     # elementwise work, the mirrored collectives; the weight-gradient GEMMs as many FLOPs again
-    b_time = gemms + 2 * core + scores_b + 2 * elementwise + comm_b + cp_b + recompute
+    b_time = gemms + 2 * core + scores_b + 2 * elementwise + comm_b + cp_b + ep_b + recompute
     return BlockCost(f=forward, b=b_time, w=gemms, tp_comm_f=comm_f, tp_comm_b=comm_b, cp_comm_f=cp_f,
-                     cp_comm_b=cp_b)
+                     cp_comm_b=cp_b, ep_comm_f=ep_f, ep_comm_b=ep_b)
+
+
+# ---- mixtures of experts --------------------------------------------------------------------------
+
+# memory-bound passes over a MoE layer's routed rows (N k x d elements) in a forward
+# (parallel/experts.py): the permutation into expert order (read, write), the experts'
+# outputs joined (read, write), the weighting by the combine weights (read, write) and the
+# sum back into token order (read); under ep > 1 the received rows regrouped expert-major
+# and the outputs put back source-major (EP_ROW_PASSES: read, write each). A backward
+# makes twice as many
+MOE_ROW_PASSES = 7
+EP_ROW_PASSES = 4
+EXPERT_ACT_PASSES = 4  # over the experts' intermediates (N k x H): the activation and product
+ROUTER_PASSES = 6  # over the router's fp32 [N, E]: the cast, softmax and top-k (read, write each)
+# launches per MoE layer forward beyond the experts' GEMMs (router softmax, top-k, the
+# counts, sort, permutation, combine) and per expert (its slice of rows, activation, product)
+MOE_KERNELS = 16
+EXPERT_KERNELS = 3
+# the host reads the routing counts once per MoE layer forward (dropless dispatch sizes its
+# tensors by them): the launch queue drains, and the GPU waits for the next launches
+HOST_SYNC_S = 2e-5
+
+
+def moe_routing(job: Job, lay: Layout) -> tuple[int, int, float]:
+    """A MoE layer on one rank, per micro-batch: the tokens it routes (its ``1 / tp``
+    share under SP, all of its ``b S / cp`` without), the rows its ``E / ep`` experts
+    process in all (balanced routing: as many as it sends, ``N k``) and the rows per
+    expert (``N k ep / E``)."""
+    m = job.model
+    n = routed_tokens(lay.micro_batch_size, m.seq_len, tp=lay.tp, cp=lay.cp,
+                      sequence_parallel=lay.sequence_parallel)
+    rows = n * m.moe_top_k
+    return n, rows, rows * lay.ep / m.n_experts
+
+
+def moe_gemm_seconds(job: Job, lay: Layout) -> float:
+    """A MoE layer's forward GEMMs on one rank: the router's (``N x E`` by ``d``), each
+    of its ``E / ep`` experts' MLP GEMMs on its ``N k ep / E`` rows, one expert after
+    another (no grouped GEMM), and the shared experts' MLP (``S H / tp`` wide, every
+    token of the micro-batch, as the dense MLP)."""
+    m, hw, dt = job.model, job.hardware, job.dtype
+    n, _, per_expert = moe_routing(job, lay)
+    rows = max(1, round(per_expert))
+    router = gemm_seconds(n, m.n_experts, m.d_model, hw, dt)
+    experts = m.n_experts // lay.ep * sum(gemm_seconds(r, c, k, hw, dt)
+                                           for r, c, k in mlp_gemms(m, rows, m.moe_ffn_size))
+    shared = 0.0
+    if m.moe_shared_experts:
+        tokens = lay.micro_batch_size * local_seq(job, lay)
+        width = m.moe_shared_experts * m.moe_ffn_size // lay.tp
+        shared = sum(gemm_seconds(r, c, k, hw, dt) for r, c, k in mlp_gemms(m, tokens, width))
+    return router + experts + shared
+
+
+def moe_elementwise_seconds(job: Job, lay: Layout) -> float:
+    """A MoE layer's memory-bound forward work beyond the block's ``ELEMENTWISE_PASSES``:
+    ``MOE_ROW_PASSES`` (and under ep > 1 ``EP_ROW_PASSES``) over the routed rows,
+    ``EXPERT_ACT_PASSES`` over the experts' intermediates, ``ROUTER_PASSES`` over the
+    fp32 router probabilities, and the launches (``MOE_KERNELS``, ``EXPERT_KERNELS`` per
+    local expert)."""
+    m, hw = job.model, job.hardware
+    e = DTYPE_BYTES[job.dtype]
+    n, rows, _ = moe_routing(job, lay)
+    passes = MOE_ROW_PASSES + (EP_ROW_PASSES if lay.ep > 1 else 0)
+    moved = (passes * rows * m.d_model * e + EXPERT_ACT_PASSES * rows * m.moe_ffn_size * e
+             + ROUTER_PASSES * n * m.n_experts * 4)
+    return moved / hw.memory_bandwidth + (MOE_KERNELS + m.n_experts // lay.ep * EXPERT_KERNELS) * hw.kernel_s
+
+
+def all_to_all_seconds(job: Job, lay: Layout, nbytes: float) -> float:
+    """One all-to-all over the ep group of a send buffer of ``nbytes`` (the rank's own
+    share included; balanced: ``nbytes / ep`` to each member). Its members are ``tp``
+    apart: within a node (``tp x ep`` fits one) every share travels over NVLink at once;
+    across nodes the shares for the members on other nodes leave through the GPU's own
+    NIC while those for its node's members cross NVLink, the slower of the two, plus
+    one latency (the sends are posted together)."""
+    ep = lay.ep
+    if ep == 1:
+        return 0.0
+    hw, node = job.hardware, job.node
+    share = nbytes / ep
+    if lay.tp * ep <= node:
+        latency, bandwidth = hw.nvlink.rates("all_to_all")
+        return (ep - 1) * share / bandwidth + latency
+    local = max(1, node // lay.tp)  # the group's members on one node
+    nv_bandwidth = hw.nvlink.rates("all_to_all")[1]
+    latency, bandwidth = hw.network.rates("all_to_all")
+    return max((local - 1) * share / nv_bandwidth, (ep - local) * share / bandwidth) + latency
+
+
+def tiny_all_reduce_seconds(job: Job, lay: Layout) -> float:
+    """The routing statistics' all-reduces (``2 E`` numbers over ``dp x cp``, and over
+    tp under sequence parallelism: ExpertParallel.global_sum): latency only, each as a
+    tree (NCCL's choice for a few bytes): ``2 log2(n)`` latencies of its link."""
+    def tree(n: int, stride: int) -> float:
+        link = ring_link(job.hardware, n, stride, job.node)
+        return 2 * math.ceil(math.log2(n)) * link.rates("all_reduce")[0] if n > 1 else 0.0
+
+    return tree(lay.dp * lay.cp, lay.tp) + (tree(lay.tp, 1) if lay.sequence_parallel else 0.0)
+
+
+def moe_comm_seconds(job: Job, lay: Layout) -> tuple[float, float]:
+    """A MoE layer's communication per micro-batch (forward, backward), issued
+    synchronously and so not overlapped: forward, the counts' all-to-all (one latency)
+    and the host's read of them (``HOST_SYNC_S``), the dispatch and the combine of the
+    ``N k`` rows (:func:`all_to_all_seconds`) and the routing statistics' all-reduces;
+    backward, the two all-to-alls again. Byte counts:
+    :func:`gridtrain.memory.moe.moe_step_all_to_all`."""
+    m = job.model
+    _, rows, _ = moe_routing(job, lay)
+    one = all_to_all_seconds(job, lay, all_to_all_payload(rows, 1, m.d_model, DTYPE_BYTES[job.dtype]))
+    counts = all_to_all_seconds(job, lay, 0.0) + HOST_SYNC_S
+    return counts + 2 * one + tiny_all_reduce_seconds(job, lay), 2 * one
 
 
 def cp_kv_elements(job: Job, lay: Layout) -> int:
@@ -366,6 +524,11 @@ def cp_exposed_seconds(job: Job, lay: Layout, step: float) -> tuple[float, float
 # in forward and all-gather in backward.
 BLOCK_COLLECTIVES = {False: ({"all_reduce": 2}, {"all_reduce": 2}),
                      True: ({"all_gather": 2, "reduce_scatter": 2}, {"all_gather": 4, "reduce_scatter": 2})}
+# a MoE block without shared experts: attention's entry and exit only (each tp rank routes
+# its own sequence shard under SP, and without SP the replicated tokens, so the routed
+# experts need no TP collective)
+MOE_BLOCK_COLLECTIVES = {False: ({"all_reduce": 1}, {"all_reduce": 1}),
+                         True: ({"all_gather": 1, "reduce_scatter": 1}, {"all_gather": 2, "reduce_scatter": 1})}
 # the embedding leaves the region (vocabulary-parallel lookup: all-reduce, or reduce-scatter
 # under SP); the head enters it (all-reduce in backward; under SP as a block's entry)
 EMBEDDING_COLLECTIVES = {False: ({"all_reduce": 1}, {}), True: ({"reduce_scatter": 1}, {"all_gather": 1})}
@@ -404,11 +567,14 @@ def embedding_cost(job: Job, lay: Layout) -> tuple[float, float]:
                           EMBEDDING_COLLECTIVES)
 
 
-def pipeline_costs(job: Job, lay: Layout, layers_per_chunk: list[int]):
+def pipeline_costs(job: Job, lay: Layout, layers_per_chunk: list[int], moe_per_chunk: list[int] | None = None):
     """Per (stage, chunk) costs of one micro-batch, for the simulator, with ZeRO-2/3's
     exposed per-micro-batch collectives inside F and B (:func:`zero_exposed_seconds`);
-    also the block's cost and each (stage, chunk)'s exposed ZeRO seconds (f, b)."""
+    also the block's cost and each (stage, chunk)'s exposed ZeRO seconds (f, b).
+    ``moe_per_chunk``: how many of each virtual stage's blocks are MoE blocks (a MoE
+    model's; they cost :func:`block_cost` with ``moe``)."""
     block = block_cost(job, lay)
+    moe = block_cost(job, lay, moe=True) if moe_per_chunk and any(moe_per_chunk) else None
     hf, hb, hw_ = head_cost(job, lay)
     ef, eb = embedding_cost(job, lay)
     p, v = lay.pp, lay.vpp
@@ -417,16 +583,22 @@ def pipeline_costs(job: Job, lay: Layout, layers_per_chunk: list[int]):
     def exposed(stage: int, chunk: int) -> tuple[float, float]:
         c = compute(stage, chunk)
         virtual = chunk * p + stage
-        comm = zero_chunk_seconds(job, lay, layers_per_chunk[virtual], virtual == 0, virtual == last)
+        comm = zero_chunk_seconds(job, lay, layers_per_chunk[virtual], virtual == 0, virtual == last,
+                                  moe_per_chunk[virtual] if moe else 0)
         return zero_exposed_seconds(comm, c.f, c.b + c.w)
 
     def compute(stage: int, chunk: int) -> Costs:
         virtual = chunk * p + stage
         n = layers_per_chunk[virtual]
         ends, starts = virtual == last, virtual == 0
-        return Costs(f=n * block.f + (hf if ends else 0.0) + (ef if starts else 0.0),
-                     b=n * block.b + (hb if ends else 0.0) + (eb if starts else 0.0),
-                     w=n * block.w + (hw_ if ends else 0.0), latency=p2p_seconds(job, lay))
+        c = Costs(f=n * block.f + (hf if ends else 0.0) + (ef if starts else 0.0),
+                  b=n * block.b + (hb if ends else 0.0) + (eb if starts else 0.0),
+                  w=n * block.w + (hw_ if ends else 0.0), latency=p2p_seconds(job, lay))
+        k = moe_per_chunk[virtual] if moe else 0
+        if k:  # k of the n blocks are MoE blocks
+            c = replace(c, f=c.f + k * (moe.f - block.f), b=c.b + k * (moe.b - block.b),
+                        w=c.w + k * (moe.w - block.w))
+        return c
 
     def cost(stage: int, chunk: int) -> Costs:
         c = compute(stage, chunk)
@@ -434,7 +606,7 @@ def pipeline_costs(job: Job, lay: Layout, layers_per_chunk: list[int]):
             return c
         zf, zb = exposed(stage, chunk)
         return replace(c, f=c.f + zf, b=c.b + zb)
-    return cost, block, exposed
+    return cost, (block, moe), exposed
 
 
 def p2p_seconds(job: Job, lay: Layout) -> float:
@@ -462,16 +634,20 @@ def zero_links(job: Job, lay: Layout) -> tuple[Link, Link]:
             ring_link(job.hardware, lay.dp * lay.cp // s, s * lay.tp, job.node))
 
 
-def zero_units(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: bool) -> list[int]:
+def zero_units(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: bool, moe_blocks: int = 0,
+               ep: int = 1) -> list[int]:
     """The parameters ZeRO-3 gathers one at a time for a model chunk, in forward order:
-    the embedding's (where it embeds), each block's, the final norm's and the head's
-    (where it ends)."""
+    the embedding's (where it embeds), each block's (``moe_blocks`` of them MoE blocks,
+    with their ``E / ep`` experts, taken first), the final norm's and the head's (where
+    it ends)."""
     embedding = stage_parameters(m, tp, 0, embeds, False)
     head = stage_parameters(m, tp, 0, embeds, ends) - embedding
-    return [u for u in (embedding, *[block_parameters(m, tp)] * blocks, head) if u]
+    moe = [sum(moe_block_parameters(m, tp, ep))] * moe_blocks
+    return [u for u in (embedding, *moe, *[dense_block_parameters(m, tp)] * (blocks - moe_blocks), head) if u]
 
 
-def zero_chunk_seconds(job: Job, lay: Layout, blocks: int, embeds: bool, ends: bool) -> tuple[float, float, float]:
+def zero_chunk_seconds(job: Job, lay: Layout, blocks: int, embeds: bool, ends: bool,
+                       moe_blocks: int = 0) -> tuple[float, float, float]:
     """ZeRO-2/3's collectives of one micro-batch through a model chunk of ``blocks``
     blocks (embedding and head as ``embeds`` and ``ends`` say): (the forward's gathers,
     the first of them, the backward's gathers and reduce-scatters). ZeRO-3 gathers and
@@ -484,7 +660,7 @@ def zero_chunk_seconds(job: Job, lay: Layout, blocks: int, embeds: bool, ends: b
     e = DTYPE_BYTES[job.dtype]
     w, s = wide_bytes(e), lay.zero_shard
     link = ring_link(job.hardware, s, lay.tp, job.node)  # the shard group's (zero_links)
-    units = zero_units(job.model, lay.tp, blocks, embeds, ends)
+    units = zero_units(job.model, lay.tp, blocks, embeds, ends, moe_blocks, lay.ep)
     if lay.zero == 2:
         return 0.0, 0.0, link.collective(sum(units) * w, s, "reduce_scatter")
     counts: dict[int, int] = {}
@@ -516,7 +692,7 @@ def config_of(job: Job, lay: Layout) -> Config:
     # cp and cp_comm as fields where the configuration has them, else as plain attributes
     # (the memory model reads them with getattr)
     context = {"cp": lay.cp, "cp_comm": lay.cp_comm, "zero_shard_size": lay.zero_shard_size,
-               "zero3_keep_gathered": lay.zero3_keep_gathered}
+               "zero3_keep_gathered": lay.zero3_keep_gathered, "ep": lay.ep}
     known = {f.name for f in fields(cfg.parallel)}
     cfg.parallel = replace(cfg.parallel, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, schedule=lay.schedule,
                            sequence_parallel=lay.sequence_parallel, zero=lay.zero, pp_partition=lay.pp_partition,
@@ -538,11 +714,12 @@ def memory_bytes(job: Job, lay: Layout, activation_peaks: dict | None = None) ->
     """Bytes per GPU: the memory model on the first and the last stage: what a rank holds
     (expected_state_bytes, ZeRO's transients within a step included) and the activation
     peak. ``activation_peaks``: a cache of the peaks by layout without its ZeRO fields
-    (they do not change them), for a search that tries every ZeRO stage of a layout."""
+    and ep (of ep, only whether it is above 1 changes them), for a search that tries
+    every ZeRO stage and ep of a layout."""
     cfg = config_of(job, lay)
     grid = grid_of(lay)
     device = "cpu" if job.hardware.name == "cpu" else "cuda"
-    base = replace(lay, zero=0, zero_shard_size=None, zero3_keep_gathered=False)
+    base = replace(lay, zero=0, zero_shard_size=None, zero3_keep_gathered=False, ep=min(lay.ep, 2))
     worst = 0.0
     for stage in sorted({0, lay.pp - 1}):
         rank = grid.rank_of(dp=0, pp=stage, tp=0)
@@ -571,10 +748,12 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
     grid = grid_of(lay)
     chunks = [chunks_of_stage(cfg, grid, s) for s in range(lay.pp)]
     layers = [0] * (lay.pp * lay.vpp)
+    moe_layers = [0] * (lay.pp * lay.vpp)  # of them MoE blocks
     for s, stage in enumerate(chunks):
         for c, chunk in enumerate(stage):
             layers[c * lay.pp + s] = len(chunk.layer_ids)
-    cost, block, zero_exposed = pipeline_costs(job, lay, layers)
+            moe_layers[c * lay.pp + s] = sum(m.is_moe_layer(i) for i in chunk.layer_ids)
+    cost, (block, moe), zero_exposed = pipeline_costs(job, lay, layers, moe_layers)
     schedule = _schedule(lay.schedule, lay.pp, mbs, lay.vpp)
     timeline = simulate(schedule, cost, lay.vpp, rendezvous=True)
     busy = max(timeline.busy(s) for s in range(lay.pp))
@@ -583,15 +762,24 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
     blocks_run = mbs * max(layers) * lay.vpp
     tp_comm = blocks_run * (block.tp_comm_f * forwards + block.tp_comm_b)
     cp_comm = blocks_run * (block.cp_comm_f * forwards + block.cp_comm_b)
+    ep_comm = 0.0
+    if moe is not None:  # of the busiest stage's blocks, its MoE blocks communicate as MoE blocks
+        moe_run = mbs * max(moe_layers) * lay.vpp
+        tp_comm += moe_run * ((moe.tp_comm_f - block.tp_comm_f) * forwards + moe.tp_comm_b - block.tp_comm_b)
+        ep_comm = moe_run * (moe.ep_comm_f * forwards + moe.ep_comm_b)
     zero_comm = mbs * max(sum(sum(zero_exposed(s, c)) for c in range(lay.vpp)) for s in range(lay.pp)) \
         if lay.zero >= 2 else 0.0
-    params = _rank_parameters(cfg, grid)
-    exposed, gather, optimizer = data_parallel_seconds(job, lay, params, cost, cfg.parallel.bucket_mb)
+    params, experts = _rank_parameters(cfg, grid)
+    exposed, gather, optimizer = data_parallel_seconds(job, lay, params, cost, cfg.parallel.bucket_mb, experts)
+    if moe is not None:
+        exposed += expert_tp_seconds(job, lay, experts)
     step = makespan + exposed + gather + optimizer
     tokens = job.global_batch_size * m.seq_len
-    model_flops = training_flops_per_token(m) * tokens
-    forward_blocks = training_flops_per_token(m) / 3 - 2 * m.d_model * m.vocab_size  # per token, all blocks
-    selective = 4.0 * m.seq_len * m.d_model * m.n_layer if lay.cp == 1 else 0.0  # the cp core is kept
+    flops_per_token = model_flops_per_token(m)
+    model_flops = flops_per_token * tokens
+    forward_blocks = flops_per_token / 3 - 2 * m.d_model * m.vocab_size  # per token, all blocks
+    # the core's 4 s (n_head x head_dim) per layer; the cp core is kept
+    selective = 4.0 * m.seq_len * m.n_head * m.head_dim * m.n_layer if lay.cp == 1 else 0.0
     recomputed = {"none": 0.0, "selective": selective, "full": forward_blocks}[lay.recompute] * tokens
     hardware_flops = model_flops + recomputed
     mem = memory_bytes(job, lay) if memory is True else float(memory or 0.0)
@@ -599,7 +787,7 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
                       dp_exposed_s=exposed + gather, optimizer_s=optimizer, memory_bytes=mem,
                       fits=mem <= hw.usable_memory_bytes, model_flops=model_flops, hardware_flops=hardware_flops,
                       tokens=tokens, gpus=lay.gpus, peak_flops=hw.peak_flops(job.dtype), pp_layers=layers,
-                      cp_comm_s=cp_comm, zero_comm_s=zero_comm)
+                      cp_comm_s=cp_comm, zero_comm_s=zero_comm, ep_comm_s=ep_comm, moe=bool(m.n_experts))
 
 
 @lru_cache(maxsize=256)
@@ -609,7 +797,8 @@ def _schedule(name: str, pp: int, micro_batches: int, vpp: int):
     return build_schedule(name, pp, micro_batches, vpp)
 
 
-def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: float) -> tuple[float, float, float]:
+def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: float,
+                          experts: int = 0) -> tuple[float, float, float]:
     """The exposed gradient reduction, the exposed ZeRO parameter gather and the
     optimizer of a step, for ``params`` parameters reduced over the ``dp x cp`` ranks that
     hold them (``tp`` apart; :func:`gridtrain.memory.zero.zero_step_collectives`):
@@ -624,11 +813,21 @@ def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: f
       before the first forward) behind the next step's first forward, all but the first
       bucket; ZeRO-3's per-micro-batch gathers are in the pipeline's costs;
     * the optimizer: one memory-bound pass over the owned (ZeRO: the shard's) master
-      weights, moments and gradients."""
+      weights, moments and gradients.
+
+    ``experts``: a MoE model's expert parameters of the rank. With ep = 1 they are
+    reduced with the rest; with ep > 1 (ZeRO-0 and 1 only) over the expert-data-parallel
+    group (``dp x cp / ep`` ranks, ``tp x ep`` apart) and sharded over it, their
+    all-reduce (or reduce-scatter and gather) beside the dense one's."""
     hw = job.hardware
     n = lay.dp * lay.cp
     e = DTYPE_BYTES[job.dtype]
+    if lay.ep == 1:
+        params, experts = params + experts, 0
+    edp = n // lay.ep
     owned = params / (lay.zero_shard if lay.zero else 1)
+    if experts:
+        owned += experts / (edp if lay.zero else 1)
     optimizer = owned * (4 + 3 * 8 + e) / hw.memory_bandwidth
     if n == 1:
         return 0.0, 0.0, optimizer
@@ -642,8 +841,14 @@ def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: f
         return links[name == "replicas"].collective(c.nbytes, c.ranks, c.kind) if c else 0.0
 
     grads, replicas, gather = one("gradients"), one("replicas"), one("parameters")
+    if experts and edp > 1:  # the experts' own buffer, over the expert-data-parallel group
+        link = ring_link(hw, edp, lay.tp * lay.ep, job.node)
+        apart = zero_step_collectives(experts, job.dtype, lay.zero, micro_batches(job, lay), edp)
+        grads += link.collective(apart["gradients"].nbytes, edp, apart["gradients"].kind)
+        if "parameters" in apart:
+            gather += link.collective(apart["parameters"].nbytes, edp, "all_gather")
     backward = sum(cost(0, c).b + cost(0, c).w for c in range(lay.vpp))
-    bucket = min(1.0, bucket_mb * 2**20 / max(params * wide_bytes(e), 1))
+    bucket = min(1.0, bucket_mb * 2**20 / max((params + experts) * wide_bytes(e), 1))
     if lay.zero < 2:
         reduce = grads + replicas
         exposed = max(reduce - backward, reduce * bucket)
@@ -659,9 +864,21 @@ def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: f
     return exposed, gather, optimizer
 
 
-def _rank_parameters(cfg: Config, grid: ProcessGrid) -> int:
-    """Parameters of the first stage's rank (the largest stage but for the head)."""
-    return max(expected_parameters(cfg, grid, grid.rank_of(dp=0, pp=s, tp=0)) for s in range(grid.pp))
+def _rank_parameters(cfg: Config, grid: ProcessGrid) -> tuple[int, int]:
+    """Parameters of the largest stage's rank, as (dense, experts)
+    (memory.model.stage_parameter_split; experts 0 for a dense model)."""
+    return max((stage_parameter_split(cfg, grid, grid.rank_of(dp=0, pp=s, tp=0)) for s in range(grid.pp)), key=sum)
+
+
+def expert_tp_seconds(job: Job, lay: Layout, experts: int) -> float:
+    """Under sequence parallelism each tp rank's copy of an expert has seen only its own
+    tokens, so the ``experts`` parameters' gradients are summed over tp after the
+    backward (as the norms' are: optim/grads.py), an all-reduce of their ``w`` bytes
+    each, not overlapped. Nothing without SP (the tp ranks computed the same rows)."""
+    if not (lay.sequence_parallel and lay.tp > 1) or not experts:
+        return 0.0
+    link = job.hardware.link(lay.tp, job.node)
+    return link.collective(experts * wide_bytes(DTYPE_BYTES[job.dtype]), lay.tp, "all_reduce")
 
 
 def bubble_closed_form(lay: Layout, m: int) -> float:

@@ -44,6 +44,8 @@ def train_args(model_args: list[str], p: Prediction, global_batch_size: int, seq
         args += ["--vpp", str(lay.vpp)]
     if lay.cp > 1:
         args += ["--cp", str(lay.cp), "--cp-comm", lay.cp_comm]
+    if lay.ep > 1:
+        args += ["--ep", str(lay.ep)]
     if lay.sequence_parallel:
         args.append("--sequence-parallel")
     return args + lay.zero_flags()

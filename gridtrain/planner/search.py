@@ -29,6 +29,11 @@ least ``CP_MIN_TOKENS`` tokens of a sequence (below that a step's attention is t
 to hide its key/value transfer, and the sequences that need cp are far longer), each
 with both ``--cp-comm`` modes; selective recomputation is left out under cp (the cp core
 is not recomputed, so it would be ``none`` again). A fixed ``cp`` is taken as given.
+
+Expert parallelism is searched for a mixture of experts only: ep takes every divisor of
+the ``dp x cp`` group that divides the experts (:func:`ep_sizes`; a dense model's layouts
+have ep 1, so its search is unchanged), and beside ep > 1 only ZeRO-0 and 1 over the
+whole group (what the runtime accepts). A fixed ``ep`` is taken as given.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class Fixed:
     cp_comm: str | None = None
     zero_shard_size: int | None = None
     zero3_keep_gathered: bool | None = None
+    ep: int | None = None
 
 
 def divisors(n: int) -> list[int]:
@@ -92,6 +98,16 @@ def cp_sizes(m: ModelConfig, gpus: int, fixed: Fixed = Fixed()) -> list[int]:
     if fixed.cp is not None:
         return [fixed.cp] if fixed.cp >= 1 and gpus % fixed.cp == 0 and splits(fixed.cp) else []
     return [cp for cp in divisors(gpus) if splits(cp) and (cp == 1 or m.seq_len // cp >= CP_MIN_TOKENS)]
+
+
+def ep_sizes(m: ModelConfig, group: int, fixed: Fixed = Fixed()) -> list[int]:
+    """The expert-parallel sizes to try for a ``dp x cp`` group of ``group`` ranks: the
+    divisors of the group that divide the experts (1 alone for a dense model; a fixed
+    ep: itself, where it is one of them)."""
+    sizes = [ep for ep in divisors(group) if m.n_experts % ep == 0] if m.n_experts else [1]
+    if fixed.ep is not None:
+        return [fixed.ep] if fixed.ep in sizes else []
+    return sizes
 
 
 def layouts(job: Job, gpus: int, fixed: Fixed = Fixed()) -> Iterable[Layout]:
@@ -124,8 +140,9 @@ def _pipelines(job: Job, gpus: int, tp: int, cp: int, fixed: Fixed) -> Iterable[
                     continue
                 if job.global_batch_size % (mbs * dp):
                     continue
-                yield from _variants(job, Layout(dp=dp, tp=tp, pp=pp, vpp=vpp, micro_batch_size=mbs,
-                                                 pp_partition=split, cp=cp), fixed)
+                for ep in ep_sizes(m, dp * cp, fixed):
+                    yield from _variants(job, Layout(dp=dp, tp=tp, pp=pp, vpp=vpp, micro_batch_size=mbs,
+                                                     pp_partition=split, cp=cp, ep=ep), fixed)
 
 
 def _variants(job: Job, base: Layout, fixed: Fixed) -> Iterable[Layout]:
@@ -158,9 +175,14 @@ def zero_options(job: Job, lay: Layout, fixed: Fixed = Fixed()) -> Iterator[tupl
     than one dp x cp rank ZeRO-1, 2 and 3 (3 kept gathered first), each over the whole
     group and, where the group spans more than a node, over the ``node / tp`` ranks of one
     node (hybrid sharding). Fixed fields narrow them; a fixed shard size must divide the
-    group."""
+    group. With ep > 1 only ZeRO-0 and 1 over the whole group (the runtime refuses
+    ZeRO-2/3 and hybrid sharding with expert parallelism)."""
     group = lay.dp * lay.cp
     local = job.node // lay.tp
+    if lay.ep > 1:
+        if fixed.zero_shard_size is None:
+            yield from ((z, None, False) for z in (0, 1) if fixed.zero in (None, z) and not fixed.zero3_keep_gathered)
+        return
     if fixed.zero_shard_size is not None:
         shards = [fixed.zero_shard_size] if 1 <= fixed.zero_shard_size and group % fixed.zero_shard_size == 0 else []
     else:
@@ -192,23 +214,33 @@ def rough_step(job: Job, lay: Layout, parts: dict | None = None) -> float:
     ``parts``: a cache of the compute by layout without its ZeRO fields, which a search
     shares between a layout's ZeRO stages."""
     key = (lay.dp, lay.cp, lay.tp, lay.pp, lay.vpp, lay.micro_batch_size, lay.schedule, lay.recompute,
-           lay.sequence_parallel, lay.cp_comm, lay.pp_partition)
+           lay.sequence_parallel, lay.cp_comm, lay.pp_partition, lay.ep)
+    model = job.model
     got = None if parts is None else parts.get(key)
     if got is None:
-        block = block_cost(job, lay)
+        block = _cached(parts, ("block", lay.micro_batch_size, lay.cp, lay.cp_comm, lay.tp, lay.sequence_parallel,
+                                lay.recompute), lambda: block_cost(job, lay))
         hf, hb, hw_ = head_cost(job, lay)
         ef, eb = embedding_cost(job, lay)
-        blocks = math.ceil(job.model.n_layer / lay.pp)
+        blocks = math.ceil(model.n_layer / lay.pp)
         per_mb = blocks * (block.f + block.b + block.w) + (hf + hb + hw_) / lay.pp
-        got = (blocks, per_mb, blocks * block.f + ef, blocks * (block.b + block.w) + eb)
+        forward, backward = blocks * block.f + ef, blocks * (block.b + block.w) + eb
+        moe_blocks = round(blocks * len(model.moe_layers) / model.n_layer)  # a stage's share of the MoE blocks
+        if moe_blocks:
+            moe = _cached(parts, ("moe", lay.micro_batch_size, lay.cp, lay.cp_comm, lay.tp, lay.sequence_parallel,
+                                  lay.recompute, lay.ep, lay.dp), lambda: block_cost(job, lay, moe=True))
+            per_mb += moe_blocks * (moe.f + moe.b + moe.w - block.f - block.b - block.w)
+            forward += moe_blocks * (moe.f - block.f)
+            backward += moe_blocks * (moe.b + moe.w - block.b - block.w)
+        got = (blocks, per_mb, forward, backward, moe_blocks)
         if parts is not None:
             parts[key] = got
-    blocks, per_mb, forward, backward = got
+    blocks, per_mb, forward, backward, moe_blocks = got
     if lay.zero >= 2:  # ZeRO-2/3's exposed collectives on the first stage (per micro-batch)
         zkey = (lay.dp * lay.cp, lay.tp, lay.zero, lay.zero_shard_size, lay.zero3_keep_gathered, blocks, lay.pp)
         comm = None if parts is None else parts.get(zkey)
         if comm is None:
-            comm = zero_chunk_seconds(job, lay, blocks, True, lay.pp == 1)
+            comm = zero_chunk_seconds(job, lay, blocks, True, lay.pp == 1, moe_blocks)
             if parts is not None:
                 parts[zkey] = comm
         per_mb += sum(zero_exposed_seconds(comm, forward, backward))
@@ -217,6 +249,18 @@ def rough_step(job: Job, lay: Layout, parts: dict | None = None) -> float:
     # (pipeline/simulate.py, rendezvous), so only the simulator can tell them apart
     bubble = (lay.pp - 1) / (lay.vpp * m)
     return m * per_mb * (1 + bubble)
+
+
+def _cached(parts: dict | None, key: tuple, make):
+    """``parts[key]``, made first where it is missing (no cache: made every time). A
+    block's cost depends on fewer fields than the layout's rough step (not on dp, pp,
+    vpp or the schedule; a MoE block's also on ep and dp), so the search's layouts share
+    a few hundred of them."""
+    if parts is None:
+        return make()
+    if key not in parts:
+        parts[key] = make()
+    return parts[key]
 
 
 def search(job: Job, gpus: int, fixed: Fixed = Fixed(), top: int = 5, shortlist: int = 40) -> list[Prediction]:
