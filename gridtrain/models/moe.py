@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.config import ModelConfig
-from gridtrain.parallel.experts import ExpertParallel, capacity_order, dispatch_combine, with_aux_loss
+from gridtrain.parallel.experts import (ExpertParallel, capacity_order, dispatch_combine, permutation,
+                                       with_aux_loss)
 from gridtrain.parallel.recompute import Recomputation
 from gridtrain.parallel.tensor_parallel import TensorParallel
 
@@ -105,27 +106,31 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, d)
         logits = self.router(tokens)
         probs, chosen, weights = route(logits, cfg.moe_top_k, cfg.moe_norm_topk)
-        kept = capacity = None
+        capacity = None
         if cfg.moe_capacity_factor is not None and self.training:  # inference is dropless
-            order, kept_counts, capacity, counts = capacity_order(
+            order, used, capacity, counts = capacity_order(
                 chosen, cfg.n_experts, cfg.moe_capacity_factor, self.ep, self.ep.token_keys(b, s),
                 most_runs=b * (2 if self.ep.cp_size > 1 else 1))
-            kept = (order, kept_counts)
-        out, used, received = dispatch_combine(tokens, chosen, weights, cfg.n_experts, self.ep,
-                                               lambda e, rows: self.experts[str(e)](rows), kept)
-        out = self._balance(out, probs, used if kept is None else counts, received, capacity).view(b, s, d)
+        else:
+            order, counts = permutation(chosen, cfg.n_experts)
+            used = counts
+        # the global micro-batch's counts (before capacity) and probability sums travel
+        # while the experts run
+        stats = torch.cat([counts.to(torch.float64), probs.detach().sum(0).to(torch.float64)])
+        summed = self.ep.start_global_sum(stats)
+        out, _, received = dispatch_combine(tokens, chosen, weights, cfg.n_experts, self.ep,
+                                            lambda e, rows: self.experts[str(e)](rows), (order, used))
+        out = self._balance(out, probs, summed(), received, capacity).view(b, s, d)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
 
-    def _balance(self, out: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, received: int,
+    def _balance(self, out: torch.Tensor, probs: torch.Tensor, stats: torch.Tensor, received: int,
                  capacity: torch.Tensor | None) -> torch.Tensor:
-        """The global micro-batch's counts (before capacity) and probability sums (one
-        all-reduce), the step's routing log (with the assignments beyond ``capacity``),
+        """From the global micro-batch's counts (before capacity) and probability sums
+        (``stats``): the step's routing log (with the assignments beyond ``capacity``),
         and the load-balancing loss's gradient joined to ``out``."""
         cfg, e = self.cfg, self.cfg.n_experts
-        stats = torch.cat([counts.to(torch.float64), probs.detach().sum(0).to(torch.float64)])
-        self.ep.global_sum(stats)
         assignments = stats[:e].sum()
         tokens = assignments / cfg.moe_top_k
         f = stats[:e] / assignments  # fraction of the assignments each expert got

@@ -47,6 +47,7 @@ step's ``m`` micro-batches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -129,11 +130,20 @@ class ExpertParallel(OnGroup):
         positions = positions[self.sp_rank * local_len:(self.sp_rank + 1) * local_len]
         return [s * seq_len + p for s in range(self.dp_rank * batch, (self.dp_rank + 1) * batch) for p in positions]
 
-    def global_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` summed over every rank holding tokens of this global micro-batch."""
-        for g in self.token_groups:
-            g.all_reduce(t)
-        return t
+    def start_global_sum(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start summing ``t`` over every rank holding tokens of this global micro-batch;
+        returns the wait, which gives ``t`` summed (the first group's all-reduce travels
+        meanwhile: the experts' dispatch and compute hide it)."""
+        groups = self.token_groups
+        pending = groups[0].start_all_reduce(t) if groups else None
+
+        def wait() -> torch.Tensor:
+            if pending is not None:
+                pending.wait()
+            for g in groups[1:]:
+                g.all_reduce(t)
+            return t
+        return wait
 
 
 # ---- permutation ------------------------------------------------------------------------------------
