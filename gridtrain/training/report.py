@@ -344,13 +344,16 @@ def _stage_memory(meter: ActivationMeter, device_peak: int | None, trainer: Trai
     chunks = getattr(trainer.model, "chunks", None)
     if chunks is not None and cfg.model.attention == "math":
         e = torch.finfo(ctx.param_dtype).bits // 8
-        shape = layer_shape(cfg.model, batch=cfg.training.micro_batch_size, tp=ctx.tp.size,
-                            sequence_parallel=ctx.tp.sequence_parallel, element_bytes=e,
-                            mask_bytes=dropout_mask_bytes(ctx.device, e), cp=ctx.cp.size, cp_comm=ctx.cp.mode)
+        shape = dict(batch=cfg.training.micro_batch_size, tp=ctx.tp.size, sequence_parallel=ctx.tp.sequence_parallel,
+                     element_bytes=e, mask_bytes=dropout_mask_bytes(ctx.device, e), cp=ctx.cp.size,
+                     cp_comm=ctx.cp.mode, ep=ctx.ep.size)
+
+        def shape_of(layer: int) -> dict:  # a MoE block's differs from a dense one's
+            return layer_shape(cfg.model, layer=layer, **shape)
         policy = ctx.recompute.policy
         for spec in chunks:
             expected.update(expected_by_layer(policy.block_runs(spec.layer_ids), policy.mode,
-                                              micro_batches, policy.keep_last, **shape))
+                                              micro_batches, policy.keep_last, shape_of=shape_of))
     return StageMemory(stage=ctx.coords.pp, micro_batches=micro_batches, kept=meter.by_layer(),
                        recomputed=meter.by_layer("recompute"), peak_bytes=meter.peak_bytes,
                        expected=expected, device_peak_bytes=device_peak)
