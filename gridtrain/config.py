@@ -552,12 +552,25 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(_LLAMA3, n_layer=32, n_head=32, d_model=4096, ffn_hidden=14336),
     "llama3-70b": dict(_LLAMA3, n_layer=80, n_head=64, d_model=8192, ffn_hidden=28672),
     # mixtures of experts (docs/moe.md): Hugging Face config.json's num_local_experts / num_experts,
-    # num_experts_per_tok, moe_intermediate_size, norm_topk_prob; seq_len is the context trained at
+    # num_experts_per_tok, moe_intermediate_size (Mixtral, OLMoE: intermediate_size), norm_topk_prob,
+    # router_aux_loss_coef, head_dim and the query/key norms; seq_len is the context trained at
     "moe-tiny": dict(_LLAMA, n_layer=2, n_head=8, n_kv_head=2, d_model=64, ffn_hidden=160, seq_len=64,
                      vocab_size=257, n_experts=8, moe_top_k=2, moe_ffn_hidden=32),
+    # Mixtral 8x7B (v0.1): pre-trained at its 32K context (Jiang et al., 2024)
     "mixtral-8x7b": dict(_LLAMA, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, ffn_hidden=14336,
-                         vocab_size=32000, rope_theta=1000000.0, seq_len=4096, max_positions=32768,
-                         n_experts=8, moe_top_k=2),
+                         vocab_size=32000, rope_theta=1000000.0, seq_len=32768, max_positions=32768,
+                         n_experts=8, moe_top_k=2, moe_aux_loss_coeff=0.02),
+    # Qwen3-30B-A3B: 128-wide heads beside a 2048-wide model, per-head q/k RMSNorm; the 32K stage
+    # of its pre-training aside, it trained at 4K (the dense intermediate_size is unused: every
+    # layer is MoE)
+    "qwen3-30b-a3b": dict(_LLAMA, n_layer=48, n_head=32, n_kv_head=4, d_model=2048, attn_head_dim=128,
+                          ffn_hidden=6144, vocab_size=151936, rope_theta=1000000.0, layernorm_eps=1e-6,
+                          seq_len=4096, max_positions=40960, n_experts=128, moe_top_k=8, moe_ffn_hidden=768,
+                          moe_norm_topk=True, qk_norm="head", moe_aux_loss_coeff=0.001),
+    # OLMoE-1B-7B (0924): q/k RMSNorm over the whole projections, top-8 weights not renormalised
+    "olmoe-1b-7b": dict(_LLAMA, n_layer=16, n_head=16, n_kv_head=16, d_model=2048, ffn_hidden=1024,
+                        vocab_size=50304, rope_theta=10000.0, seq_len=4096, max_positions=4096, n_experts=64,
+                        moe_top_k=8, moe_norm_topk=False, qk_norm="full", moe_aux_loss_coeff=0.01),
     # Llama 3.1: the 128K context by Llama 3's rope scaling of the 8K one
     "llama3-405b": dict(_LLAMA3, n_layer=126, n_head=128, d_model=16384, ffn_hidden=53248, max_positions=131072,
                         rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,

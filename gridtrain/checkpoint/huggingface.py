@@ -91,14 +91,19 @@ def is_hf_dir(path: str | Path) -> bool:
 
 
 class ConvertedTensors(Mapping):
-    """A Hugging Face directory's tensors by gridtrain name, each converted when asked for."""
+    """A Hugging Face directory's tensors by gridtrain name, each converted when asked for
+    (one expert of a stack of them read from its slice of the stored tensor)."""
 
     def __init__(self, directory: "HFDirectory"):
         self.directory = directory
         self.rule_of = {name: r for r in directory.rules for name in r.ours}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.directory.convert(self.rule_of[name])[self.rule_of[name].ours.index(name)]
+        r = self.rule_of[name]
+        if r.transform.part is not None:
+            return r.transform.part([self.directory.view(n) for n in r.theirs], self.directory.model,
+                                    r.ours.index(name))
+        return self.directory.convert(r)[r.ours.index(name)]
 
     def __contains__(self, name: object) -> bool:
         return name in self.rule_of
@@ -119,8 +124,9 @@ class HFDirectory:
         self.config = self._read_config()
         self.arch = architecture_for(self.config)
         self.model = model_config_from_hf(self.config)
-        self.rules = self.arch.rules_for(self.model)
         self.files = self._tensor_files()
+        self.layout = self._layout()
+        self.rules = self.arch.rules_for(self.model, self.layout)
         self.tensors = ConvertedTensors(self)
         self.tokenizer = self.path / TOKENIZER if (self.path / TOKENIZER).is_file() else None
 
@@ -183,6 +189,21 @@ class HFDirectory:
                                  "the index is wrong or the shard is from another model")
             where.update((n, file) for n in listed)
         return where
+
+    def _layout(self) -> str:
+        """The first of the architecture's file layouts whose own tensors (those of rules
+        marked with it) are all stored here; else the first layout, which check() then
+        finds wanting. (Mixtures of experts: one tensor per expert, or transformers 5's
+        stacks.)"""
+        for layout in self.arch.layouts:
+            own = [n for r in self.arch.rules_for(self.model, layout) if r.layout == layout for n in r.theirs]
+            if own and all(self.stored_name(n) is not None for n in own):
+                return layout
+        return self.arch.layouts[0]
+
+    def view(self, name: str):
+        """The stored tensor as a safetensors slice: indexing it reads only those rows."""
+        return self.files._file(self.stored_name(name)).get_slice(self.stored_name(name))
 
     def stored_name(self, name: str) -> str | None:
         """The name a table entry has in these files (some lack the optional prefix)."""

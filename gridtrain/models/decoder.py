@@ -325,10 +325,12 @@ def parameter_seed(seed: int, name: str) -> int:
 
 
 def _init_std(name: str, param: torch.Tensor, cfg: ModelConfig) -> float | None:
-    """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer); None = constant."""
+    """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer); None =
+    constant (biases 0; norms 1, the query/key norms included)."""
     if getattr(param, "residual_projection", False):
         return 0.02 / math.sqrt(2 * cfg.n_layer)
-    if name.endswith(".bias") or ".ln" in name or name.startswith("final_norm"):
+    if (name.endswith(".bias") or ".ln" in name or name.startswith("final_norm")
+            or name.endswith((".q_norm.weight", ".k_norm.weight"))):
         return None
     return 0.02
 
@@ -360,23 +362,52 @@ def _canonical_name(name: str) -> str:
     return "embedding.word.weight" if name == "head" else name
 
 
-def block_parameters(cfg: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one block on one TP rank. GPT-2: two LayerNorms (whole),
-    column-parallel QKV and MLP expansion (weights and biases / tp), row-parallel
-    projections (weights / tp, whole biases); Llama: see llama.block_parameters."""
+def mlp_parameters(cfg: ModelConfig, width: int, tp: int = 1) -> int:
+    """An MLP ``width`` wide on one TP rank: Llama's gate, up and down (1/tp, no biases);
+    GPT-2's expansion (weight and bias 1/tp) and projection (weight 1/tp, bias whole).
+    Experts are whole on their rank: ``tp`` 1."""
+    d = cfg.d_model
     if cfg.arch == "llama":
-        return llama.block_parameters(cfg, tp)
-    d, f, t = cfg.d_model, cfg.ffn_size, tp
-    return 4 * d + (3 * d * d + 3 * d) // t + d * d // t + d + (d * f + f) // t + f * d // t + d
+        return 3 * d * width // tp
+    return (d * width + width) // tp + width * d // tp + d
+
+
+def block_parameters(cfg: ModelConfig, tp: int = 1, layer: int = 0, ep: int = 1) -> int:
+    """Parameters of block ``layer`` on one TP rank (and, for a MoE block, one ep rank).
+    GPT-2: two LayerNorms (whole), column-parallel QKV (weights and biases / tp),
+    row-parallel projection (weight / tp, bias whole); Llama: two RMSNorms and the
+    attention of llama.attention_parameters. Then the MLP: a dense block's
+    (:func:`mlp_parameters`), or a MoE block's router ``[E, d]`` (whole), its ``E / ep``
+    experts (whole, ``moe_ffn_size`` wide) and its shared experts (one MLP ``S x H``
+    wide, split over tp). Dense models' blocks are all alike; a MoE model's layer 0 is a
+    MoE block."""
+    d = cfg.d_model
+    if cfg.arch == "llama":
+        attention = 2 * d + llama.attention_parameters(cfg, tp)
+    else:
+        attention = 4 * d + (3 * d * d + 3 * d) // tp + d * d // tp + d
+    if not cfg.is_moe_layer(layer):
+        return attention + mlp_parameters(cfg, cfg.ffn_size, tp)
+    shared = cfg.moe_shared_experts * cfg.moe_ffn_size
+    return (attention + cfg.n_experts * d + cfg.n_experts // ep * mlp_parameters(cfg, cfg.moe_ffn_size)
+            + (mlp_parameters(cfg, shared, tp) if shared else 0))
 
 
 def count_parameters(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
-    """Parameters of the whole (unpadded) model, from its shape alone."""
+    """Parameters of the whole (unpadded) model, from its shape alone (every expert)."""
     d = cfg.d_model
     norm = d if cfg.arch == "llama" else 2 * d  # the final norm: RMSNorm has no bias
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
-    total = cfg.n_layer * block_parameters(cfg) + norm + head
+    total = sum(block_parameters(cfg, layer=i) for i in range(cfg.n_layer)) + norm + head
     return total if exclude_embeddings else total + embedding_parameters(cfg)
+
+
+def active_parameters(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
+    """Parameters one token goes through: :func:`count_parameters` with ``k`` of the ``E``
+    experts of each MoE layer (router and shared experts included): Mixtral 8x7B's 12.9B
+    of 46.7B. The same as count_parameters for a dense model."""
+    unused = len(cfg.moe_layers) * (cfg.n_experts - cfg.moe_top_k) * mlp_parameters(cfg, cfg.moe_ffn_size)
+    return count_parameters(cfg, exclude_embeddings=exclude_embeddings) - unused
 
 
 def embedding_parameters(cfg: ModelConfig) -> int:
@@ -384,12 +415,13 @@ def embedding_parameters(cfg: ModelConfig) -> int:
     return (cfg.vocab_size + (cfg.seq_len if cfg.arch == "gpt2" else 0)) * cfg.d_model
 
 
-def parameter_costs(cfg: ModelConfig) -> tuple[list[float], float, float]:
-    """Parameters per block, in the embedding and in the head (untied copy counted): the
-    costs of ``--pp-partition parameters``."""
+def parameter_costs(cfg: ModelConfig, ep: int = 1) -> tuple[list[float], float, float]:
+    """Parameters per block (a MoE block's ``E / ep`` experts), in the embedding and in the
+    head (untied copy counted): the costs of ``--pp-partition parameters``."""
     d = cfg.d_model
     head = cfg.vocab_size * d + (d if cfg.arch == "llama" else 2 * d)
-    return [float(block_parameters(cfg))] * cfg.n_layer, embedding_parameters(cfg), head
+    blocks = [float(block_parameters(cfg, layer=i, ep=ep)) for i in range(cfg.n_layer)]
+    return blocks, embedding_parameters(cfg), head
 
 
 def profile_units(cfg: ModelConfig, micro_batch_size: int, steps: int = 3, *,
@@ -423,13 +455,18 @@ def training_flops_per_token(cfg: ModelConfig) -> float:
     each FLOP counted as 2 for multiply-add) plus 4 s d for the attention scores and the
     weighted sum; the logits add 2 d V. Backward costs twice the forward. This is the
     formula of Narayanan et al. (2021): 72 B s L d^2 (1 + s/(6d)) + 6 B s d V per batch.
+    Llama's grouped-query attention and three-matrix MLP: llama.attention_flops_per_token
+    and 6 d ffn. A MoE layer counts what a token goes through (active parameters): the
+    router's 2 d E, and k routed experts plus the shared ones in place of the dense MLP.
     """
-    d, s, L, V = cfg.d_model, cfg.seq_len, cfg.n_layer, cfg.vocab_size
-    if cfg.arch == "llama":  # grouped-query attention and a three-matrix MLP: llama.forward_flops_per_token
-        return 3.0 * (L * llama.forward_flops_per_token(cfg) + 2 * d * V)
-    f_ratio = cfg.ffn_size / (4 * d)
-    per_layer = 8 * d * d + 16 * d * d * f_ratio + 4 * s * d
-    return 3.0 * (L * per_layer + 2 * d * V)
+    d, s, V = cfg.d_model, cfg.seq_len, cfg.vocab_size
+    if cfg.arch == "llama":
+        attention, mlp = llama.attention_flops_per_token(cfg), 6.0 * d
+    else:
+        attention, mlp = 8.0 * d * d + 4.0 * s * d, 4.0 * d
+    moe = 2.0 * d * cfg.n_experts + mlp * cfg.moe_ffn_size * (cfg.moe_top_k + cfg.moe_shared_experts)
+    layers = sum(attention + (moe if cfg.is_moe_layer(i) else mlp * cfg.ffn_size) for i in range(cfg.n_layer))
+    return 3.0 * (layers + 2 * d * V)
 
 
 @torch.no_grad()

@@ -20,10 +20,26 @@ be a rule with several names on the Hugging Face side and a :func:`concat` trans
 Files written by older ``transformers`` versions (and the Hub's ``gpt2`` itself) name
 GPT-2's tensors without the ``transformer.`` prefix and store the causal-mask buffers
 ``h.N.attn.bias``: ``optional_prefix`` and ``ignored`` say so.
+
+Mixtures of experts (Mixtral, Qwen3-MoE, OLMoE) add two things. Names may also hold
+``{e}`` (one rule per expert) or ``{experts}`` (the name repeated for every expert, in
+order, inside one rule), and a per-layer rule may apply to some layers only (``layers``:
+a MoE layer's router and experts, a dense layer's MLP). And their files come in two
+*layouts* (``Architecture.layouts``): the Hub's, one tensor per expert and matrix
+(``block_sparse_moe.experts.3.w1.weight``, ``mlp.experts.3.gate_proj.weight``), which
+transformers 4 and 5 both read and write and which export writes; and transformers 5's
+own in-memory one, which ``save_pretrained(..., save_original_format=False)`` writes:
+every expert of a layer in one tensor, ``experts.gate_up_proj`` ``[E, 2H, d]`` (each
+expert's gate rows, then its up rows) and ``experts.down_proj`` ``[E, d, H]``. A rule
+marked with a layout applies only to files in it; the reader picks the layout whose
+tensors the files hold. Those stacked rules make one expert's tensor from its rows of
+the stored stack (``Transform.part``), so loading a model reads each expert's rows, not
+the whole stack once per expert.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -42,11 +58,15 @@ class HFError(ValueError):
 
 @dataclass(frozen=True)
 class Transform:
-    """Inverse functions between a rule's gridtrain tensors and its Hugging Face tensors."""
+    """Inverse functions between a rule's gridtrain tensors and its Hugging Face tensors.
+    ``part(views, m, j)``, where given, makes only the rule's ``j``-th gridtrain tensor
+    from indexable views of the Hugging Face tensors (safetensors slices: only the rows
+    asked for are read)."""
 
     name: str
     to_hf: Callable[[Tensors, ModelConfig], Tensors]
     from_hf: Callable[[Tensors, ModelConfig], Tensors]
+    part: Callable[[list[Any], ModelConfig, int], torch.Tensor] | None = None
 
 
 SAME = Transform("same", lambda ts, m: ts, lambda ts, m: ts)
@@ -62,36 +82,83 @@ def concat(sizes: Callable[[ModelConfig], Sequence[int]], dim: int = 0) -> Trans
                      lambda ts, m: [torch.cat(ts, dim=dim)])
 
 
+def _expert_stack() -> Transform:
+    """E experts' tensors <-> one ``[E, ...]`` tensor (transformers 5's ``down_proj``)."""
+    return Transform("stack", lambda ts, m: [torch.stack(ts)], lambda ts, m: [t.contiguous() for t in ts[0].unbind(0)],
+                     part=lambda views, m, j: views[0][j])
+
+
+def _gate_up_stack() -> Transform:
+    """E experts' gate weights then their up weights <-> one ``[E, 2H, d]`` tensor, each
+    expert's gate rows before its up rows (transformers 5's ``gate_up_proj``)."""
+    def to_hf(ts: Tensors, m: ModelConfig) -> Tensors:
+        e = m.n_experts
+        return [torch.cat([torch.stack(ts[:e]), torch.stack(ts[e:])], dim=1)]
+
+    def from_hf(ts: Tensors, m: ModelConfig) -> Tensors:
+        gate, up = ts[0].split(ts[0].shape[1] // 2, dim=1)
+        return [t.contiguous() for t in (*gate.unbind(0), *up.unbind(0))]
+
+    def part(views: list[Any], m: ModelConfig, j: int) -> torch.Tensor:
+        e, h = m.n_experts, m.moe_ffn_size
+        return views[0][j, :h] if j < e else views[0][j - e, h:]
+
+    return Transform("gate-up-stack", to_hf, from_hf, part)
+
+
+STACK, GATE_UP_STACK = _expert_stack(), _gate_up_stack()
+
+LayerTest = Callable[[ModelConfig, int], bool]
+
+
 @dataclass(frozen=True)
 class Rule:
     ours: tuple[str, ...]
     theirs: tuple[str, ...]
     transform: Transform = SAME
     when: Callable[[ModelConfig], bool] | None = None
+    layers: LayerTest | None = None  # a per-layer rule: the layers it applies to (None: all)
+    layout: str | None = None  # only for files in this layout (None: every layout)
 
     def applies(self, m: ModelConfig) -> bool:
         return self.when is None or self.when(m)
 
-    def at_layer(self, i: int) -> "Rule":
-        return Rule(tuple(n.format(i=i) for n in self.ours), tuple(n.format(i=i) for n in self.theirs),
-                    self.transform, self.when)
+    def concrete(self, m: ModelConfig, i: int | None = None, e: int | None = None) -> "Rule":
+        """The rule with ``{i}`` and ``{e}`` filled in and ``{experts}`` names repeated
+        for every expert of ``m``."""
+        def names(templates: tuple[str, ...]) -> tuple[str, ...]:
+            out: list[str] = []
+            for n in templates:
+                n = n.replace("{i}", str(i)) if i is not None else n
+                n = n.replace("{e}", str(e)) if e is not None else n
+                if "{experts}" in n:
+                    out.extend(n.replace("{experts}", str(k)) for k in range(m.n_experts))
+                else:
+                    out.append(n)
+            return tuple(out)
+        return dataclasses.replace(self, ours=names(self.ours), theirs=names(self.theirs))
 
     @property
     def per_layer(self) -> bool:
         return any("{i}" in n for n in self.ours + self.theirs)
 
+    @property
+    def per_expert(self) -> bool:
+        return any("{e}" in n for n in self.ours + self.theirs)
+
 
 def rule(ours: str | tuple[str, ...], theirs: str | tuple[str, ...], transform: Transform = SAME,
-         when: Callable[[ModelConfig], bool] | None = None) -> Rule:
+         when: Callable[[ModelConfig], bool] | None = None, *, layers: LayerTest | None = None,
+         layout: str | None = None) -> Rule:
     as_tuple = lambda x: (x,) if isinstance(x, str) else tuple(x)  # noqa: E731
-    return Rule(as_tuple(ours), as_tuple(theirs), transform, when)
+    return Rule(as_tuple(ours), as_tuple(theirs), transform, when, layers, layout)
 
 
 @dataclass(frozen=True)
 class Architecture:
     """One model family's mapping (see the module docstring)."""
 
-    name: str  # gridtrain's name (--arch)
+    name: str  # how messages name it (the family)
     model_type: str  # config.json's "model_type"
     hf_class: str  # config.json's "architectures"
     rules: tuple[Rule, ...]
@@ -99,17 +166,19 @@ class Architecture:
     to_hf_config: Callable[[ModelConfig], dict[str, Any]]
     optional_prefix: str = ""  # a prefix of the table's names that some files leave out
     ignored: tuple[tuple[str, Callable[[ModelConfig], bool] | None], ...] = ()  # (regex, when) not weights
+    layouts: tuple[str, ...] = ("",)  # the ways files lay the tensors out; export writes the first
 
-    def rules_for(self, m: ModelConfig) -> list[Rule]:
-        """The table made concrete for one model: per-layer rules once per layer."""
+    def rules_for(self, m: ModelConfig, layout: str | None = None) -> list[Rule]:
+        """The table made concrete for one model and file layout (default: the first):
+        per-layer rules once per layer they apply to, per-expert rules once per expert."""
+        layout = self.layouts[0] if layout is None else layout
         out = []
         for r in self.rules:
-            if not r.applies(m):
+            if not r.applies(m) or r.layout not in (None, layout):
                 continue
-            if r.per_layer:
-                out.extend(r.at_layer(i) for i in range(m.n_layer))
-            else:
-                out.append(r)
+            layers = [i for i in range(m.n_layer) if r.layers is None or r.layers(m, i)] if r.per_layer else [None]
+            experts = range(m.n_experts) if r.per_expert else [None]
+            out.extend(r.concrete(m, i, e) for i in layers for e in experts)
         return out
 
     def is_ignored(self, hf_name: str, m: ModelConfig) -> bool:
@@ -205,6 +274,13 @@ GPT2 = Architecture(
 # ---- Llama -----------------------------------------------------------------------------------
 
 
+def _flag(c: dict[str, Any], key: str, default: bool) -> bool:
+    value = c.get(key, default)
+    if not isinstance(value, bool):
+        raise HFError(f"config.json: {key} is {value!r}, expected true or false; fix config.json")
+    return value
+
+
 def _number(c: dict[str, Any], key: str, default: float, where: str = "config.json") -> float:
     value = c.get(key, default)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -238,76 +314,286 @@ def _llama_rope(c: dict[str, Any]) -> dict[str, Any]:
                 rope_original_max_positions=original)
 
 
-def _llama_from_hf(c: dict[str, Any]) -> dict[str, Any]:
+def _llama_common(c: dict[str, Any], *, eps: float = 1e-6, head_dim: int | None = None) -> dict[str, Any]:
+    """What every Llama-like config.json says alike (Llama, Qwen3, Mixtral, Qwen3-MoE,
+    OLMoE): the shape, norms, rope and tying. ``eps`` and ``head_dim`` are the defaults
+    of the family's transformers config (None: hidden_size / num_attention_heads);
+    ``attn_head_dim`` is set only where the head width differs from that."""
     _must_be(c, "hidden_act", ("silu",), "silu")
     _must_be(c, "attention_bias", (False,), False)
     _must_be(c, "mlp_bias", (False,), False)
     d, heads = _required(c, "hidden_size"), _required(c, "num_attention_heads")
     kv = c.get("num_key_value_heads")
     kv = heads if kv is None else _required(c, "num_key_value_heads")
-    if kv < 1 or heads % kv:
+    if heads < 1 or kv < 1 or heads % kv:
         raise HFError(f"config.json: num_key_value_heads {kv} does not divide num_attention_heads {heads}")
-    head_dim = c.get("head_dim")
-    if head_dim is not None and heads and head_dim * heads != d:
-        raise HFError(f"config.json: head_dim {head_dim!r} is not hidden_size / num_attention_heads "
-                      f"({d} / {heads}); gridtrain's llama needs that")
+    width = c.get("head_dim") if c.get("head_dim") is not None else head_dim
+    if width is not None:
+        width = _required({"head_dim": width}, "head_dim")
+    if width is None and d % heads:
+        raise HFError(f"config.json: {heads} heads do not divide the hidden size {d}, and no head_dim says their width")
     positions = _required(c, "max_position_embeddings")
     return dict(arch="llama", n_layer=_required(c, "num_hidden_layers"), n_head=heads, n_kv_head=kv, d_model=d,
+                attn_head_dim=None if width is None or width * heads == d else width,
                 ffn_hidden=_required(c, "intermediate_size"), vocab_size=_required(c, "vocab_size"),
-                seq_len=positions, max_positions=positions, layernorm_eps=_number(c, "rms_norm_eps", 1e-6),
+                seq_len=positions, max_positions=positions, layernorm_eps=_number(c, "rms_norm_eps", eps),
                 tie_embeddings=bool(c.get("tie_word_embeddings", False)), **_llama_rope(c))
 
 
-def _llama_to_hf(m: ModelConfig) -> dict[str, Any]:
+def _llama_from_hf(c: dict[str, Any]) -> dict[str, Any]:
+    return _llama_common(c)
+
+
+def _llama_common_to_hf(m: ModelConfig, hf_class: str, model_type: str) -> dict[str, Any]:
+    """The keys every Llama-like config.json has (see :func:`_llama_common`)."""
     scaling = None
     if m.rope_scaling == "llama3":
         scaling = {"rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
                    "high_freq_factor": m.rope_high_freq_factor,
                    "original_max_position_embeddings": m.rope_original_max_positions}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m.vocab_size,
+    return {"architectures": [hf_class], "model_type": model_type, "vocab_size": m.vocab_size,
             "hidden_size": m.d_model, "intermediate_size": m.ffn_size, "num_hidden_layers": m.n_layer,
             "num_attention_heads": m.n_head, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim,
             "hidden_act": "silu", "max_position_embeddings": m.max_positions or m.seq_len,
             "rms_norm_eps": m.layernorm_eps, "rope_theta": m.rope_theta, "rope_scaling": scaling,
-            "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-            "attention_dropout": m.dropout, "pretraining_tp": 1, "initializer_range": 0.02, "use_cache": True}
+            "tie_word_embeddings": m.tie_embeddings, "attention_bias": False, "attention_dropout": m.dropout,
+            "initializer_range": 0.02, "use_cache": True}
 
 
-def _layer(ours: str, theirs: str) -> Rule:
-    return rule(f"blocks.{{i}}.{ours}.weight", f"model.layers.{{i}}.{theirs}.weight")
+def _llama_to_hf(m: ModelConfig) -> dict[str, Any]:
+    return {**_llama_common_to_hf(m, "LlamaForCausalLM", "llama"), "mlp_bias": False, "pretraining_tp": 1}
 
+
+def _layer(ours: str, theirs: str, layers: LayerTest | None = None, layout: str | None = None) -> Rule:
+    return rule(f"blocks.{{i}}.{ours}.weight", f"model.layers.{{i}}.{theirs}.weight", layers=layers, layout=layout)
+
+
+def _dense(m: ModelConfig, i: int) -> bool:
+    return not m.is_moe_layer(i)
+
+
+def _sparse(m: ModelConfig, i: int) -> bool:
+    return m.is_moe_layer(i)
+
+
+_EMBEDDING = rule("embedding.word.weight", "model.embed_tokens.weight")
+_ATTENTION = (_layer("ln1", "input_layernorm"), _layer("attn.q", "self_attn.q_proj"),
+              _layer("attn.k", "self_attn.k_proj"), _layer("attn.v", "self_attn.v_proj"),
+              _layer("attn.proj", "self_attn.o_proj"), _layer("ln2", "post_attention_layernorm"))
+_QK_NORMS = (_layer("attn.q_norm", "self_attn.q_norm"), _layer("attn.k_norm", "self_attn.k_norm"))
+_DENSE_MLP = (_layer("mlp.gate", "mlp.gate_proj", _dense), _layer("mlp.up", "mlp.up_proj", _dense),
+              _layer("mlp.down", "mlp.down_proj", _dense))
+_ENDS = (rule("final_norm.weight", "model.norm.weight"), rule("head", "lm_head.weight", when=_untied))
+_LLAMA_IGNORED = ((r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", None),  # older files: a buffer
+                  (r"lm_head\.weight", _tied))
 
 # Hugging Face's names, one to one; nn.Linear layout on both sides, so nothing is transposed.
 LLAMA = Architecture(
     name="llama", model_type="llama", hf_class="LlamaForCausalLM",
-    rules=(
-        rule("embedding.word.weight", "model.embed_tokens.weight"),
-        _layer("ln1", "input_layernorm"),
-        _layer("attn.q", "self_attn.q_proj"),
-        _layer("attn.k", "self_attn.k_proj"),
-        _layer("attn.v", "self_attn.v_proj"),
-        _layer("attn.proj", "self_attn.o_proj"),
-        _layer("ln2", "post_attention_layernorm"),
-        _layer("mlp.gate", "mlp.gate_proj"),
-        _layer("mlp.up", "mlp.up_proj"),
-        _layer("mlp.down", "mlp.down_proj"),
-        rule("final_norm.weight", "model.norm.weight"),
-        rule("head", "lm_head.weight", when=_untied),
-    ),
-    from_hf_config=_llama_from_hf, to_hf_config=_llama_to_hf,
-    ignored=((r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq", None),  # older files: a buffer
-             (r"lm_head\.weight", _tied)),
+    rules=(_EMBEDDING, *_ATTENTION, *_DENSE_MLP, *_ENDS),
+    from_hf_config=_llama_from_hf, to_hf_config=_llama_to_hf, ignored=_LLAMA_IGNORED,
 )
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (GPT2, LLAMA)}
+# ---- Qwen3: Llama with per-head query/key norms and its own head width ---------------------------
+
+
+def _no_sliding_window(c: dict[str, Any]) -> None:
+    """Qwen's sliding-window attention (use_sliding_window, layer_types): refused."""
+    _must_be(c, "use_sliding_window", (False,), False)
+    kinds = c.get("layer_types") or []
+    if any(kind != "full_attention" for kind in kinds):
+        raise HFError(f"config.json: layer_types {sorted(set(kinds))} asks for sliding-window attention, which "
+                      "gridtrain does not have (every layer attends causally over the whole context)")
+
+
+def _qwen3_from_hf(c: dict[str, Any]) -> dict[str, Any]:
+    _no_sliding_window(c)
+    return {**_llama_common(c, head_dim=128), "qk_norm": "head"}  # Qwen3Config's head_dim defaults to 128
+
+
+def _qwen3_to_hf(m: ModelConfig) -> dict[str, Any]:
+    return {**_llama_common_to_hf(m, "Qwen3ForCausalLM", "qwen3"), "use_sliding_window": False,
+            "sliding_window": None, "max_window_layers": m.n_layer, "layer_types": ["full_attention"] * m.n_layer}
+
+
+QWEN3 = Architecture(
+    name="qwen3", model_type="qwen3", hf_class="Qwen3ForCausalLM",
+    rules=(_EMBEDDING, *_ATTENTION, *_QK_NORMS, *_DENSE_MLP, *_ENDS),
+    from_hf_config=_qwen3_from_hf, to_hf_config=_qwen3_to_hf, ignored=_LLAMA_IGNORED,
+)
+
+# ---- mixtures of experts: Mixtral, Qwen3-MoE, OLMoE ---------------------------------------------
+
+HUB, FUSED = "per-expert", "fused"  # the two file layouts (module docstring)
+
+
+def _moe_from_hf(c: dict[str, Any], *, width: int | None, norm_topk: bool, aux: float) -> dict[str, Any]:
+    """Experts, top-k, expert width (None: intermediate_size, as Mixtral's and OLMoE's,
+    whose every layer is MoE), renormalisation and the load-balancing coefficient.
+    The expert count is ``num_experts`` or ``num_local_experts`` (transformers 5 writes
+    either for any of the three: each config maps one name to the other)."""
+    given = {key: _required(c, key) for key in ("num_experts", "num_local_experts") if c.get(key) is not None}
+    if not given:
+        raise HFError("config.json: neither num_experts nor num_local_experts says how many experts a layer has; "
+                      "fix config.json")
+    if len(set(given.values())) > 1:
+        raise HFError(f"config.json: num_experts {given['num_experts']} and num_local_experts "
+                      f"{given['num_local_experts']} disagree; fix config.json")
+    experts, k = next(iter(given.values())), _required(c, "num_experts_per_tok")
+    if not 1 <= k <= experts:
+        raise HFError(f"config.json: num_experts_per_tok {k} is not between 1 and the {experts} experts")
+    coeff = c.get("router_aux_loss_coef", aux)
+    if not isinstance(coeff, (int, float)) or isinstance(coeff, bool) or coeff < 0:
+        raise HFError(f"config.json: router_aux_loss_coef is {coeff!r}, expected a number >= 0; fix config.json")
+    return dict(n_experts=experts, moe_top_k=k, moe_ffn_hidden=width, moe_norm_topk=norm_topk,
+                moe_aux_loss_coeff=float(coeff))
+
+
+def _moe_to_hf(m: ModelConfig, family: str, *, every_layer: bool = True) -> dict[str, Any]:
+    """The expert keys of config.json; refuses what the family cannot say (one line)."""
+    problem = None
+    if m.moe_shared_experts:
+        problem = f"{m.moe_shared_experts} shared experts (model.moe_shared_experts), which {family} has not"
+    elif every_layer and m.moe_layers != list(range(m.n_layer)):
+        problem = f"dense layers between its MoE layers (--moe-every {m.moe_every}); {family} has experts in every layer"
+    if problem:
+        raise HFError(f"export-hf: this model has {problem}; it has no Hugging Face counterpart gridtrain writes")
+    return {"num_experts_per_tok": m.moe_top_k, "router_aux_loss_coef": m.moe_aux_loss_coeff,
+            "output_router_logits": False}
+
+
+def _moe_layout_rules(router: str, experts: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """A MoE layer's router and experts in both file layouts: the Hub's, ``router`` and
+    ``experts.{e}.{gate,up,down}``; transformers 5's, ``mlp.gate`` and the two stacks."""
+    return (
+        _layer("mlp.router", router, _sparse, HUB),
+        _layer("mlp.experts.{e}.gate", f"{experts}.{{e}}.{gate}", _sparse, HUB),
+        _layer("mlp.experts.{e}.up", f"{experts}.{{e}}.{up}", _sparse, HUB),
+        _layer("mlp.experts.{e}.down", f"{experts}.{{e}}.{down}", _sparse, HUB),
+        _layer("mlp.router", "mlp.gate", _sparse, FUSED),
+        rule(("blocks.{i}.mlp.experts.{experts}.gate.weight", "blocks.{i}.mlp.experts.{experts}.up.weight"),
+             "model.layers.{i}.mlp.experts.gate_up_proj", GATE_UP_STACK, layers=_sparse, layout=FUSED),
+        rule("blocks.{i}.mlp.experts.{experts}.down.weight", "model.layers.{i}.mlp.experts.down_proj", STACK,
+             layers=_sparse, layout=FUSED),
+    )
+
+
+def _mixtral_from_hf(c: dict[str, Any]) -> dict[str, Any]:
+    _must_be(c, "router_jitter_noise", (0.0,), 0.0)
+    values = _llama_common(c, eps=1e-5)
+    window = c.get("sliding_window")
+    if window is not None and window < values["max_positions"]:
+        raise HFError(f"config.json: sliding_window {window!r} asks for sliding-window attention, which gridtrain "
+                      "does not have; set it to null for a model trained without it")
+    return {**values, **_moe_from_hf(c, width=None, norm_topk=True, aux=0.001)}
+
+
+def _mixtral_to_hf(m: ModelConfig) -> dict[str, Any]:
+    if not m.moe_norm_topk:
+        raise HFError("export-hf: Mixtral renormalises its top-k routing weights, and this model does not "
+                      "(model.moe_norm_topk false); it has no Hugging Face counterpart gridtrain writes")
+    return {**_llama_common_to_hf(m, "MixtralForCausalLM", "mixtral"), **_moe_to_hf(m, "Mixtral"),
+            "intermediate_size": m.moe_ffn_size, "num_local_experts": m.n_experts, "router_jitter_noise": 0.0,
+            "sliding_window": None}
+
+
+MIXTRAL = Architecture(
+    name="mixtral", model_type="mixtral", hf_class="MixtralForCausalLM",
+    rules=(_EMBEDDING, *_ATTENTION, *_moe_layout_rules("block_sparse_moe.gate", "block_sparse_moe.experts", "w1",
+                                                      "w3", "w2"), *_ENDS),
+    from_hf_config=_mixtral_from_hf, to_hf_config=_mixtral_to_hf, ignored=_LLAMA_IGNORED, layouts=(HUB, FUSED),
+)
+
+
+def _moe_every(c: dict[str, Any], layers: int) -> int:
+    """Qwen3-MoE's MoE layers (``(i + 1) % decoder_sparse_step == 0`` and not in
+    ``mlp_only_layers``) as gridtrain's ``moe_every`` (layers 0, N, 2N, ...), or a one-line
+    refusal when they are not such a set."""
+    step = _required(c, "decoder_sparse_step") if c.get("decoder_sparse_step") is not None else 1
+    dense = c.get("mlp_only_layers") or []
+    if step < 1 or not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise HFError(f"config.json: decoder_sparse_step {step!r} / mlp_only_layers {dense!r} are not a step >= 1 "
+                      "and a list of layer indices; fix config.json")
+    sparse = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+    every = sparse[1] - sparse[0] if len(sparse) > 1 else layers
+    if not sparse or sparse != list(range(0, layers, every)):
+        raise HFError(f"config.json: decoder_sparse_step {step} and mlp_only_layers {dense} put experts in layers "
+                      f"{sparse}; gridtrain's MoE layers are every Nth from layer 0 (0, N, 2N, ...: "
+                      "model.moe_every)")
+    return every
+
+
+def _qwen3_moe_from_hf(c: dict[str, Any]) -> dict[str, Any]:
+    _no_sliding_window(c)
+    values = _llama_common(c)
+    moe = _moe_from_hf(c, width=_required(c, "moe_intermediate_size"), norm_topk=_flag(c, "norm_topk_prob", False),
+                       aux=0.001)
+    return {**values, **moe, "moe_every": _moe_every(c, values["n_layer"]), "qk_norm": "head"}
+
+
+def _qwen3_moe_to_hf(m: ModelConfig) -> dict[str, Any]:
+    return {**_llama_common_to_hf(m, "Qwen3MoeForCausalLM", "qwen3_moe"),
+            **_moe_to_hf(m, "Qwen3-MoE", every_layer=False), "num_experts": m.n_experts,
+            "moe_intermediate_size": m.moe_ffn_size, "norm_topk_prob": m.moe_norm_topk, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(m.n_layer) if not m.is_moe_layer(i)],
+            "use_sliding_window": False, "sliding_window": None, "max_window_layers": m.n_layer}
+
+
+QWEN3_MOE = Architecture(
+    name="qwen3_moe", model_type="qwen3_moe", hf_class="Qwen3MoeForCausalLM",
+    rules=(_EMBEDDING, *_ATTENTION, *_QK_NORMS, *_DENSE_MLP,
+           *_moe_layout_rules("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"), *_ENDS),
+    from_hf_config=_qwen3_moe_from_hf, to_hf_config=_qwen3_moe_to_hf, ignored=_LLAMA_IGNORED, layouts=(HUB, FUSED),
+)
+
+
+def _olmoe_from_hf(c: dict[str, Any]) -> dict[str, Any]:
+    _must_be(c, "clip_qkv", (None,), None)
+    values = _llama_common(c, eps=1e-5)
+    if values["attn_head_dim"] is not None:  # its k_norm is sized hidden_size / heads x kv heads
+        raise HFError(f"config.json: head_dim {c.get('head_dim')!r} is not hidden_size / num_attention_heads "
+                      f"({values['d_model']} / {values['n_head']}), which OLMoE's query/key norms need")
+    moe = _moe_from_hf(c, width=None, norm_topk=_flag(c, "norm_topk_prob", False), aux=0.01)
+    return {**values, **moe, "qk_norm": "full"}
+
+
+def _olmoe_to_hf(m: ModelConfig) -> dict[str, Any]:
+    if m.head_dim * m.n_head != m.d_model:
+        raise HFError(f"export-hf: OLMoE's heads are hidden_size / num_attention_heads wide, and this model's are "
+                      f"{m.head_dim} (model.attn_head_dim); it has no Hugging Face counterpart gridtrain writes")
+    return {**_llama_common_to_hf(m, "OlmoeForCausalLM", "olmoe"), **_moe_to_hf(m, "OLMoE"),
+            "intermediate_size": m.moe_ffn_size, "num_experts": m.n_experts, "norm_topk_prob": m.moe_norm_topk,
+            "clip_qkv": None}
+
+
+OLMOE = Architecture(
+    name="olmoe", model_type="olmoe", hf_class="OlmoeForCausalLM",
+    rules=(_EMBEDDING, *_ATTENTION, *_QK_NORMS,
+           *_moe_layout_rules("mlp.gate", "mlp.experts", "gate_proj", "up_proj", "down_proj"), *_ENDS),
+    from_hf_config=_olmoe_from_hf, to_hf_config=_olmoe_to_hf, ignored=_LLAMA_IGNORED, layouts=(HUB, FUSED),
+)
+
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (GPT2, LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, OLMOE)}
 
 
 def architecture_of(m: ModelConfig) -> Architecture:
-    """The mapping of a gridtrain model (``arch``, GPT-2 where the field does not exist)."""
-    name = getattr(m, "arch", "gpt2")
-    if name not in ARCHITECTURES:
-        raise HFError(f"architecture {name!r} has no Hugging Face mapping yet (mapped: {', '.join(ARCHITECTURES)})")
-    return ARCHITECTURES[name]
+    """The Hugging Face family a gridtrain model is written as: GPT-2; a Llama by its
+    query/key norms and experts: none (Llama, Mixtral), per head (Qwen3, Qwen3-MoE), over
+    the whole projection with experts (OLMoE). One line for a model no family fits."""
+    arch = getattr(m, "arch", "gpt2")
+    experts, qk = getattr(m, "n_experts", 0), getattr(m, "qk_norm", None)
+    if arch == "gpt2":
+        if experts:
+            raise HFError("export-hf: a GPT-2 with experts has no Hugging Face counterpart gridtrain writes "
+                          "(its MoE families are Llama-like: --arch llama)")
+        return GPT2
+    if arch != "llama":
+        raise HFError(f"architecture {arch!r} has no Hugging Face mapping yet (mapped: gpt2, llama)")
+    if qk == "full" and not experts:
+        raise HFError("export-hf: a dense model with query/key norms over the whole projection (model.qk_norm "
+                      "full) has no Hugging Face counterpart gridtrain writes (OLMoE's has experts)")
+    return {(False, None): LLAMA, (False, "head"): QWEN3, (True, None): MIXTRAL, (True, "head"): QWEN3_MOE,
+            (True, "full"): OLMOE}[(bool(experts), qk)]
 
 
 def architecture_for(c: dict[str, Any]) -> Architecture:
@@ -325,6 +611,6 @@ def model_config_from_hf(c: dict[str, Any]) -> ModelConfig:
     """The gridtrain model a config.json describes; one-line HFError for what does not fit."""
     values = architecture_for(c).from_hf_config(c)
     m = ModelConfig(**values)
-    if m.n_head < 1 or m.d_model % m.n_head:
+    if m.n_head < 1 or (m.d_model % m.n_head and getattr(m, "attn_head_dim", None) is None):
         raise HFError(f"config.json: {m.n_head} heads do not divide the hidden size {m.d_model}")
     return m

@@ -20,7 +20,15 @@ How the parts split over TP (Megatron's rules, docs/llama.md):
   whole tensors are the same whatever the tp; ``down`` and the attention output ``proj``
   are row-parallel;
 * RMSNorm weights are replicated; under sequence parallelism each rank sees 1/tp of the
-  tokens and their gradients are summed over TP (as LayerNorm's are).
+  tokens and their gradients are summed over TP (as LayerNorm's are);
+* query/key norms (``cfg.qk_norm``, docs/llama.md) act after q and k leave the TP entry,
+  on whole sequences. ``head`` (Qwen3: one ``head_dim`` weight shared by every head) is
+  replicated, and each rank's copy sees only its own heads, so its gradient is a partial
+  sum: the weight carries ``ShardSpec(0, replicas=tp)`` (one slice held by every rank),
+  and the copies' gradients are summed over TP with the replicated kv heads'. ``full``
+  (OLMoE: one weight over all of q's features, one over all of k's) is split as q and k
+  are, and its mean square spans every rank's features: the local sums of squares are
+  summed over TP, differentiably both ways (:class:`ProjectionNorm`).
 
 ``q``, ``k`` and ``v`` (and ``gate`` and ``up``) read the same input: one entry into the
 TP region serves them (tensor_parallel.column_linears: one all-gather under SP).
@@ -29,7 +37,8 @@ Parameter names (global, stable: checkpoints and the Hugging Face mapping key on
 for block N: ``blocks.N.ln1.weight`` (input_layernorm), ``blocks.N.attn.{q,k,v}.weight``
 (q_proj, k_proj, v_proj), ``blocks.N.attn.proj.weight`` (o_proj),
 ``blocks.N.ln2.weight`` (post_attention_layernorm), ``blocks.N.mlp.{gate,up,down}.weight``
-(gate_proj, up_proj, down_proj); ``embedding.word.weight`` (embed_tokens),
+(gate_proj, up_proj, down_proj), with ``cfg.qk_norm`` ``blocks.N.attn.q_norm.weight`` and
+``blocks.N.attn.k_norm.weight`` (self_attn.q_norm, k_norm); ``embedding.word.weight`` (embed_tokens),
 ``final_norm.weight`` (norm), ``head`` (lm_head, absent when tied).
 """
 
@@ -45,7 +54,9 @@ from gridtrain.models.attention import LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
 from gridtrain.parallel.context_parallel import ContextParallel
 from gridtrain.parallel.recompute import Recomputation
-from gridtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, column_linears
+from gridtrain.parallel.comm import copy_to_tp, reduce_from_tp
+from gridtrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, ShardSpec, TensorParallel,
+                                                column_linears)
 
 # ---- which heads a TP rank holds ---------------------------------------------------------------
 
@@ -112,6 +123,44 @@ def rms_norm(cfg: ModelConfig, tp: TensorParallel) -> RMSNorm:
     return norm
 
 
+def head_norm(cfg: ModelConfig, tp: TensorParallel) -> RMSNorm:
+    """Qwen3's query or key norm: an RMSNorm over ``head_dim``, applied to each head. Every
+    TP rank holds the whole weight but applies it to its own heads only, so the copies'
+    gradients are partial sums: one slice replicated on all tp ranks (ShardSpec), summed
+    over TP after backward (grads.allreduce_replicated_grads). It acts on whole
+    sequences (after the TP entry), so sequence parallelism adds nothing."""
+    norm = RMSNorm(cfg.head_dim, cfg.layernorm_eps)
+    norm.weight.tp_spec = ShardSpec(0, replicas=tp.size)
+    return norm
+
+
+class ProjectionNorm(nn.Module):
+    """OLMoE's query or key norm: an RMSNorm over a whole projection (``width`` features:
+    every head's), whose output rows are split over TP as the projection's are (each
+    slice held by ``replicas`` ranks: the key/value heads' rule). The mean square needs
+    every rank's features: each rank's sum of squares is summed over TP (each replicated
+    slice counted ``replicas`` times, so divided by it), forward and, for the gradient,
+    backward (reduce_from_tp then copy_to_tp). On one rank it is the plain RMSNorm."""
+
+    def __init__(self, width: int, eps: float, tp: TensorParallel, replicas: int = 1):
+        super().__init__()
+        slices = tp.size // replicas
+        if width % slices:
+            raise ValueError(f"a norm over {width} features does not split into {slices} slices over tp {tp.size}")
+        self.width, self.eps, self.tp, self.replicas = width, eps, tp, replicas
+        self.weight = nn.Parameter(torch.ones(width // slices))
+        self.weight.tp_spec = ShardSpec(0, replicas=replicas)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return _RMSNorm.apply(x, self.weight, self.eps)
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        squares = wide.pow(2).sum(-1, keepdim=True)
+        total = copy_to_tp(reduce_from_tp(squares, self.tp.comm), self.tp.comm)
+        rstd = torch.rsqrt(total / (self.width * self.replicas) + self.eps)
+        return self.weight * (wide * rstd).to(x.dtype)
+
+
 # ---- rotary position embeddings ------------------------------------------------------------------
 
 
@@ -174,7 +223,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(SelfAttention):
     """Grouped-query causal self-attention with rotary positions, no biases; under TP
     each rank computes ``n_head / tp`` query heads and holds the key/value heads they
-    read (replicated when tp exceeds the kv head count)."""
+    read (replicated when tp exceeds the kv head count). Heads are ``cfg.head_dim`` wide
+    (``attn_head_dim``: Qwen3's 128 beside a 2048-wide model), so q and the output
+    projection are ``n_head x head_dim`` wide, whatever d_model is. ``cfg.qk_norm``
+    normalises queries and keys before the rotary positions: per head (``head``, Qwen3)
+    or over the whole projection (``full``, OLMoE)."""
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel, recompute: Recomputation, rotary: Rotary,
                  cp: ContextParallel | None = None):
@@ -187,14 +240,26 @@ class Attention(SelfAttention):
         self.k = ColumnParallelLinear(d, kv_dim, tp, bias=False, replicas=replicas)
         self.v = ColumnParallelLinear(d, kv_dim, tp, bias=False, replicas=replicas)
         self.proj = RowParallelLinear(cfg.n_head * cfg.head_dim, d, tp, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = head_norm(cfg, tp), head_norm(cfg, tp)
+        elif cfg.qk_norm == "full":
+            self.q_norm = ProjectionNorm(cfg.n_head * cfg.head_dim, cfg.layernorm_eps, tp)
+            self.k_norm = ProjectionNorm(kv_dim, cfg.layernorm_eps, tp, replicas)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         q, k, v = column_linears(x, [self.q.weight, self.k.weight, self.v.weight], self.tp)
         b, s, _ = q.shape
+        if self.qk_norm == "full":  # over every head's features (all ranks')
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, self.local_heads, self.head_dim)
+        k = k.view(b, s, self.local_kv_heads, self.head_dim)
+        if self.qk_norm == "head":  # each head by itself
+            q, k = self.q_norm(q), self.k_norm(k)
         offset = 0 if cache is None else cache.offset  # positions after the cached tokens
         positions = self.cp.positions(s, x.device) if self.cp.size > 1 else None  # this cp rank's chunks
-        q = self.rotary(q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2), offset, positions)
-        k = self.rotary(k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2), offset, positions)
+        q = self.rotary(q.transpose(1, 2), offset, positions)
+        k = self.rotary(k.transpose(1, 2), offset, positions)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         return self.proj(self.attend(q, k, v, cache))
 
@@ -219,17 +284,23 @@ class SwiGLU(nn.Module):
 # ---- sizes ---------------------------------------------------------------------------------------------
 
 
-def block_parameters(cfg: ModelConfig, tp: int = 1) -> int:
-    """Parameters of one block on one TP rank: two norms (whole), q and proj (1/tp),
-    k and v (the rank's kv heads), gate, up and down (1/tp)."""
-    d, f, hd, kv = cfg.d_model, cfg.ffn_size, cfg.head_dim, cfg.kv_heads
+def attention_parameters(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of one block's attention on one TP rank: q and proj (1/tp), k and v
+    (the rank's kv heads), and the query/key norms: ``head`` two whole ``head_dim``
+    weights, ``full`` the rank's slices of the two projection-wide ones."""
+    d, hd, kv = cfg.d_model, cfg.head_dim, cfg.kv_heads
     local_kv = len(kv_heads_of_rank(cfg.n_head, kv, tp, 0))
-    return 2 * d + 2 * d * cfg.n_head * hd // tp + 2 * d * local_kv * hd + 3 * d * f // tp
+    n = 2 * d * cfg.n_head * hd // tp + 2 * d * local_kv * hd
+    if cfg.qk_norm == "head":
+        n += 2 * hd
+    elif cfg.qk_norm == "full":
+        n += cfg.n_head * hd // tp + local_kv * hd
+    return n
 
 
-def forward_flops_per_token(cfg: ModelConfig) -> float:
-    """Forward matmul FLOPs per token of one block: q, k, v and the output projection
-    (2 d (2 n_head + 2 n_kv_head) head_dim), the three MLP matrices (6 d ffn) and the
-    attention scores and weighted sum (4 s n_head head_dim)."""
+def attention_flops_per_token(cfg: ModelConfig) -> float:
+    """Forward matmul FLOPs per token of one block's attention: q, k, v and the output
+    projection (2 d (2 n_head + 2 n_kv_head) head_dim) and the attention scores and
+    weighted sum (4 s n_head head_dim). The norms are not matrix products."""
     d, hd, s = cfg.d_model, cfg.head_dim, cfg.seq_len
-    return 2 * d * (2 * cfg.n_head + 2 * cfg.kv_heads) * hd + 6 * d * cfg.ffn_size + 4 * s * cfg.n_head * hd
+    return 2 * d * (2 * cfg.n_head + 2 * cfg.kv_heads) * hd + 4 * s * cfg.n_head * hd
