@@ -336,3 +336,36 @@ def test_export_of_what_no_family_fits_is_one_line(tmp_path, preset, fields, wor
     assert cli.main(["export-hf", "--load", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+# ---- trained on pp 2 x ep 2, then exported --------------------------------------------------------
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_pp2_ep2_run_from_a_hf_moe_exports_to_transformers(saved, family, tmp_path, monkeypatch):
+    """transformers' model imported with --init-from, trained two steps on 4 processes
+    (dp 2 x pp 2, experts over ep 2: each rank holds half of its stage's experts), saved,
+    exported: transformers loads the export with the trained model's logits (read back
+    whole with gridtrain.load_model), to 1e-6 as it ships and 1e-12 with its fp32 steps
+    made fp64."""
+    run = tmp_path / "run"
+    argv = ["train", "--init-from", str(saved[family][1][HUB]), "--nproc", "4", "--pp", "2", "--ep", "2",
+            "--dtype", "fp64", "--steps", "2", "--global-batch-size", "4", "--micro-batch-size", "1",
+            "--moe-aux-loss-coeff", "0.01", "--eval-interval", "0", "--sample-tokens", "0", "--no-progress",
+            "--save", str(run)]
+    assert cli.main(argv) == 0
+    trained = gridtrain.load_model(run, dtype=torch.float64)
+    initial = gridtrain.load_model(saved[family][1][HUB], dtype=torch.float64)
+    moved = max(relative_difference(a.detach(), b.detach()) for (n, a), (_, b)
+                in zip(trained.named_parameters(), initial.named_parameters()) if ".experts." in n)
+    assert moved > 1e-6  # the experts trained (on their ranks) and came back
+    assert cli.main(["export-hf", "--load", str(run), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64,
+                                                           experts_implementation="eager").eval()
+    x = tokens(2, seed=4)
+    for tolerance in (1e-6, 1e-12):
+        if tolerance == 1e-12:
+            fp64_norms_and_routers(monkeypatch)
+        with torch.no_grad():
+            assert relative_difference(hf(input_ids=x).logits, trained(x)) <= tolerance

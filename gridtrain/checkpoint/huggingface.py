@@ -421,17 +421,20 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
 _SHAPE_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model", "seq_len": "--seq-len",
                 "vocab_size": "--vocab-size"}
 _RUN_FIELDS = ("dropout", "attention", "vocab_pad_multiple")  # the run's own, whatever the source
+_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_capacity_factor")  # the run's where it sets them, else the source's
 # (and --seq-len for a rotary model, which has no position weights)
 
 
 def apply_init_from(cfg: Config, given: set[str] | frozenset[str] = frozenset()) -> Config:
     """``--init-from``: the run's model becomes the source's (dropout, attention and
-    padding stay the run's), and its tokenizer the source's when the run names none.
+    padding stay the run's; so do the load-balancing coefficient and the expert capacity
+    where the run sets them: training choices, not the model's shape), and its tokenizer
+    the source's when the run names none.
     ``given`` are the model fields the user set (flags, config file, preset): each must
     equal the source's, else one line says which."""
     path = cfg.checkpoint.init_from
     source = open_source(path, "--init-from", verify_data=False)
-    own = _RUN_FIELDS + (("seq_len",) if _rotary(source.model) else ())
+    own = _RUN_FIELDS + _TRAINING_FIELDS + (("seq_len",) if _rotary(source.model) else ())
     differ = [name for name in sorted(given) if name not in own
               and hasattr(source.model, name) and getattr(source.model, name) != getattr(cfg.model, name)]
     if differ:
@@ -439,7 +442,7 @@ def apply_init_from(cfg: Config, given: set[str] | frozenset[str] = frozenset())
                           f"{getattr(source.model, n)!r})" for n in differ)
         raise HFError(f"--init-from {path}: the run's model contradicts the source's: {pairs}; drop those "
                       "settings (the shape comes from the source) or make them equal")
-    kept = {k: getattr(cfg.model, k) for k in _RUN_FIELDS}
+    kept = {k: getattr(cfg.model, k) for k in _RUN_FIELDS + tuple(f for f in _TRAINING_FIELDS if f in given)}
     if _rotary(source.model) and "seq_len" in given:  # no position weights: any window
         kept.update(seq_len=cfg.model.seq_len, max_positions=source.model.max_positions or source.model.seq_len)
     cfg.model = dataclasses.replace(source.model, **kept)

@@ -20,8 +20,10 @@ from gridtrain.checkpoint.errors import CheckpointError
 from gridtrain.checkpoint.manifest import META, read_meta_file, verify
 from gridtrain.config import Config, ModelConfig
 
-# Model fields that do not change the weights' shapes or meaning (compared: all others).
-_NOT_COMPARED = {"dropout", "attention", "vocab_pad_multiple", "ffn_hidden", "max_positions"}
+# Model fields that do not change the weights' shapes or meaning (compared: all others);
+# the load-balancing coefficient and the expert capacity are training choices.
+_NOT_COMPARED = {"dropout", "attention", "vocab_pad_multiple", "ffn_hidden", "max_positions", "moe_ffn_hidden",
+                 "moe_aux_loss_coeff", "moe_capacity_factor"}
 _MODEL_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model",
                 "seq_len": "--seq-len", "vocab_size": "--vocab-size", "arch": "--arch", "n_kv_head": "--n-kv-head",
                 "rope_theta": "--rope-theta"}
@@ -49,6 +51,7 @@ def model_of_meta(meta: dict[str, Any], where: str) -> ModelConfig:
 def _compared(m: ModelConfig) -> dict[str, Any]:
     values = {f.name: getattr(m, f.name) for f in fields(ModelConfig) if f.name not in _NOT_COMPARED}
     values["ffn_size"] = m.ffn_size
+    values["moe_ffn_size"] = m.moe_ffn_size
     values["n_kv_head"] = m.kv_heads  # None means one per query head
     return values
 
@@ -63,7 +66,8 @@ def compare_models(saved: ModelConfig, run: ModelConfig, where: str, label: str 
     pairs = [f"{name} {a[name]!r} vs {b[name]!r}" for name in differ]
     pairs[0] = f"{differ[0]} {a[differ[0]]!r} (checkpoint) vs {b[differ[0]]!r} ({label})"
     flags = [f"{_MODEL_FLAGS[n]} {a[n]}" for n in differ if n in _MODEL_FLAGS]
-    keys = [f"model.{'ffn_hidden' if n == 'ffn_size' else n}: {a[n]}" for n in differ if n not in _MODEL_FLAGS]
+    widths = {"ffn_size": "ffn_hidden", "moe_ffn_size": "moe_ffn_hidden"}  # set by these keys
+    keys = [f"model.{widths.get(n, n)}: {a[n]}" for n in differ if n not in _MODEL_FLAGS]
     fixes = ([f"pass the checkpoint's model flags ({' '.join(flags)})"] if flags else []) + \
             ([f"set {', '.join(keys)} in --config"] if keys else [])
     raise CheckpointError(f"{where}: the checkpoint's model differs from this run's: {', '.join(pairs)}; "

@@ -139,7 +139,7 @@ class MoE(nn.Module):
             dropped = torch.zeros((), dtype=torch.float64, device=stats.device) if capacity is None else \
                 (stats[:e] - capacity).clamp(min=0).sum()
             self.ep.log.record(self.layer, stats[:e], aux_value, dropped, received)
-        if cfg.moe_aux_loss_coeff == 0.0:
+        if cfg.moe_aux_loss_coeff == 0.0 or not self.training:  # a training objective: not in evaluation
             return out
         # this rank's share: its tokens' probabilities against the global fractions
         local = e * (f.to(probs.dtype) * probs.sum(0)).sum() / tokens.to(probs.dtype)
