@@ -32,6 +32,7 @@ import torch.distributed as dist
 from gridtrain.parallel.comm import single
 from gridtrain.config import Config, ConfigError, ParallelConfig, TrainingConfig, preset_config, set_fields
 from gridtrain.parallel.distributed import DistributedContext, setup_distributed, shutdown
+from gridtrain.parallel.experts import ExpertParallel
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.runtime.launch import run_workers
 from gridtrain.training.providers import decoder_forward_step, decoder_model_provider
@@ -137,7 +138,8 @@ def build_gpt_one_process(cfg: Config) -> Trainer:
     one = replace(cfg, parallel=ParallelConfig(nproc=1, dp=1, bucket_mb=cfg.parallel.bucket_mb))
     world = setup_distributed(replace(one, parallel=ParallelConfig()))
     ctx = replace(world, grid=ProcessGrid.build(1), rank=0, tp=TensorParallel(rng=world.tp.rng),
-                  dp=single("dp"), mp=single("mp"), pp=single("pp"), embedding=None)
+                  dp=single("dp"), mp=single("mp"), pp=single("pp"), embedding=None,
+                  ep=ExpertParallel(), expert_dp=None)  # MoE: routing statistics over this rank's tokens
     return build_gpt(one, ctx)
 
 

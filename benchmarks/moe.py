@@ -169,12 +169,9 @@ class Setup(Side):
 
 
 def one_process(cfg: Config, loop: bool = False) -> Trainer:
-    """``common.build_gpt_one_process``, whose MoE layers take their routing statistics
-    over rank 0's own tokens; with ``loop``, every MoE layer runs :func:`loop_forward`."""
+    """``common.build_gpt_one_process`` (its MoE layers take their routing statistics
+    over rank 0's own tokens); with ``loop``, every MoE layer runs :func:`loop_forward`."""
     trainer = common.build_gpt_one_process(cfg)
-    # the one-rank context keeps the world's ExpertParallel (its layers share it), whose
-    # token groups span both ranks: the reference's tokens are all on rank 0
-    trainer.ctx.ep.token_groups = ()
     if loop and use_loop(trainer.model) != len(cfg.model.moe_layers):
         raise RuntimeError("the loop side did not replace every MoE layer")
     return trainer
