@@ -3,9 +3,12 @@ forms of gridtrain/memory/moe.py (total and active parameters, model FLOPs over 
 parameters, a rank's experts, the all-to-all bytes, the activation terms), the memory
 model against the runtime's own MoE layer and its dry run, the cost model's MoE block
 (expert GEMMs one by one, all-to-alls on the link the ep group spans, the TP collectives
-a routed layer does without), the search over ep (divisibility, ZeRO-0/1 only beside
-ep > 1), the JSON's ``ep`` and the printed ``--ep``, and dense plans exactly as before.
-No process is started; searches stay small."""
+a routed layer does without, the statistics' all-reduce hidden behind the experts),
+ZeRO-2/3 beside ep > 1 (the experts' shards, gathers and reduce-scatters over their
+expert-data-parallel group; the dry run of every rank to the byte), the search over ep
+(divisibility, every ZeRO stage but no hybrid sharding beside ep > 1), the JSON's ``ep``
+and the printed ``--ep``, and dense plans exactly as before. No process is started;
+searches stay small."""
 
 from __future__ import annotations
 
@@ -21,18 +24,21 @@ from gridtrain.cli import parser as cli
 from gridtrain.config import ModelConfig, preset_config
 from gridtrain.memory import activations
 from gridtrain.memory.model import (expected_activation_peak, expected_bytes, expected_parameters,
-                                    stage_parameter_split)
+                                    expected_state_bytes, stage_parameter_split)
 from gridtrain.memory.moe import (INDEX_BYTES, ROUTING_INDICES, all_to_all_bytes, all_to_all_payload,
                                   dense_block_parameters, expert_parameters, model_flops_per_token,
                                   moe_activation_terms, moe_active_parameters, moe_block_parameters,
                                   moe_mlp_bytes_per_token, moe_step_all_to_all, moe_total_parameters,
                                   routed_tokens)
+from gridtrain.memory.zero import STAGING_BUCKETS
 from gridtrain.models import decoder, llama
 from gridtrain.models.decoder import block_parameters, count_parameters, training_flops_per_token
-from gridtrain.planner.cost import (EXPERT_KERNELS, MOE_BLOCK_COLLECTIVES, Job, Layout, all_to_all_seconds,
-                                    block_cost, config_of, data_parallel_seconds, expert_tp_seconds, grid_of,
-                                    moe_comm_seconds, moe_gemm_seconds, tiny_all_reduce_seconds,
-                                    tp_collectives)
+from gridtrain.planner.cost import (EXPERT_KERNELS, HOST_SYNC_S, MOE_BLOCK_COLLECTIVES, Job, Layout,
+                                    all_to_all_seconds, block_cost, config_of, data_parallel_seconds,
+                                    expert_gemm_seconds, expert_tp_seconds, grid_of, memory_bytes, moe_comm_seconds,
+                                    moe_gemm_seconds, moe_routing, predict, ring_link, statistics_seconds,
+                                    tiny_all_reduce_seconds, tp_collectives, zero_chunk_seconds, zero_unit_parts,
+                                    zero_units)
 from gridtrain.planner.machine import machine
 from gridtrain.planner.search import Fixed, ep_sizes, layouts, search
 from gridtrain.training.validate import validate
@@ -137,6 +143,53 @@ def test_a_rank_holds_its_e_over_ep_experts_and_shards_them_over_edp():
     assert one["parameters"] == stage_parameter_split(cfg, grid, 0)[0] + 4 * 8 * expert
 
 
+@pytest.mark.parametrize("zero,keep", [(2, False), (3, False), (3, True)])
+def test_zero_2_and_3_shard_the_experts_over_edp(zero, keep):
+    """dp 8 x pp 2, ep 4, bf16: ZeRO-2 keeps gradient shards, the dense parameters' over
+    the 8 dp ranks and the experts' over the 2 holding the same ones, and ZeRO-3
+    parameter shards too (2 + 4 + 12 bytes an owned parameter); ZeRO-3 gathers two whole
+    blocks (a MoE block's dense bucket and its expert bucket) and the stage's embedding or
+    head, or kept gathered the whole stage. The staging is two of the largest bucket
+    (fp32): ZeRO-3's are units, the largest the token table (stage 0) or the final norm
+    and head (stage 1), above a block's two experts (17.3 M); ZeRO-2's buckets of one
+    kind close at the parameter that reaches --bucket-mb, so the table's or head's bucket
+    is 25 MiB of parameters and the 32.8 M table, within the dense parameters' whole."""
+    lay = Layout(dp=8, tp=1, pp=2, ep=4, zero=zero, zero3_keep_gathered=keep)
+    cfg, grid = _cfg(SMALL, lay), grid_of(lay)
+    block = sum(moe_block_parameters(SMALL, 1, 4))
+    table, cap = 32000 * 1024, 25 * 2 ** 20 // 4
+    assert moe_block_parameters(SMALL, 1, 4)[1] == 2 * 3 * 1024 * 2816 < table
+    for stage in (0, 1):
+        rank = grid.rank_of(dp=0, pp=stage, tp=0)
+        dense, experts = stage_parameter_split(cfg, grid, rank)
+        owned = -(-dense // 8) + -(-experts // 2)
+        held = expected_state_bytes(cfg, grid, rank)
+        assert held["parameter_bytes"] == 2 * (owned if zero == 3 else dense + experts)
+        assert held["gradient_bytes"] == 4 * owned
+        assert held["optimizer_bytes"] == 12 * owned
+        outside = dense + experts - 4 * block  # the token table, or the final norm and the head
+        gathered = {2: 0, 3: 2 * (dense + experts) if keep else 2 * (2 * block + outside)}[zero]
+        assert held["gathered_bytes"] == gathered
+        assert outside == table + stage * 1024
+        largest = outside if zero == 3 else min(dense, cap + table)
+        assert dense > cap + table and held["staging_bytes"] == STAGING_BUCKETS * 4 * largest
+        # a cap above everything: ZeRO-2's largest bucket is the dense parameters' whole
+        wide = expected_state_bytes(_with(cfg, bucket_mb=10 ** 4), grid, rank)
+        assert wide["staging_bytes"] == STAGING_BUCKETS * 4 * (outside if zero == 3 else -(-dense // 8) * 8)
+    # ep 1: one buffer, one group, as a dense model of the same parameters (ZeRO-3's units
+    # are whole blocks, each with its 8 experts, above the table)
+    one = expected_state_bytes(_cfg(SMALL, replace(lay, ep=1)), grid, 0)
+    n, whole = one["parameters"], sum(moe_block_parameters(SMALL, 1, 1))
+    assert one["gradient_bytes"] == 4 * -(-n // 8) and one["optimizer_bytes"] == 12 * -(-n // 8)
+    assert whole > table and one["staging_bytes"] == STAGING_BUCKETS * 4 * (whole if zero == 3 else cap)
+
+
+def _with(cfg, **parallel):
+    cfg = dataclasses.replace(cfg)
+    cfg.parallel = dataclasses.replace(cfg.parallel, **parallel)
+    return cfg
+
+
 # the runtime's own code on fake tensors (gridtrain/dryrun.py): held bytes exactly, the
 # activation peak within 1% (the norms' statistics are left out, as for dense blocks)
 DRY_RUNS = {
@@ -153,26 +206,72 @@ DRY_RUNS = {
 }
 
 
+def _tiny(c: dict):
+    """moe-tiny (``--attention math``) laid out as a case of the dry-run tables says, and
+    its grid."""
+    from gridtrain.config import set_fields
+    from gridtrain.parallel.grid import ProcessGrid
+
+    cfg = preset_config("moe-tiny")
+    cfg.model = dataclasses.replace(cfg.model, attention="math", **c.get("model", {}))
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = c.get("tp", 1), c.get("pp", 1), c.get("ep", 1)
+    cfg.parallel.sequence_parallel = c.get("sp", False)
+    cfg.parallel.schedule = c.get("schedule", "1f1b")
+    cfg.parallel.zero3_keep_gathered = c.get("keep", False)
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = 2, c.get("batch", 8)
+    cfg.activations.recompute = c.get("recompute", "none")
+    cfg = set_fields(cfg, dtype=c.get("dtype", "bf16"), zero=c.get("zero", 0))
+    return cfg, ProcessGrid.build(c["world"], tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+
+
 @pytest.mark.parametrize("case", sorted(DRY_RUNS))
 def test_the_dry_run_holds_the_memory_model(case):
     from gridtrain import dryrun
-    from gridtrain.config import set_fields
-    from gridtrain.parallel.grid import ProcessGrid
 
     c = dict(DRY_RUNS[case])
     if c.get("qk") and not hasattr(llama, "ProjectionNorm"):
         pytest.skip("the models do not have query/key norms yet")
-    cfg = preset_config("moe-tiny")
-    cfg.model = dataclasses.replace(cfg.model, attention="math", **c.get("model", {}))
-    cfg.parallel.tp, cfg.parallel.ep = c.get("tp", 1), c.get("ep", 1)
-    cfg.parallel.sequence_parallel = c.get("sp", False)
-    cfg.training.micro_batch_size, cfg.training.global_batch_size = 2, 8
-    cfg.activations.recompute = c.get("recompute", "none")
-    cfg = set_fields(cfg, dtype=c.get("dtype", "bf16"), zero=c.get("zero", 0))
-    grid = ProcessGrid.build(c["world"], tp=cfg.parallel.tp)
+    cfg, grid = _tiny(c)
     for r in dryrun.dry_run(cfg, c["world"], "0", out=lambda *_: None)["ranks"]:
         expected = expected_bytes(cfg, grid, r["rank"])
         assert {k: r[k] for k in expected} == expected
+        peak = expected_activation_peak(cfg, grid, r["rank"], "cpu")
+        assert r["activation_peak_bytes"] == pytest.approx(peak, rel=0.01)
+
+
+# ZeRO-2 and 3 beside expert parallelism, every rank: a rank's experts in buckets of their
+# own, their gradient (and ZeRO-3 parameter) shards over the expert-data-parallel group
+SHARDED_DRY_RUNS = {
+    "dp4 ep2 zero2": dict(world=4, ep=2, zero=2),
+    "dp4 ep2 zero3": dict(world=4, ep=2, zero=3),
+    "dp4 ep2 zero3 fp32": dict(world=4, ep=2, zero=3, dtype="fp32"),  # the parameter shard is the master
+    "dp4 ep2 zero3 kept gathered": dict(world=4, ep=2, zero=3, keep=True),
+    "dp8 ep4 zero3": dict(world=8, ep=4, zero=3, batch=16),
+    "dp4 pp2 zb-h1 ep2 zero3": dict(world=8, pp=2, ep=2, zero=3, schedule="zb-h1"),
+    "dp2 tp2 sp ep2 zero2": dict(world=4, tp=2, ep=2, zero=2, sp=True),  # ep = dp: one-rank expert groups
+    "shared, every 2nd, ep2 zero3": dict(world=4, ep=2, zero=3,
+                                         model=dict(moe_shared_experts=1, moe_every=2, n_layer=4)),
+    "gpt2 tied pp2 ep2 zero3": dict(world=8, pp=2, ep=2, zero=3,
+                                    model=dict(arch="gpt2", tie_embeddings=True, n_kv_head=None,
+                                               moe_shared_experts=2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(SHARDED_DRY_RUNS))
+def test_the_dry_run_holds_zero_2_and_3_beside_ep(case):
+    """Parameter, gradient and optimizer bytes of every rank to the byte; the activation
+    peak within 1%. (Under ZeRO-3 with full recomputation the dry run's activation meter
+    also counts the rebuilt blocks' saved views of gathered weights, dense or MoE: left out.)"""
+    from gridtrain import dryrun
+
+    c = SHARDED_DRY_RUNS[case]
+    cfg, grid = _tiny(c)
+    ranks = dryrun.dry_run(cfg, c["world"], "all", out=lambda *_: None)["ranks"]
+    assert len(ranks) == c["world"]
+    for r in ranks:
+        expected = expected_bytes(cfg, grid, r["rank"])
+        assert {k: r[k] for k in expected} == expected, r["rank"]
         peak = expected_activation_peak(cfg, grid, r["rank"], "cpu")
         assert r["activation_peak_bytes"] == pytest.approx(peak, rel=0.01)
 
@@ -300,6 +399,33 @@ def test_the_statistics_all_reduce_is_latency_only():
     lay = Layout(dp=64, tp=1, pp=1)
     assert tiny_all_reduce_seconds(job, lay) == pytest.approx(2 * 6 * H100.network.latency)
     assert tiny_all_reduce_seconds(job, Layout(dp=1, tp=1, pp=1)) == 0.0
+    sp = Layout(dp=8, tp=2, pp=1, sequence_parallel=True)
+    assert statistics_seconds(job, sp) == pytest.approx((2 * 3 * H100.network.latency, 2 * H100.nvlink.latency))
+
+
+def test_the_statistics_all_reduce_travels_while_the_experts_run():
+    """Started before the dispatch and waited after the combine: the dp x cp all-reduce
+    costs only what outlasts the counts, the all-to-alls and the experts' GEMMs; under SP
+    the tp one follows, whole."""
+    def parts(job, lay):
+        rows = moe_routing(job, lay)[1]
+        one = all_to_all_seconds(job, lay, all_to_all_payload(rows, 1, job.model.d_model, 2))
+        dispatch = all_to_all_seconds(job, lay, 0.0) + HOST_SYNC_S + 2 * one
+        return dispatch, expert_gemm_seconds(job, lay), statistics_seconds(job, lay)
+
+    job = Job(SMALL, 64, H100)
+    for lay in (Layout(dp=64, tp=1, pp=1, ep=8), Layout(dp=32, tp=2, pp=1, ep=8, sequence_parallel=True)):
+        dispatch, experts, (group, tp) = parts(job, lay)
+        assert 0 < group < dispatch + experts  # hidden
+        assert moe_comm_seconds(job, lay)[0] == pytest.approx(dispatch + tp)
+    # a tiny MoE on 1024 ranks without ep: ten tree levels across nodes outlast the host read
+    tiny = Job(preset_config("moe-tiny").model, 1024, H100)
+    lay = Layout(dp=1024, tp=1, pp=1)
+    dispatch, experts, (group, tp) = parts(tiny, lay)
+    assert group > dispatch + experts and tp == 0.0
+    assert moe_comm_seconds(tiny, lay)[0] == pytest.approx(group - experts)  # dispatch + what outlasts it
+    assert expert_gemm_seconds(job, Layout(dp=8, tp=1, pp=1, ep=4)) < moe_gemm_seconds(job, Layout(dp=8, tp=1, pp=1,
+                                                                                                  ep=4))
 
 
 def test_a_routed_only_moe_block_leaves_the_tp_region_for_attention_only():
@@ -332,6 +458,77 @@ def test_expert_gradients_over_the_expert_data_parallel_group_and_tp_under_sp():
         H100.nvlink.collective(experts * 4, 2, "all_reduce"))
 
 
+def test_zero_2_and_3_collectives_of_experts_run_over_the_edp_link():
+    """dp 16, ep 8: a MoE block's dense bucket is gathered and reduce-scattered over the
+    16 ranks (two nodes: NVLink-fed rings through every NIC), its experts over the 2
+    holding the same ones, 8 apart (one a node: one NIC); ZeRO-2 reduce-scatters the
+    chunk's gradients, each kind over its group. ep 1: one bucket a block over dp; ep =
+    dp: the experts are not reduced at all."""
+    job = Job(SMALL, 64, H100)
+    lay = Layout(dp=16, tp=1, pp=1, ep=8, zero=3)
+    parts = zero_unit_parts(SMALL, 1, 2, True, False, 2, 8)
+    table, (dense, experts) = parts[0][0], moe_block_parameters(SMALL, 1, 8)
+    assert parts == [(table, 0), (dense, experts), (dense, experts)]
+    assert zero_units(SMALL, 1, 2, True, False, 2, 8) == [sum(u) for u in parts]
+    link, xlink = ring_link(H100, 16, 1, 8), ring_link(H100, 2, 8, 8)
+    assert xlink == H100.network
+
+    def both(d: int, x: int, nbytes: int, kind: str) -> float:
+        return link.collective(d * nbytes, 16, kind) + (xlink.collective(x * nbytes, 2, kind) if x else 0.0)
+
+    gathers = both(table, 0, 2, "all_gather") + 2 * both(dense, experts, 2, "all_gather")
+    scatters = both(table, 0, 4, "reduce_scatter") + 2 * both(dense, experts, 4, "reduce_scatter")
+    assert zero_chunk_seconds(job, lay, 2, True, False, 2) == pytest.approx(
+        (gathers, link.collective(table * 2, 16, "all_gather"), gathers + scatters))
+    assert zero_chunk_seconds(job, replace(lay, zero3_keep_gathered=True), 2, True, False, 2) == \
+        pytest.approx((0.0, 0.0, scatters))
+    assert zero_chunk_seconds(job, replace(lay, zero=2), 2, True, False, 2) == pytest.approx(
+        (0.0, 0.0, both(table + 2 * dense, 2 * experts, 4, "reduce_scatter")))
+    one = replace(lay, ep=1)
+    whole = sum(moe_block_parameters(SMALL, 1, 1))
+    assert zero_chunk_seconds(job, replace(one, zero=2), 2, True, False, 2) == pytest.approx(
+        (0.0, 0.0, link.collective((table + 2 * whole) * 4, 16, "reduce_scatter")))
+    alone = replace(lay, dp=8, zero=2)  # ep 8 = dp 8: each rank alone with its experts
+    assert zero_chunk_seconds(job, alone, 2, True, False, 2)[2] == pytest.approx(
+        ring_link(H100, 8, 1, 8).collective((table + 2 * dense) * 4, 8, "reduce_scatter"))
+
+
+def test_zero_2_and_3_step_collectives_of_experts():
+    """ZeRO-2's once-a-step gather of the updated shards: the experts' over their group
+    beside the dense one; ZeRO-3's gathers are per micro-batch (in the pipeline), kept
+    gathered once a step; the optimizer's pass over dense / 16 + experts / 2."""
+    job = Job(SMALL, 64, H100)
+    free = lambda stage, chunk: type("C", (), {"f": 0.0, "b": 0.0, "w": 0.0})()  # noqa: E731
+    dense, experts = 10 ** 8, 4 * 10 ** 8
+    for zero, keep in ((2, False), (3, False), (3, True)):
+        lay = Layout(dp=16, tp=1, pp=1, ep=8, zero=zero, zero3_keep_gathered=keep)
+        both = data_parallel_seconds(job, lay, dense, free, 25.0, experts)
+        alone = data_parallel_seconds(job, lay, dense, free, 25.0)
+        if zero == 3 and not keep:
+            assert both[1] == alone[1] == 0.0
+        else:
+            assert both[1] == pytest.approx(alone[1] + H100.network.collective(experts * 2, 2, "all_gather"))
+        assert both[2] == pytest.approx((dense / 16 + experts / 2) * (4 + 24 + 2) / H100.memory_bandwidth)
+
+
+def _tight(job: Job, need: float) -> Job:
+    """The job on a device whose usable memory is ``need``."""
+    return replace(job, hardware=replace(job.hardware, memory=need / job.hardware.usable_fraction))
+
+
+def test_the_search_takes_zero_2_beside_ep_where_zero_1_does_not_fit():
+    job = Job(SMALL, 64, H100)
+    base = Layout(dp=16, tp=1, pp=1, ep=8)
+    z1, z2 = (memory_bytes(job, replace(base, zero=z)) for z in (1, 2))
+    assert z2 < z1
+    fixed = Fixed(tp=1, pp=1, cp=1, ep=8, micro_batch_size=1, recompute="none")
+    best = search(_tight(job, (z1 + z2) / 2), 16, fixed, top=2)
+    assert [(p.layout.zero, p.layout.zero3_keep_gathered, p.fits) for p in best][0] == (2, False, True)
+    assert best[0].step_time_s >= predict(job, replace(base, zero=1)).step_time_s
+    validate(config_of(job, best[0].layout), 16)
+    assert {p.layout.zero for p in search(job, 16, fixed)} <= {0, 1}  # where ZeRO-1 fits, it is kept
+
+
 # ---- the search ----------------------------------------------------------------------------------------------
 
 def test_ep_sizes_divide_the_group_and_the_experts():
@@ -342,8 +539,9 @@ def test_ep_sizes_divide_the_group_and_the_experts():
 
 
 def test_layouts_keep_the_rules():
-    """ep divides dp x cp and the experts; ep > 1 only with ZeRO-0 or 1 over the whole
-    group; every valid ep of a layout is there; a dense model's layouts are all ep 1."""
+    """ep divides dp x cp and the experts; beside ep > 1 every ZeRO stage (ZeRO-3 kept
+    gathered or not), over the whole group only (no hybrid sharding); every valid ep of a
+    layout is there; a dense model's layouts are all ep 1."""
     job = Job(replace(SMALL, n_experts=4), 64, H100)
     every = list(layouts(job, 32))
     assert {lay.ep for lay in every} == {1, 2, 4}
@@ -351,9 +549,14 @@ def test_layouts_keep_the_rules():
         group = lay.dp * lay.cp
         assert group % lay.ep == 0 and 4 % lay.ep == 0
         if lay.ep > 1:
-            assert lay.zero in (0, 1) and lay.zero_shard_size is None and not lay.zero3_keep_gathered
+            assert lay.zero_shard_size is None
+    with_ep = {(lay.zero, lay.zero3_keep_gathered) for lay in every if lay.ep > 1}
+    assert with_ep == {(0, False), (1, False), (2, False), (3, True), (3, False)}
+    assert any(lay.zero_shard_size for lay in every if lay.ep == 1)  # hybrid sharding at ep 1 still
     assert {lay.ep for lay in layouts(Job(replace(SMALL, n_experts=0), 64, H100), 32)} == {1}
     assert {lay.ep for lay in layouts(job, 32, Fixed(ep=2))} == {2}
+    assert not list(layouts(job, 32, Fixed(ep=2, zero_shard_size=8)))
+    assert {lay.zero for lay in layouts(job, 32, Fixed(ep=2, zero=3))} == {3}
 
 
 def test_the_search_predicts_moe_layouts_that_validate():

@@ -23,10 +23,11 @@ sharded, over the ``dp x cp`` ranks that hold the same shard (each cp rank holds
 whole layer), or with ``--zero-shard-size`` over groups of that many of them. With cp = 1 every form is the three-axis one.
 
 A mixture of experts (:mod:`gridtrain.memory.moe`): a rank holds its ``E / ep`` experts
-of each MoE block it holds; with ``ep`` > 1 their gradients are reduced (their ZeRO-1
-state sharded) over the expert-data-parallel group (``dp x cp / ep``), the rest over
-``dp x cp``; a MoE block keeps its router's, permutation's and experts' tensors instead of
-the dense MLP's.
+of each MoE block it holds; with ``ep`` > 1 their gradients are reduced and ZeRO shards
+their state (ZeRO-1 the optimizer's, ZeRO-2 the gradients too, ZeRO-3 the parameters
+too) over the expert-data-parallel group (``dp x cp / ep``), the rest over ``dp x cp``;
+a MoE block keeps its router's, permutation's and experts' tensors instead of the dense
+MLP's.
 
 The dry run measures the same quantities on fake tensors, and the tests hold them equal
 (the activation peak within a few percent: the norms' per-token statistics are left
@@ -45,6 +46,7 @@ import torch
 
 from gridtrain.config import Config, ModelConfig
 from gridtrain.memory import activations
+from gridtrain.memory.cp import wide_bytes
 from gridtrain.memory.moe import dense_block_parameters, edp_size, moe_block_parameters
 from gridtrain.memory.zero import zero_state_bytes
 from gridtrain.models.decoder import ChunkSpec, parameter_costs
@@ -106,7 +108,7 @@ def expert_parallel(cfg: Config) -> int:
 
 
 def expert_shards(cfg: Config, grid: ProcessGrid) -> int:
-    """The ranks an expert's gradient is reduced (and ZeRO-1 shards its state) over: the
+    """The ranks an expert's gradient is reduced (and ZeRO shards its state) over: the
     expert-data-parallel group, ``dp x cp / ep``."""
     return edp_size(grid.dp, grid.cp, expert_parallel(cfg))
 
@@ -197,9 +199,14 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
 
     A MoE model's experts (``stage_parameter_split``): with ``ep`` = 1 in the one
     buffer with the rest (the expert-data-parallel group is then all of ``dp x cp``);
-    with ``ep`` > 1 in a buffer of their own, padded to and ZeRO-1-sharded over the
-    expert-data-parallel group (``dp x cp / ep``), the dense parameters' as before.
-    ZeRO-3 gathers the stage's largest block twice."""
+    with ``ep`` > 1 in buckets of their own (a bucket holds dense parameters or experts,
+    never both), reduced and sharded over the expert-data-parallel group
+    (``dp x cp / ep``), every ZeRO stage: ZeRO-1 their optimizer state, ZeRO-2 also their
+    gradients, ZeRO-3 also their parameters, each over that group (``e X / (n / ep)``
+    where the dense part holds ``e D / n``), the dense parameters' as before. ZeRO-3
+    gathers the stage's largest block twice, a MoE block's dense bucket over ``dp x cp``
+    and its expert bucket over the expert group (the same bytes gathered); the staging
+    buffers are two of the largest bucket (:func:`_largest_bucket`)."""
     holds = _holds(cfg, grid, rank)
     m, par = cfg.model, cfg.parallel
     dense, experts = stage_parameter_split(cfg, grid, rank)
@@ -209,17 +216,75 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
     largest = max(dense_block_parameters(m, grid.tp) if holds[0] > moe else 0,
                   sum(moe_block_parameters(m, grid.tp, ep)) if moe else 0)
     dtype, keep = TORCH_DTYPES[cfg.training.dtype], bool(getattr(par, "zero3_keep_gathered", False))
-    own = dense if ep > 1 else n
-    state = zero_state_bytes(own, dtype, par.zero, zero_shards(cfg, grid),
-                             padded=_padded_buffer(cfg, grid, holds, own) if par.zero else own,
+    apart = ep > 1 and experts > 0  # the experts in buckets of their own
+    own = dense if apart else n
+    padded = _padded_buffer(cfg, grid, holds, own) if par.zero else own
+    bucket = _largest_bucket(cfg, grid, holds, moe, padded) if m.n_experts and par.zero >= 2 else None
+    state = zero_state_bytes(own, dtype, par.zero, zero_shards(cfg, grid), padded=padded,
                              tensors=_parameter_tensors(cfg, holds, moe), bucket_mb=par.bucket_mb,
                              block_params=largest, blocks=holds[0], keep_gathered=keep,
-                             in_blocks=blocks - (experts if ep > 1 else 0))
-    if ep > 1 and experts:
-        apart = zero_state_bytes(experts, dtype, par.zero, expert_shards(cfg, grid), bucket_mb=par.bucket_mb,
-                                 keep_gathered=keep)
-        state = {k: state[k] + apart[k] for k in state}
+                             in_blocks=blocks - (experts if apart else 0), largest_bucket=bucket)
+    if apart:
+        # the experts' own shards; their share of the gathered blocks is in the dense
+        # call's (``largest`` is a whole block), and the staging is counted once, above
+        xs = zero_state_bytes(experts, dtype, par.zero, expert_shards(cfg, grid), bucket_mb=par.bucket_mb,
+                              keep_gathered=keep, in_blocks=experts)
+        state = {k: state[k] + (xs[k] if k != "staging_bytes" else 0) for k in state}
     return {"parameters": n, **state}
+
+
+def _largest_bucket(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool], moe_blocks: int,
+                    dense: int) -> int | None:
+    """The largest gradient bucket of a MoE model's rank under ZeRO-2/3 (its staging
+    buffers are buckets), from the reducer's layout (parallel/data_parallel.py
+    ``bucket_bounds``), ``dense`` being the rank's dense parameters (padded) under ep > 1
+    and all of them at ep 1:
+
+    * ZeRO-3 (a bucket per unit, no ``--bucket-mb`` cap): a block, or under ep > 1 a
+      block's dense part or its ``E / ep`` experts, or the stage's other parameters (its
+      token table, final norm and head: the root unit);
+    * ZeRO-2 under ep > 1 (a bucket of one kind, closed by the parameter that reaches
+      ``--bucket-mb``, no parameter split): at most the cap and one parameter
+      (:func:`largest_parameter`: on the first and last stage, the token table or the
+      head), at most a kind's whole (the dense parameters, one block's experts);
+    * ZeRO-2 at ep 1: None, zero_state_bytes' own bound (``--bucket-mb``: buckets split
+      parameters; or the whole buffer).
+
+    (Dense models keep :func:`gridtrain.memory.zero.zero_state_bytes`' ``bucket_mb``
+    bound for ZeRO-3 too, as planned before experts; the runtime's ZeRO-3 buckets are
+    its units there as well.)"""
+    m, tp, ep = cfg.model, grid.tp, expert_parallel(cfg)
+    w = wide_bytes(TORCH_DTYPES[cfg.training.dtype].itemsize)
+    blocks, embeds, ends = holds
+    moe_dense, experts = moe_block_parameters(m, tp, ep)
+    cap = int(cfg.parallel.bucket_mb * 2 ** 20) // w
+    if cfg.parallel.zero == 3:
+        root = stage_parameters(m, tp, 0, embeds, ends)
+        whole = [dense_block_parameters(m, tp)] if blocks > moe_blocks else []
+        if moe_blocks:
+            whole += [moe_dense, experts] if ep > 1 else [moe_dense + experts]
+        return max([root, *whole])
+    if ep == 1:
+        return None
+    return min(max(dense, experts if moe_blocks else 0), cap + largest_parameter(m, tp, holds, moe_blocks))
+
+
+def largest_parameter(m: ModelConfig, tp: int, holds: tuple[int, bool, bool], moe_blocks: int = 0) -> int:
+    """The largest parameter tensor of a tp rank holding ``holds`` (:func:`_holds`),
+    ``moe_blocks`` of its blocks MoE blocks: the token table (or the head, or a tied
+    table's copy) where it embeds or ends, GPT-2's position table, attention's largest
+    projection, the dense MLP's matrices, an expert's, the shared experts'."""
+    blocks, embeds, ends = holds
+    d = m.d_model
+    sizes = [m.padded_vocab_size(tp) // tp * d if embeds or ends else 0,
+             m.seq_len * d if m.arch == "gpt2" and embeds else 0]
+    if blocks:
+        sizes.append(d * m.n_head * m.head_dim // tp if m.arch == "llama" else 3 * d * d // tp)
+    if blocks > moe_blocks:
+        sizes.append(d * m.ffn_size // tp)
+    if moe_blocks:
+        sizes += [d * m.moe_ffn_size, d * m.moe_shared_experts * m.moe_ffn_size // tp]
+    return max(sizes)
 
 
 def _padded_buffer(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool], n: int) -> int:

@@ -30,6 +30,13 @@ blocks (the one running and the one prefetched) and the stage's other parameters
 token table, GPT-2's positions, the final norm and the head), or, with
 ``--zero3-keep-gathered``, the whole stage from its first forward to its last backward.
 
+Under expert parallelism (``ep`` > 1) a rank's experts are in buckets of their own, and
+every form here applies twice: to the dense parameters over the ``dp x cp`` shard group
+and to the experts over their expert-data-parallel group (the ``dp x cp / ep`` ranks
+holding the same experts; memory/model.py, planner/cost.py). ZeRO-3's gathered blocks
+are whole blocks either way (a MoE block's dense bucket and its expert bucket, each
+gathered over its group), and the staging buffers are buckets of one kind.
+
 Per step, with ``m`` micro-batches per rank (:func:`zero_step_collectives`): stage 0
 all-reduces the gradients once; stage 1 reduce-scatters them once and all-gathers the
 updated parameters once; stage 2 reduce-scatters each micro-batch's gradients (``m``
@@ -79,7 +86,8 @@ def _check(zero: int, shard: int) -> None:
 
 def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int | None = None, tensors: int = 0,
                      bucket_mb: float = 25.0, block_params: int = 0, blocks: int = 0,
-                     keep_gathered: bool = False, in_blocks: int | None = None) -> dict[str, int]:
+                     keep_gathered: bool = False, in_blocks: int | None = None,
+                     largest_bucket: int | None = None) -> dict[str, int]:
     """Bytes a rank holds for ``params`` parameters of ``dtype`` under ZeRO stage ``zero``
     with its state sharded over ``shard`` ranks (the table of the module docstring):
     ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` (held all along) and,
@@ -95,7 +103,9 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
     while the stage runs); ``keep_gathered``: ZeRO-3 keeps all ``params`` gathered;
     ``in_blocks``: how many of ``params`` are in blocks where the blocks differ (a MoE
     model's; ``block_params`` is then the largest block's; default ``blocks x
-    block_params``)."""
+    block_params``); ``largest_bucket``: the largest gradient bucket's elements, where
+    the caller knows the layout's buckets (a mixture of experts': memory/model.py;
+    default: ``bucket_mb``, or the whole buffer where that is smaller)."""
     _check(zero, shard)
     e = element_bytes(dtype)
     w = wide_bytes(e)
@@ -113,7 +123,8 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
     if zero == 3:
         in_blocks = blocks * block_params if in_blocks is None else in_blocks
         gathered = params if keep_gathered else min(blocks, GATHERED_BLOCKS) * block_params + params - in_blocks
-    staging = STAGING_BUCKETS * min(int(bucket_mb * 2 ** 20), padded * w) if zero >= 2 else 0
+    bucket = min(int(bucket_mb * 2 ** 20), padded * w) if largest_bucket is None else largest_bucket * w
+    staging = STAGING_BUCKETS * bucket if zero >= 2 else 0
     return {"parameter_bytes": (owned if zero == 3 else params) * e,
             "gradient_bytes": {0: params, 1: padded}.get(zero, owned) * w,
             "optimizer_bytes": optimizer,

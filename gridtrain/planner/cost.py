@@ -75,10 +75,14 @@ experts) is modelled as gridtrain runs it:
   permutation's and combine's passes over the ``N k`` rows; its all-to-alls (dispatch and
   combine each way, full recomputation repeats the forward's) over the link the ep group
   spans (NVLink when ``tp x ep`` fits a node, else the GPU's NIC for the shares bound for
-  other nodes), the routing counts' all-to-all, the host's read of them and the
-  statistics' tiny all-reduce, all synchronous, inside F and B; without shared experts
-  the block's TP collectives are attention's only. Expert gradients are reduced over the
-  expert-data-parallel group (``dp x cp / ep``, ZeRO-1 sharded over it), and under
+  other nodes), the routing counts' all-to-all and the host's read of them, synchronous,
+  inside F and B; the statistics' tiny all-reduce over ``dp x cp`` travels while the
+  experts run (only what outlasts the dispatch, the experts' GEMMs and the combine is
+  exposed), under SP the one over tp follows; without shared experts the block's TP
+  collectives are attention's only. Expert gradients are reduced over the
+  expert-data-parallel group (``dp x cp / ep``), every ZeRO stage sharding their state
+  over it (ZeRO-2/3's per-micro-batch reduce-scatters and ZeRO-3's gathers of a MoE
+  block's experts run over that group's link, after its dense bucket's), and under
   sequence parallelism summed over tp after the backward;
 * **the optimizer**: one memory-bound pass over the owned master weights, moments and
   gradients;
@@ -410,11 +414,9 @@ def moe_gemm_seconds(job: Job, lay: Layout) -> float:
     another (no grouped GEMM), and the shared experts' MLP (``S H / tp`` wide, every
     token of the micro-batch, as the dense MLP)."""
     m, hw, dt = job.model, job.hardware, job.dtype
-    n, _, per_expert = moe_routing(job, lay)
-    rows = max(1, round(per_expert))
+    n = moe_routing(job, lay)[0]
     router = gemm_seconds(n, m.n_experts, m.d_model, hw, dt)
-    experts = m.n_experts // lay.ep * sum(gemm_seconds(r, c, k, hw, dt)
-                                           for r, c, k in mlp_gemms(m, rows, m.moe_ffn_size))
+    experts = expert_gemm_seconds(job, lay)
     shared = 0.0
     if m.moe_shared_experts:
         tokens = lay.micro_batch_size * local_seq(job, lay)
@@ -459,29 +461,46 @@ def all_to_all_seconds(job: Job, lay: Layout, nbytes: float) -> float:
     return max((local - 1) * share / nv_bandwidth, (ep - local) * share / bandwidth) + latency
 
 
-def tiny_all_reduce_seconds(job: Job, lay: Layout) -> float:
-    """The routing statistics' all-reduces (``2 E`` numbers over ``dp x cp``, and over
-    tp under sequence parallelism: ExpertParallel.global_sum): latency only, each as a
-    tree (NCCL's choice for a few bytes): ``2 log2(n)`` latencies of its link."""
+def statistics_seconds(job: Job, lay: Layout) -> tuple[float, float]:
+    """The routing statistics' all-reduces (``2 E`` numbers; ExpertParallel.
+    start_global_sum): over ``dp x cp``, and over tp under sequence parallelism, as
+    (the first, the second). Latency only, each as a tree (NCCL's choice for a few
+    bytes): ``2 log2(n)`` latencies of its link."""
     def tree(n: int, stride: int) -> float:
         link = ring_link(job.hardware, n, stride, job.node)
         return 2 * math.ceil(math.log2(n)) * link.rates("all_reduce")[0] if n > 1 else 0.0
 
-    return tree(lay.dp * lay.cp, lay.tp) + (tree(lay.tp, 1) if lay.sequence_parallel else 0.0)
+    return tree(lay.dp * lay.cp, lay.tp), (tree(lay.tp, 1) if lay.sequence_parallel else 0.0)
+
+
+def tiny_all_reduce_seconds(job: Job, lay: Layout) -> float:
+    """Both of :func:`statistics_seconds`, back to back."""
+    return sum(statistics_seconds(job, lay))
+
+
+def expert_gemm_seconds(job: Job, lay: Layout) -> float:
+    """The forward GEMMs of a rank's ``E / ep`` experts (of :func:`moe_gemm_seconds`)."""
+    m, hw, dt = job.model, job.hardware, job.dtype
+    rows = max(1, round(moe_routing(job, lay)[2]))
+    return m.n_experts // lay.ep * sum(gemm_seconds(r, c, k, hw, dt) for r, c, k in mlp_gemms(m, rows, m.moe_ffn_size))
 
 
 def moe_comm_seconds(job: Job, lay: Layout) -> tuple[float, float]:
-    """A MoE layer's communication per micro-batch (forward, backward), issued
-    synchronously and so not overlapped: forward, the counts' all-to-all (one latency)
-    and the host's read of them (``HOST_SYNC_S``), the dispatch and the combine of the
-    ``N k`` rows (:func:`all_to_all_seconds`) and the routing statistics' all-reduces;
-    backward, the two all-to-alls again. Byte counts:
+    """A MoE layer's communication per micro-batch (forward, backward) that compute does
+    not hide: forward, the counts' all-to-all (one latency) and the host's read of them
+    (``HOST_SYNC_S``), the dispatch and the combine of the ``N k`` rows
+    (:func:`all_to_all_seconds`), issued synchronously; the routing statistics'
+    all-reduce over ``dp x cp``, started before the dispatch and waited after the
+    combine, only where it outlasts them and the experts' GEMMs; the one over tp (under
+    SP) whole, after it. Backward, the two all-to-alls again. Byte counts:
     :func:`gridtrain.memory.moe.moe_step_all_to_all`."""
     m = job.model
     _, rows, _ = moe_routing(job, lay)
     one = all_to_all_seconds(job, lay, all_to_all_payload(rows, 1, m.d_model, DTYPE_BYTES[job.dtype]))
     counts = all_to_all_seconds(job, lay, 0.0) + HOST_SYNC_S
-    return counts + 2 * one + tiny_all_reduce_seconds(job, lay), 2 * one
+    dispatch = counts + 2 * one
+    group, tp = statistics_seconds(job, lay)
+    return dispatch + max(0.0, group - dispatch - expert_gemm_seconds(job, lay)) + tp, 2 * one
 
 
 def cp_kv_elements(job: Job, lay: Layout) -> int:
@@ -640,10 +659,20 @@ def zero_units(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: bool, m
     the embedding's (where it embeds), each block's (``moe_blocks`` of them MoE blocks,
     with their ``E / ep`` experts, taken first), the final norm's and the head's (where
     it ends)."""
+    return [sum(u) for u in zero_unit_parts(m, tp, blocks, embeds, ends, moe_blocks, ep)]
+
+
+def zero_unit_parts(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: bool, moe_blocks: int = 0,
+                    ep: int = 1) -> list[tuple[int, int]]:
+    """:func:`zero_units` as (dense, experts) parameters: a MoE block's dense part
+    (attention, norms, router, shared experts) and its ``E / ep`` experts, which under
+    expert parallelism are buckets of their own, gathered and reduce-scattered over the
+    expert-data-parallel group; every other unit is dense."""
     embedding = stage_parameters(m, tp, 0, embeds, False)
     head = stage_parameters(m, tp, 0, embeds, ends) - embedding
-    moe = [sum(moe_block_parameters(m, tp, ep))] * moe_blocks
-    return [u for u in (embedding, *moe, *[dense_block_parameters(m, tp)] * (blocks - moe_blocks), head) if u]
+    moe = [moe_block_parameters(m, tp, ep)] * moe_blocks
+    dense = [(dense_block_parameters(m, tp), 0)] * (blocks - moe_blocks)
+    return [u for u in ((embedding, 0), *moe, *dense, (head, 0)) if sum(u)]
 
 
 def zero_chunk_seconds(job: Job, lay: Layout, blocks: int, embeds: bool, ends: bool,
@@ -653,24 +682,38 @@ def zero_chunk_seconds(job: Job, lay: Layout, blocks: int, embeds: bool, ends: b
     the first of them, the backward's gathers and reduce-scatters). ZeRO-3 gathers and
     reduce-scatters unit by unit (:func:`zero_units`), ZeRO-2 reduce-scatters the chunk's
     gradients; like the once-a-step reduction of ZeRO-0 and 1, a unit's reduce-scatter
-    is timed as one collective, not bucket by bucket. Nothing for ZeRO-0 and 1 or one dp
-    x cp rank (their reduction is once a step: :func:`data_parallel_seconds`)."""
+    is timed as one collective, not bucket by bucket. Under expert parallelism a MoE
+    block's experts are a bucket of their own (:func:`zero_unit_parts`), gathered and
+    reduce-scattered over the expert-data-parallel group (``dp x cp / ep`` ranks ``tp x
+    ep`` apart, on the link that spans: :func:`ring_link`) after its dense bucket over
+    ``dp x cp``, one after the other. Nothing for ZeRO-0 and 1 or one dp x cp rank (their
+    reduction is once a step: :func:`data_parallel_seconds`)."""
     if lay.zero < 2 or lay.dp * lay.cp == 1:
         return 0.0, 0.0, 0.0
     e = DTYPE_BYTES[job.dtype]
     w, s = wide_bytes(e), lay.zero_shard
     link = ring_link(job.hardware, s, lay.tp, job.node)  # the shard group's (zero_links)
-    units = zero_units(job.model, lay.tp, blocks, embeds, ends, moe_blocks, lay.ep)
+    edp = lay.dp * lay.cp // lay.ep
+    expert_link = ring_link(job.hardware, edp, lay.tp * lay.ep, job.node)
+    units = zero_unit_parts(job.model, lay.tp, blocks, embeds, ends, moe_blocks, lay.ep)
+    if lay.ep == 1:  # the experts ride in their block's buckets
+        units = [(dense + experts, 0) for dense, experts in units]
+
+    def timed(unit: tuple[int, int], nbytes: int, kind: str) -> float:  # a unit's two buckets, ``nbytes`` each
+        dense, experts = unit
+        return link.collective(dense * nbytes, s, kind) \
+            + (expert_link.collective(experts * nbytes, edp, kind) if experts else 0.0)
+
     if lay.zero == 2:
-        return 0.0, 0.0, link.collective(sum(units) * w, s, "reduce_scatter")
-    counts: dict[int, int] = {}
+        return 0.0, 0.0, timed((sum(u[0] for u in units), sum(u[1] for u in units)), w, "reduce_scatter")
+    counts: dict[tuple[int, int], int] = {}
     for u in units:  # the blocks are alike: time each size once
         counts[u] = counts.get(u, 0) + 1
-    scatters = sum(n * link.collective(u * w, s, "reduce_scatter") for u, n in counts.items())
+    scatters = sum(n * timed(u, w, "reduce_scatter") for u, n in counts.items())
     if lay.zero3_keep_gathered:
         return 0.0, 0.0, scatters
-    gathers = sum(n * link.collective(u * e, s, "all_gather") for u, n in counts.items())
-    first = link.collective(units[0] * e, s, "all_gather") if units else 0.0
+    gathers = sum(n * timed(u, e, "all_gather") for u, n in counts.items())
+    first = timed(units[0], e, "all_gather") if units else 0.0
     return gathers, first, gathers + scatters
 
 
@@ -816,9 +859,11 @@ def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: f
       weights, moments and gradients.
 
     ``experts``: a MoE model's expert parameters of the rank. With ep = 1 they are
-    reduced with the rest; with ep > 1 (ZeRO-0 and 1 only) over the expert-data-parallel
-    group (``dp x cp / ep`` ranks, ``tp x ep`` apart) and sharded over it, their
-    all-reduce (or reduce-scatter and gather) beside the dense one's."""
+    reduced with the rest; with ep > 1 over the expert-data-parallel group (``dp x cp /
+    ep`` ranks, ``tp x ep`` apart) and, under ZeRO, sharded over it: their all-reduce (or
+    reduce-scatter, and the step's gather) beside the dense one's; ZeRO-2/3's
+    per-micro-batch collectives of them are in the pipeline's costs, as the dense ones
+    (:func:`zero_chunk_seconds`)."""
     hw = job.hardware
     n = lay.dp * lay.cp
     e = DTYPE_BYTES[job.dtype]

@@ -32,8 +32,10 @@ is not recomputed, so it would be ``none`` again). A fixed ``cp`` is taken as gi
 
 Expert parallelism is searched for a mixture of experts only: ep takes every divisor of
 the ``dp x cp`` group that divides the experts (:func:`ep_sizes`; a dense model's layouts
-have ep 1, so its search is unchanged), and beside ep > 1 only ZeRO-0 and 1 over the
-whole group (what the runtime accepts). A fixed ``ep`` is taken as given.
+have ep 1, so its search is unchanged), and beside ep > 1 every ZeRO stage, over the
+whole group only (the runtime refuses ``--zero-shard-size`` with expert parallelism): the
+experts' part of ZeRO's state, collectives and gathers is over their expert-data-parallel
+group (``dp x cp / ep``). A fixed ``ep`` is taken as given.
 """
 
 from __future__ import annotations
@@ -175,16 +177,16 @@ def zero_options(job: Job, lay: Layout, fixed: Fixed = Fixed()) -> Iterator[tupl
     than one dp x cp rank ZeRO-1, 2 and 3 (3 kept gathered first), each over the whole
     group and, where the group spans more than a node, over the ``node / tp`` ranks of one
     node (hybrid sharding). Fixed fields narrow them; a fixed shard size must divide the
-    group. With ep > 1 only ZeRO-0 and 1 over the whole group (the runtime refuses
-    ZeRO-2/3 and hybrid sharding with expert parallelism)."""
+    group. With ep > 1 every stage over the whole group only (the runtime refuses hybrid
+    sharding with expert parallelism; a rank's experts are sharded over their own
+    expert-data-parallel group)."""
     group = lay.dp * lay.cp
     local = job.node // lay.tp
-    if lay.ep > 1:
-        if fixed.zero_shard_size is None:
-            yield from ((z, None, False) for z in (0, 1) if fixed.zero in (None, z) and not fixed.zero3_keep_gathered)
-        return
     if fixed.zero_shard_size is not None:
-        shards = [fixed.zero_shard_size] if 1 <= fixed.zero_shard_size and group % fixed.zero_shard_size == 0 else []
+        fits = 1 <= fixed.zero_shard_size and group % fixed.zero_shard_size == 0 and lay.ep == 1
+        shards = [fixed.zero_shard_size] if fits else []
+    elif lay.ep > 1:
+        shards = [None]
     else:
         shards = [None] + ([local] if 1 < local < group and group % local == 0 else [])
     for zero in ZERO if group > 1 else (0,):
@@ -237,7 +239,8 @@ def rough_step(job: Job, lay: Layout, parts: dict | None = None) -> float:
             parts[key] = got
     blocks, per_mb, forward, backward, moe_blocks = got
     if lay.zero >= 2:  # ZeRO-2/3's exposed collectives on the first stage (per micro-batch)
-        zkey = (lay.dp * lay.cp, lay.tp, lay.zero, lay.zero_shard_size, lay.zero3_keep_gathered, blocks, lay.pp)
+        zkey = (lay.dp * lay.cp, lay.tp, lay.zero, lay.zero_shard_size, lay.zero3_keep_gathered, blocks, lay.pp,
+                lay.ep)
         comm = None if parts is None else parts.get(zkey)
         if comm is None:
             comm = zero_chunk_seconds(job, lay, blocks, True, lay.pp == 1, moe_blocks)
