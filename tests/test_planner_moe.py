@@ -242,15 +242,12 @@ def test_the_dry_run_holds_the_memory_model(case):
 # ZeRO-2 and 3 beside expert parallelism, every rank: a rank's experts in buckets of their
 # own, their gradient (and ZeRO-3 parameter) shards over the expert-data-parallel group
 SHARDED_DRY_RUNS = {
-    "dp4 ep2 zero2": dict(world=4, ep=2, zero=2),
     "dp4 ep2 zero3": dict(world=4, ep=2, zero=3),
     "dp4 ep2 zero3 fp32": dict(world=4, ep=2, zero=3, dtype="fp32"),  # the parameter shard is the master
     "dp4 ep2 zero3 kept gathered": dict(world=4, ep=2, zero=3, keep=True),
     "dp8 ep4 zero3": dict(world=8, ep=4, zero=3, batch=16),
     "dp4 pp2 zb-h1 ep2 zero3": dict(world=8, pp=2, ep=2, zero=3, schedule="zb-h1"),
     "dp2 tp2 sp ep2 zero2": dict(world=4, tp=2, ep=2, zero=2, sp=True),  # ep = dp: one-rank expert groups
-    "shared, every 2nd, ep2 zero3": dict(world=4, ep=2, zero=3,
-                                         model=dict(moe_shared_experts=1, moe_every=2, n_layer=4)),
     "gpt2 tied pp2 ep2 zero3": dict(world=8, pp=2, ep=2, zero=3,
                                     model=dict(arch="gpt2", tie_embeddings=True, n_kv_head=None,
                                                moe_shared_experts=2)),

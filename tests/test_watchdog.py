@@ -200,12 +200,13 @@ TIMEOUT_S = 10
 
 @pytest.mark.spawn
 @pytest.mark.parametrize("stop_rank,nproc,layout", [
-    (1, 2, ()), (1, 4, ("--pp", "2", "--tp", "2")),
+    (1, 4, ("--pp", "2", "--tp", "2")),
     (1, 2, ("--arch", "llama", "--n-experts", "4", "--ep", "2", "--moe-ffn-hidden", "32"))],
-    ids=["dp2", "pp2xtp2", "moe-ep2"])
+    ids=["pp2xtp2", "dp2-moe-ep2"])
 def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, stop_rank, nproc, layout):
-    """Also with expert parallelism, where most of a step's collectives are the experts'
-    all-to-alls (recorded as such, with the ep group's ranks)."""
+    """A pipeline with tensor parallelism, and data parallelism with experts over ep 2,
+    where most of a step's collectives are the experts' all-to-alls (recorded as such,
+    with the ep group's ranks) beside the gradient all-reduce."""
     run = stop_a_rank_and_wait(tmp_path, stop_rank, nproc, TIMEOUT_S, *layout)
     print(run.err[-4000:], f"\nelapsed {run.elapsed_s:.1f} s", file=sys.stderr)
     assert named_within(run, stop_rank, TIMEOUT_S, HANG_EXIT_CODE) is None, run.err[-3000:]
