@@ -114,6 +114,16 @@ def fp64_norms_and_routers(monkeypatch) -> None:
         monkeypatch.setattr(cls, "forward", router)
 
 
+def assert_same_logits(hf, model, x: torch.Tensor, monkeypatch) -> None:
+    """transformers' logits equal ``model``'s: to 1e-6 as it ships, to 1e-12 with its fp32
+    steps made fp64 (which stay patched afterwards)."""
+    for tolerance in (1e-6, 1e-12):
+        if tolerance == 1e-12:
+            fp64_norms_and_routers(monkeypatch)
+        with torch.no_grad():
+            assert relative_difference(hf(input_ids=x).logits, model(x)) <= tolerance
+
+
 def tokens(n: int = 3, length: int = 32, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, COMMON["vocab_size"], (n, length), generator=torch.Generator().manual_seed(seed))
 
@@ -213,12 +223,7 @@ def test_export_loads_in_transformers_with_gridtrain_logits(tmp_path, case, monk
                                                                  output_loading_info=True)
     assert type(hf).__name__ == hf_class
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    x = tokens(2, seed=3)
-    for tolerance in (1e-6, 1e-12):
-        if tolerance == 1e-12:
-            fp64_norms_and_routers(monkeypatch)
-        with torch.no_grad():
-            assert relative_difference(hf(input_ids=x).logits, model(x)) <= tolerance
+    assert_same_logits(hf, model, tokens(2, seed=3), monkeypatch)
     names = stored(tmp_path / "hf")
     if cfg.model.n_experts:  # the Hub's names, one tensor per expert
         expert = "block_sparse_moe.experts.3.w1" if hf_class.startswith("Mixtral") else "mlp.experts.3.gate_proj"
@@ -363,9 +368,4 @@ def test_a_pp2_ep2_run_from_a_hf_moe_exports_to_transformers(saved, family, tmp_
     assert cli.main(["export-hf", "--load", str(run), "--out", str(tmp_path / "hf")]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64,
                                                            experts_implementation="eager").eval()
-    x = tokens(2, seed=4)
-    for tolerance in (1e-6, 1e-12):
-        if tolerance == 1e-12:
-            fp64_norms_and_routers(monkeypatch)
-        with torch.no_grad():
-            assert relative_difference(hf(input_ids=x).logits, trained(x)) <= tolerance
+    assert_same_logits(hf, trained, tokens(2, seed=4), monkeypatch)
