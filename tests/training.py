@@ -32,7 +32,7 @@ def summarize(result: TrainResult) -> dict:
     """Picklable record of a run: per-step losses and grad norms, final weights in fp64."""
     state = {k: v.detach().double().cpu().numpy() for k, v in result.model.state_dict().items()}
     return {"losses": result.losses, "grad_norms": result.grad_norms,
-            "valid_loss": result.valid_loss, "state": state, "step_bytes": result.step_bytes,
+            "valid_loss": result.valid_loss, "valid_by_source": result.valid_by_source, "state": state, "step_bytes": result.step_bytes,
             "step_calls": result.step_calls,
             "peak_in_flight": result.peak_in_flight, "memory": result.memory,
             "recomputed": result.ctx.recompute.recomputed, "rebuilt_early": result.ctx.recompute.rebuilt_early,
@@ -83,6 +83,23 @@ def train_in_process(cfg: Config) -> dict:
     """One rank in this process (no spawn): the fast reference for single-process tests
     (pretrain makes and ends the one-rank group)."""
     return summarize(pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg))
+
+
+def _train_many_with_worker(rank: int, world_size: int, cfgs: list[Config], datasets_provider) -> list[dict]:
+    return [summarize(pretrain(decoder_model_provider, datasets_provider, decoder_forward_step, cfg)) for cfg in cfgs]
+
+
+def train_layouts_with(cfgs: list[Config], world_size: int, datasets_provider,
+                       timeout_s: float = 360) -> list[list[dict]]:
+    """:func:`train_layouts` with the test's own ``datasets_provider`` (a module-level
+    function, so that the spawned ranks can import it)."""
+    per_rank = run_on_ranks(_train_many_with_worker, world_size, cfgs, datasets_provider, timeout_s=timeout_s)
+    return [[runs[i] for runs in per_rank] for i in range(len(cfgs))]
+
+
+def train_in_process_with(cfg: Config, datasets_provider) -> dict:
+    """:func:`train_in_process` with the test's own ``datasets_provider``."""
+    return summarize(pretrain(decoder_model_provider, datasets_provider, decoder_forward_step, cfg))
 
 
 def relative_difference(a, b) -> float:

@@ -8,7 +8,7 @@ Sources:
 * a folder: every UTF-8 text file under it, recursively, in sorted order;
 * JSON lines (a ``.jsonl`` file, alone or in a folder): one document per line, the
   ``text`` field of its object, as fine-tuning sets are published;
-* a token file written by :func:`prepare` (``OUT.bin`` + ``OUT.json``), memory-mapped
+* a token file written by ``gridtrain prepare`` (:mod:`gridtrain.data.prepare`), memory-mapped
   (:mod:`gridtrain.data.token_files`). A ``.bin`` without its header is refused: read as
   text it would train on the bytes of the token ids.
 
@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from gridtrain.data.errors import DataError
-from gridtrain.data.token_files import open_token_file, write_token_file
-from gridtrain.data.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
+from gridtrain.data.token_files import open_token_file
+from gridtrain.data.tokenizers import ByteTokenizer, Tokenizer, token_dtype
 
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 JSONL_SUFFIX = ".jsonl"
@@ -142,17 +142,18 @@ def count_tokens(path: str | os.PathLike | None, tokenizer: Tokenizer,
 
 
 def check_enough_tokens(num_tokens: int, path: str | os.PathLike | None, seq_len: int,
-                        global_batch_size: int = 1, valid_every: int = 100, exact: bool = True) -> None:
-    """The corpus holds one validation window and a global batch of training windows.
+                        global_batch_size: int = 1, valid_every: int | None = 100, exact: bool = True) -> None:
+    """The corpus holds one validation window and a global batch of training windows
+    (``valid_every`` None: nothing is held out, the windows all train or all validate).
 
     With fewer training windows than one global batch, every step would repeat windows
     (the sampler wraps around), which is never what a user means. ``exact=False`` says
     ``num_tokens`` is an upper bound (see :func:`count_tokens`).
     """
     windows = max((num_tokens - 1) // seq_len, 0)
-    valid = windows // valid_every
+    valid = windows // valid_every if valid_every is not None else 0
     count = f"{num_tokens} tokens" if exact else f"at most {num_tokens} tokens"
-    if valid == 0:
+    if valid == 0 and valid_every is not None:
         raise DataError(
             f"{_describe(path)}: {count} give {windows} windows of --seq-len {seq_len}, "
             f"but {valid_every} windows ({valid_every * seq_len + 1} tokens) are needed for one "
@@ -269,15 +270,3 @@ def _join(parts: list[np.ndarray], eot_id: int | None, dtype: np.dtype) -> np.nd
         out[pos : pos + len(part)] = part
         pos += len(part)
     return out
-
-
-
-def prepare(
-    input_path: str | os.PathLike | None,
-    output_path: str | os.PathLike,
-    tokenizer_path: str | os.PathLike | None = None,
-) -> Path:
-    """Tokenize a corpus once into the token file ``OUT.bin`` + ``OUT.json`` (``gridtrain
-    prepare``); returns the .bin path. See :func:`~gridtrain.data.token_files.write_token_file`."""
-    tokenizer = load_tokenizer(tokenizer_path)
-    return write_token_file(load_tokens(input_path, tokenizer), output_path, tokenizer)

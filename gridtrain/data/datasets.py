@@ -10,7 +10,7 @@ hands the loop (gridtrain.training.loop.pretrain); :func:`collate` stacks sample
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -31,6 +31,9 @@ class Datasets:
     tensors with at least ``labels`` (positions equal to IGNORE_INDEX carry no loss).
     ``reference_loss`` (e.g. the corpus's unigram entropy) is printed beside the final
     validation loss; ``tokenizer`` lets the run print a sample at the end.
+    ``valid`` may also be a dict of named validation sets (a mixture's sources, or
+    ``--valid-data``): each is evaluated and reported on its own. A ``train`` with
+    ``sizes`` and ``weights`` (data.mixture.MixtureDataset) is sampled as a mixture.
     ``every_label_counts``: the provider promises that no label is IGNORE_INDEX (windows
     of a token stream), so the global batch's loss-bearing tokens are known without
     counting them: the step skips the token-count all-reduce and its host read.
@@ -42,20 +45,34 @@ class Datasets:
     reference_loss: float | None = None
     loss_unit: str = "nats/token"
     every_label_counts: bool = False
+    notes: list[str] = field(default_factory=list)  # lines the run report prints about the data
 
 
 class TokenWindows(torch.utils.data.Dataset):
     """Non-overlapping windows of ``seq_len + 1`` tokens; the extra token is the last label.
 
     Windows are a fixed function of the token array, so a sample index means the same
-    text on every rank and every run.
+    text on every rank and every run. With ``documents`` each window also says which
+    document each input token belongs to (``"documents"``: 0 for the window's first,
+    counting up at each document start; what ``--document-mask`` masks attention and
+    restarts positions by). A document begins at the end-of-text token that separates
+    it from the one before (the token opens it, as a BOS would: the previous document's
+    last label is the end of text, predicted from inside that document), found in the
+    window itself when the tokenizer has one (``eot``), else in the document index
+    (``starts``: token offsets, as ``gridtrain prepare`` writes them).
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, *, documents: bool = False, eot: int | None = None,
+                 starts: np.ndarray | None = None) -> None:
         if seq_len < 1:
             raise DataError(f"--seq-len {seq_len}: must be at least 1")
+        if documents and eot is None and starts is None:
+            raise DataError("--document-mask needs document boundaries, but the tokenizer has no end-of-text token "
+                            "and the corpus no document index; prepare it with `gridtrain prepare` (which writes "
+                            "one) or use a tokenizer with an end-of-text token")
         self.tokens = tokens
         self.seq_len = seq_len
+        self.documents, self.eot, self.starts = documents, eot, starts
 
     def __len__(self) -> int:
         return max((len(self.tokens) - 1) // self.seq_len, 0)
@@ -65,8 +82,19 @@ class TokenWindows(torch.utils.data.Dataset):
         if not 0 <= i < len(self):
             raise IndexError(f"window {i} out of range [0, {len(self)})")
         start = i * self.seq_len
-        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
-        return {"tokens": window[:-1], "labels": window[1:]}
+        raw = np.asarray(self.tokens[start : start + self.seq_len + 1]).astype(np.int64)
+        window = torch.from_numpy(raw)
+        item = {"tokens": window[:-1], "labels": window[1:]}
+        if self.documents:
+            item["documents"] = torch.from_numpy(self._documents(raw[:-1], start))
+        return item
+
+    def _documents(self, inputs: np.ndarray, start: int) -> np.ndarray:
+        if self.eot is not None:
+            opened = np.cumsum(inputs == self.eot)
+        else:
+            opened = np.searchsorted(self.starts, np.arange(start, start + len(inputs)), side="right")
+        return (opened - opened[0]).astype(np.int64)
 
 
 class WindowSubset(torch.utils.data.Dataset):
@@ -137,6 +165,7 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
 
 
 def collate(dataset: torch.utils.data.Dataset, ids: Sequence[int]) -> Batch:
-    """Stack the samples ``ids`` into a batch of shape [len(ids), seq_len]."""
+    """Stack the samples ``ids`` into a batch of shape [len(ids), seq_len], every key
+    the samples have ("tokens", "labels", with document masking "documents")."""
     samples = [dataset[int(i)] for i in ids]
-    return {key: torch.stack([s[key] for s in samples]) for key in ("tokens", "labels")}
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}

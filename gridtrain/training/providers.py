@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from gridtrain.config import Config
-from gridtrain.data import Batch, ByteTokenizer, Datasets, build_datasets, load_tokenizer, unigram_entropy
+from gridtrain.data import Batch, ByteTokenizer, Datasets, load_tokenizer
+from gridtrain.data.mixture import MixtureDataset, build_sources
 from gridtrain.parallel.distributed import DistributedContext
 from gridtrain.models.decoder import Decoder, ChunkSpec, init_parameters, parameter_costs, profile_units
 from gridtrain.memory.model import block_partition, chunks_of_stage
@@ -59,16 +60,27 @@ def unit_costs(cfg: Config, method: str, *, device: torch.device | str = "cpu",
 
 
 def text_datasets_provider(cfg: Config) -> Datasets:
-    """Windows of ``seq_len + 1`` tokens over --data (or the built-in corpus)."""
+    """Windows of ``seq_len + 1`` tokens over --data (or the built-in corpus), or packed
+    fine-tuning samples; several weighted sources behind one dataset for a mixture, each
+    with its own validation set (gridtrain.data.mixture)."""
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    train, valid, tokens = build_datasets(cfg.data.path, tokenizer, cfg.model.seq_len,
-                                          valid_every=cfg.data.valid_every)
+    train, valid = build_sources(cfg.data, tokenizer, cfg.model.seq_len, cfg.training.global_batch_size,
+                                 documents=cfg.data.document_mask)
     unit = "nats/byte" if isinstance(tokenizer, ByteTokenizer) else "nats/token"
-    return Datasets(train=train, valid=valid, tokenizer=tokenizer,
-                    reference_loss=unigram_entropy(tokens, tokenizer.vocab_size), loss_unit=unit,
-                    every_label_counts=True)  # labels are the next tokens of the stream
+    one = len(train) == 1
+    dataset = train[0].train if one else MixtureDataset([s.train for s in train], [s.name for s in train],
+                                                         [s.weight for s in train])
+    held = valid[0].valid if one and len(valid) == 1 and cfg.data.valid_data is None else \
+        {s.name: s.valid for s in valid}
+    return Datasets(train=dataset, valid=held or None, tokenizer=tokenizer,
+                    reference_loss=train[0].reference_loss if one else None, loss_unit=unit,
+                    every_label_counts=all(s.every_label_counts for s in train),  # windows of a token stream
+                    notes=[s.note for s in train + valid if s.note])
 
 
 def decoder_forward_step(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Summed token loss of one micro-batch (the loop scales it into the global mean)."""
+    """Summed token loss of one micro-batch (the loop scales it into the global mean);
+    with ``--document-mask`` the batch's ``documents`` mask the attention."""
+    if "documents" in batch:
+        return model(batch["tokens"], batch["labels"], documents=batch["documents"]).sum()
     return model(batch["tokens"], batch["labels"]).sum()

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gridtrain import checkpoint
 from gridtrain.config import Config, ModelConfig
 from gridtrain.memory.activations import dropout_mask_bytes, expected_by_layer, layer_shape
 from gridtrain.parallel.zero3 import whole_shape
@@ -32,6 +33,7 @@ from gridtrain.parallel.distributed import DistributedContext
 from gridtrain.parallel.experts import LayerRouting
 from gridtrain.training.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.models.decoder import training_flops_per_token
+from gridtrain.optim.schedules import resume_note, schedule_in_meta, schedule_of
 from gridtrain.runtime.activation_meter import ActivationMeter, saved_activations
 from gridtrain.training.trainer import StepOutput, Trainer
 
@@ -43,6 +45,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     valid_loss: float | None = None
+    valid_by_source: dict[str, float] = field(default_factory=dict)  # the last validation, per named set
     tokens_per_s: float = 0.0
     step_bytes: list[dict[str, int]] = field(default_factory=list)  # "kind/group" -> bytes, per step
     step_calls: list[dict[str, int]] = field(default_factory=list)  # "kind/group" -> collectives, per step
@@ -81,8 +84,13 @@ class RunReport:
                        f"device {ctx.device.type}, dtype {t.dtype}")
         if trainer.resumed_from is not None:
             self.log.print(f"resuming from {trainer.resumed_from} after step {trainer.start_step}")
+            note = _schedule_note(trainer) if ctx.is_logging_rank else None
+            if note:
+                self.log.print(note)
         elif cfg.checkpoint.auto_resume and cfg.checkpoint.save:
             self.log.print(f"--auto-resume: no checkpoint in {cfg.checkpoint.save} yet; starting from step 0")
+        for line in _data_lines(trainer):
+            self.log.print(line)
 
     # ---- per step --------------------------------------------------------------------------
 
@@ -124,9 +132,16 @@ class RunReport:
         if trainer.scaler is not None:
             extra["loss_scale"] = trainer.scaler.scale
             result.skipped_steps = trainer.scaler.skipped
+        for source, epoch in _wraps(trainer, step):
+            self.log.print(f"data: source {source} ran out during step {step}; epoch {epoch + 1} of it begins "
+                           "(a new shuffle)")
         if valid_loss is not None:
             result.valid_loss = extra["valid_loss"] = valid_loss
-            self.log.print(f"step {step}: train loss {out.loss:.4f}, valid loss {valid_loss:.4f}")
+            by_source = trainer.valid_by_source
+            if by_source:
+                extra["valid_loss_by_source"] = dict(by_source)
+            self.log.print(f"step {step}: train loss {out.loss:.4f}, valid loss {valid_loss:.4f}"
+                           + "".join(f", {name} {v:.4f}" for name, v in by_source.items()))
         self.log.step(record, extra)
 
     def end_of_steps(self) -> None:
@@ -140,6 +155,7 @@ class RunReport:
         ctx, r = trainer.ctx, trainer.cfg.metrics
         if valid_loss is not None:
             result.valid_loss = valid_loss
+        result.valid_by_source = dict(trainer.valid_by_source)
         result.tokens_per_s = self.stats.tokens_per_s()
         if r.trace:
             Path(r.trace).mkdir(parents=True, exist_ok=True)
@@ -196,6 +212,57 @@ class RunReport:
             ref = "" if data.reference_loss is None else \
                 f" (corpus unigram entropy {data.reference_loss:.4f} {data.loss_unit})"
             log.print(f"validation loss {result.valid_loss:.4f} {data.loss_unit}{ref}")
+            if self.trainer.valid_by_source:
+                log.print("validation loss per source: " + ", ".join(
+                    f"{name} {v:.4f}" for name, v in self.trainer.valid_by_source.items()))
+        epochs = _epochs_line(self.trainer, self.trainer.start_step + len(stats.records))
+        if epochs:
+            log.print(epochs)
+
+
+def _schedule_note(trainer: Trainer) -> str | None:
+    """One line when the resumed run's learning-rate schedule is not the checkpoint's run's
+    (allowed: e.g. a WSD run extended in its stable phase decays later)."""
+    try:  # the checkpoint was loaded already: a meta.json that cannot be read now costs the note only
+        saved = schedule_in_meta(checkpoint.read_meta(trainer.resumed_from))
+    except (checkpoint.CheckpointError, OSError, ValueError):
+        return None
+    run = schedule_of(trainer.cfg.optim, trainer.cfg.training.steps)
+    return resume_note(saved, run, trainer.start_step) if saved is not None else None
+
+
+def _data_lines(trainer: Trainer) -> list[str]:
+    """What the run says about its data at the start: the mixture and its sources'
+    notes (fine-tuning examples packed, truncated), and a changed mixture on resume."""
+    data, sampler = trainer.data, trainer.sampler
+    if data is None:
+        return []
+    lines = list(data.notes) + list(trainer.notes)
+    names = trainer.source_names
+    if sampler is not None and len(names) > 1:
+        lines.insert(0, "data mixture: " + ", ".join(
+            f"{name} {w:.3g} ({n:,} samples)" for name, w, n in zip(names, sampler.weights, sampler.sizes)))
+    return lines
+
+
+def _wraps(trainer: Trainer, step: int) -> list[tuple[str, int]]:
+    """The training sources that began a new epoch in step ``step`` (counted from 1)."""
+    sampler = trainer.sampler
+    if sampler is None:
+        return []
+    names = trainer.source_names
+    return [(names[i] or "the corpus", epoch) for i, epoch in sampler.wrapped(step - 1)]
+
+
+def _epochs_line(trainer: Trainer, steps_done: int) -> str | None:
+    """Epochs of each training source read by the end of the run."""
+    sampler = trainer.sampler
+    if sampler is None or not steps_done:
+        return None
+    drawn = sampler.drawn(steps_done)
+    names = [n or "the corpus" for n in trainer.source_names]
+    return "data: epochs read per source: " + ", ".join(
+        f"{name} {d / size:.2f}" for name, d, size in zip(names, drawn, sampler.sizes))
 
 
 def routing_summary(steps: list[dict[int, LayerRouting]]) -> str:

@@ -89,6 +89,8 @@ class Trainer:
     saver: BackgroundSaver | None = None  # --save-async's writer
     saves: list[SaveReport] = field(default_factory=list)  # every save of this run, in order
     param_shards: ParameterShards | None = None  # ZeRO-3's (zero3.py)
+    notes: list[str] = field(default_factory=list)  # what the run report should say about the setup
+    valid_by_source: dict[str, float] = field(default_factory=dict)  # the last validation, per source
 
     @property
     def step_tokens(self) -> int:
@@ -139,30 +141,43 @@ class Trainer:
             self.optimizer.step()
         return StepOutput(s.loss, s.grad_norm, stats, used_scale, routing)
 
+    @property
+    def source_names(self) -> list[str]:
+        """The training sources' names (one source: its own name is not needed)."""
+        return list(getattr(self.data.train, "names", [""]))
+
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean token loss over the first ``eval_iters`` global batches of the validation
-        set, forward-only through the pipeline. The same windows are used whatever the
-        layout, each DP rank taking its fixed slice."""
-        t, ctx, dataset = self.cfg.training, self.ctx, self.data.valid
+        """Mean token loss over the first ``eval_iters`` global batches of each validation
+        set, forward-only through the pipeline; with several sets (a mixture's sources, or
+        ``--valid-data``) each one's mean lands in :attr:`valid_by_source` and the return
+        value is the mean over all their tokens. The same samples are used whatever the
+        layout, each DP rank taking its fixed slice; one all-reduce and one host read."""
+        t, ctx, valid = self.cfg.training, self.ctx, self.data.valid
+        sets = valid if isinstance(valid, dict) else {"": valid}
         ctx.recorder.set_action("validation")
         self.model.eval()
-        sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.micro_batch_size,
-                                     ctx.grid.dp, ctx.coords.dp, t.seed, shuffle=False)
         holds_loss = ctx.grid.is_last_stage(ctx.rank)
-        totals = torch.zeros(2, dtype=torch.float64, device=ctx.device)
-        for step in range(min(self.cfg.eval.eval_iters, max(1, len(dataset) // t.global_batch_size))):
-            batches = read_micro_batches(dataset, sampler, step, ctx, batch_shapes(self.cfg))
-            loss_sum = self.pipeline.forward_only(batches)
-            if holds_loss:
-                totals[0] += loss_sum
-                for b in batches:  # counted on the device: no host read per micro-batch
-                    totals[1] += (b["labels"] != IGNORE_INDEX).sum()
+        totals = torch.zeros(len(sets), 2, dtype=torch.float64, device=ctx.device)
+        for row, dataset in enumerate(sets.values()):
+            sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.micro_batch_size,
+                                         ctx.grid.dp, ctx.coords.dp, t.seed, shuffle=False)
+            for step in range(min(self.cfg.eval.eval_iters, max(1, len(dataset) // t.global_batch_size))):
+                batches = read_micro_batches(dataset, sampler, step, ctx, batch_shapes(self.cfg))
+                loss_sum = self.pipeline.forward_only(batches)
+                if holds_loss:
+                    totals[row, 0] += loss_sum
+                    for b in batches:  # counted on the device: no host read per micro-batch
+                        totals[row, 1] += (b["labels"] != IGNORE_INDEX).sum()
         self.model.train()
         if holds_loss:
             ctx.dp_cp.all_reduce(totals)
-        mean = ctx.pp.broadcast(totals[0] / totals[1].clamp(min=1), src_index=ctx.grid.pp - 1)
-        return host_sync.read("valid_loss", mean, stand_in=0.0)
+        sums = torch.cat([totals.sum(0, keepdim=True), totals]) if len(sets) > 1 else totals
+        means = ctx.pp.broadcast(sums[:, 0] / sums[:, 1].clamp(min=1), src_index=ctx.grid.pp - 1)
+        values = host_sync.read("valid_loss", means, lambda m: m.tolist(), stand_in=[0.0] * len(sums))
+        values = values if len(sets) > 1 else values * 2  # [overall, per set...]
+        self.valid_by_source = dict(zip(sets, values[1:])) if len(sets) > 1 or "" not in sets else {}
+        return values[0]
 
     def save(self, step: int) -> None:
         """Write a checkpoint after ``step`` steps, unless some weight is not finite (e.g. an
@@ -179,6 +194,8 @@ class Trainer:
         c = self.cfg.checkpoint
         state = checkpoint.state_to_save(self.model, self.optimizer, self.ctx)
         meta = checkpoint.meta_of(step, self.cfg, self.ctx, self.optimizer, self.scaler)
+        if self.sampler is not None:  # the data position per source: a resumed run reads on from it
+            meta["data"].update(self.sampler.state(step), sources=self.source_names)
         if self.saver is not None:
             report = self.saver.save(c.save, step, state, meta, keep_last=c.keep_last)
         else:
@@ -227,10 +244,7 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
                          "none; drop --compile or torch.compile your model in its provider")
     broadcast_parameters(model, ctx.dp_cp, ctx.expert_dp_cp)
     data = datasets_provider(cfg) if datasets_provider is not None else None
-    sampler = None
-    if data is not None:
-        sampler = GlobalBatchSampler(len(data.train), t.global_batch_size, t.micro_batch_size,
-                                     ctx.grid.dp, ctx.coords.dp, t.seed)
+    sampler = train_sampler(data, cfg, ctx) if data is not None else None
     micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.grid.dp)
     pipeline = build_pipeline(model, cfg, ctx, forward_step, micro_batches)
     reducer, param_shards = make_reducer(model, cfg, ctx, micro_batches)
@@ -239,10 +253,13 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     scaler = LossScaler(t.loss_scale, t.loss_scale_window, t.min_loss_scale) if t.dtype == "fp16" else None
     source = resume_source(cfg)
     # the scaler resumes too: a fresh loss scale would skip steps the saved run did not
-    start = 0
+    start, notes = 0, []
     if source is not None:
         with whole_parameters(param_shards, when=_whole_format(source)):
             start = checkpoint.load_checkpoint(source, model, optimizer, ctx, scaler=scaler)
+        if sampler is not None:  # the data order continues from the checkpoint's per-source counts
+            note = sampler.restore(checkpoint.read_meta(source).get("data"), start)
+            notes += [note] if note else []
     if source is None and cfg.checkpoint.init_from is not None:  # fine-tuning: weights only, step 0, fresh optimizer
         init = open_source(cfg.checkpoint.init_from, "--init-from")
         with whole_parameters(param_shards):
@@ -250,7 +267,7 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     saver = BackgroundSaver() if cfg.checkpoint.save and cfg.checkpoint.save_async else None  # collective: its own process group
     return Trainer(cfg=cfg, ctx=ctx, model=model, pipeline=pipeline, reducer=reducer, optimizer=optimizer,
                    scaler=scaler, param_shards=param_shards, num_micro_batches=micro_batches, data=data, sampler=sampler,
-                   start_step=start, resumed_from=source, saver=saver)
+                   start_step=start, resumed_from=source, saver=saver, notes=notes)
 
 
 @contextlib.contextmanager
@@ -284,6 +301,15 @@ def resume_source(cfg: Config) -> Path | None:
     if c.auto_resume and c.save:
         return checkpoint.latest_step_dir(c.save)
     return None
+
+
+def train_sampler(data: Datasets, cfg: Config, ctx: DistributedContext) -> GlobalBatchSampler:
+    """The global-batch sampler of the training set: over its sources with their weights
+    when it is a mixture (data.mixture.MixtureDataset), else over its samples."""
+    t = cfg.training
+    sizes, weights = getattr(data.train, "sizes", len(data.train)), getattr(data.train, "weights", None)
+    return GlobalBatchSampler(sizes, t.global_batch_size, t.micro_batch_size, ctx.grid.dp, ctx.coords.dp, t.seed,
+                              weights=weights)
 
 
 def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forward_step: ForwardStep,
@@ -362,30 +388,42 @@ def batch_shapes(cfg: Config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Each key of a micro-batch (data.collate) with its shape and dtype, known to every
     rank from the configuration (so TP ranks need not be told them)."""
     shape = (cfg.training.micro_batch_size, cfg.model.seq_len)
-    return {"tokens": (shape, torch.int64), "labels": (shape, torch.int64)}
+    shapes = {"tokens": (shape, torch.int64), "labels": (shape, torch.int64)}
+    if cfg.data.document_mask:  # each token's document, the whole sequence (own_chunks leaves it whole)
+        shapes["documents"] = (shape, torch.int64)
+    return shapes
 
 
 def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int, ctx: DistributedContext,
                        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> list[Batch] | None:
     """This rank's micro-batches of ``step``, on the stages that embed tokens or compute
-    the loss (None elsewhere): read by the TP group's first rank and broadcast (``shapes``:
-    see :func:`batch_shapes`; None: they are broadcast too), then cut to this cp rank's
-    chunks (:func:`own_chunks`)."""
-    if not (ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
+    the loss (None elsewhere; on every stage with documents, whose attention each stage
+    masks): read by the TP group's first rank and broadcast (``shapes``: see
+    :func:`batch_shapes`; None: they are broadcast too), then cut to this cp rank's
+    chunks (:func:`own_chunks`). Documents a dataset gives without ``--document-mask``
+    (``shapes`` without them) are dropped: the flag decides, the same on every layout."""
+    documents = shapes is not None and "documents" in shapes
+    if not (documents or ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
         return None
     ids = sampler.micro_batches(step)
     batches = None
     if ctx.tp.rank == 0:
-        batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in collate(dataset, i).items()} for i in ids]
+        batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in collate(dataset, i).items()
+                    if k != "documents" or documents or shapes is None} for i in ids]
+        if documents and "documents" not in batches[0]:
+            raise ValueError("--document-mask: the datasets provider's samples have no \"documents\" key (each "
+                             "token's document index); give them one or drop --document-mask")
     return own_chunks(broadcast_batches(batches, len(ids), ctx.tp, ctx.device, shapes), ctx)
 
 
 def own_chunks(batches: list[Batch], ctx: DistributedContext) -> list[Batch]:
     """Each micro-batch cut to the two chunks of every sequence this cp rank holds (the
-    whole of it without context parallelism)."""
+    whole of it without context parallelism); ``documents`` stay whole: a cp rank masks
+    its chunk pairs and finds its tokens' positions from every token's document."""
     if ctx.cp.size == 1:
         return batches
-    return [{k: split_sequence(v, ctx.cp.size, ctx.cp.rank) for k, v in b.items()} for b in batches]
+    return [{k: v if k == "documents" else split_sequence(v, ctx.cp.size, ctx.cp.rank) for k, v in b.items()}
+            for b in batches]
 
 
 def _global_token_count(batches: list[Batch], ctx: DistributedContext, every_label_counts: bool = False) -> int:
