@@ -176,3 +176,16 @@ def test_a_mixture_resumed_on_another_layout_reads_what_an_uninterrupted_run_rea
     meta = [json.loads((tmp_path / d / "step_0000003" / "meta.json").read_text())["data"] for d in ("one", "dp2")]
     assert meta[0]["drawn"] == meta[1]["drawn"] and sum(meta[0]["drawn"]) == 3 * 8
     assert meta[0]["sources"] == ["web", "code", "math"]
+
+
+@pytest.mark.parametrize("name", ["mixture", "finetune-llama"])
+def test_the_example_configs_load_and_pass_the_checks_that_need_no_files(name):
+    """configs/examples/ hold placeholders for the user's files: everything but the
+    files is checked (the layout, the schedule, the sources and their weights)."""
+    from gridtrain.training.validate import validate
+    cfg = load_config(f"configs/examples/{name}.yaml")
+    cfg.checkpoint.init_from = None  # a model directory the user downloads
+    world, cfg.parallel.nproc = cfg.parallel.nproc, None  # GPUs of the user's machine, not this host's cores
+    validate(cfg, world_size=world, data=False)
+    if name == "mixture":
+        assert [s.weight for s in parse_sources(cfg.data.path)] == [0.6, 0.2, 0.1, 0.1]

@@ -86,6 +86,8 @@ def tensorboard_scalars(record: StepRecord, extra: dict | None = None) -> dict[s
                for name in ("loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "tokens")}
     if extra.get("valid_loss") is not None:
         scalars["valid/loss"] = float(extra["valid_loss"])
+    for name, value in (extra.get("valid_loss_by_source") or {}).items():
+        scalars[f"valid/{name}/loss"] = float(value)
     if extra.get("loss_scale") is not None:
         scalars["train/loss_scale"] = float(extra["loss_scale"])
     for group, n in (extra.get("comm_bytes") or {}).items():
