@@ -454,6 +454,11 @@ class DataConfig:
                                        "end-of-text token)")
     valid_every: int = option(100, flag=None, range=">= 2", hint=" (every Nth window is held out for validation)",
                               help="every Nth window of the corpus is held out for validation")
+    document_mask: bool = option(False, help="attention stays within each document of a packed sequence; "
+                                             "positions restart at 0 at each document",
+                                 doc="attention never crosses a document boundary inside a packed sequence, and "
+                                     "positions (learned or rotary) restart at 0 at each document: each document "
+                                     "trains as if alone (README, \"Document masking\")")
 
 
 @dataclass

@@ -189,3 +189,24 @@ def test_the_example_configs_load_and_pass_the_checks_that_need_no_files(name):
     validate(cfg, world_size=world, data=False)
     if name == "mixture":
         assert [s.weight for s in parse_sources(cfg.data.path)] == [0.6, 0.2, 0.1, 0.1]
+
+
+# ---- documents in windows (what --document-mask reads) -------------------------------------------
+
+
+def test_windows_say_which_document_each_token_is_in_from_the_eot_or_the_index():
+    """The end-of-text token opens the next document (a BOS): the token before it ends its
+    document with the end of text as its label. Found in the window (eot) or from the
+    token offsets of an index; both give the same ids."""
+    from gridtrain.data import TokenWindows
+    eot = 9
+    tokens = np.array([1, 2, eot, 3, 4, 5, eot, 6, eot, 7, 8, 1, 2, 3, 4, 5, 6], dtype=np.uint16)
+    starts = np.array([0, 2, 6, 8])
+    for windows in (TokenWindows(tokens, 4, documents=True, eot=eot),
+                    TokenWindows(tokens, 4, documents=True, starts=starts)):
+        got = [windows[i]["documents"].tolist() for i in range(len(windows))]
+        assert got == [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]]  # window 2 opens with an eot
+        assert windows[0]["labels"].tolist() == [2, eot, 3, 4]
+    assert "documents" not in TokenWindows(tokens, 4, eot=eot)[0]
+    with pytest.raises(DataError, match="--document-mask needs document boundaries"):
+        TokenWindows(tokens, 4, documents=True)

@@ -112,10 +112,9 @@ def build_source(source: Source, name: str, tokenizer, seq_len: int, *, valid_ev
     from gridtrain.data.datasets import TokenWindows, WindowSubset, split_windows, unigram_entropy
     if source.path is not None and sft.is_sft_jsonl(source.path):
         packed = sft.SFTDataset(source.path, tokenizer, seq_len)
+        note = f"{name}: {packed.summary()}"
         if not documents:
             packed = WithoutDocuments(packed)
-        note = (f"{name}: {packed_examples(packed)} fine-tuning examples packed into {len(packed)} samples"
-                + (f", {packed_truncated(packed)} truncated to --seq-len {seq_len}" if packed_truncated(packed) else ""))
         if not split:
             return SourceSets(name, source.weight, packed, None, every_label_counts=False, note=note)
         train_ids, valid_ids = split_windows(len(packed), valid_every)
@@ -170,14 +169,6 @@ class WithoutDocuments(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.dataset[i].items() if k != "documents"}
-
-
-def packed_examples(dataset) -> int:
-    return getattr(getattr(dataset, "dataset", dataset), "num_examples", 0)
-
-
-def packed_truncated(dataset) -> int:
-    return getattr(getattr(dataset, "dataset", dataset), "truncated", 0)
 
 
 def _header_entropy(path) -> float | None:

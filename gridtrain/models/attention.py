@@ -14,6 +14,14 @@ rebuild), so both architectures call it through one function. It is written two 
 Dropout on the attention probabilities draws from this TP rank's own stream of the RNG
 tracker: each rank's heads are different heads.
 
+**Document masking** (``--document-mask``): a packed sequence holds several documents
+end to end; :class:`Documents` (made once per micro-batch from the data's document ids)
+gives each token its position within its document, and the core then lets a query see
+only the keys of its own document at or before it ("same document and key position <=
+query position"; within a document the true order and the document's order agree). The
+sdpa core takes it as a boolean ``attn_mask`` (torch then runs a kernel that reads a
+mask: no flash kernel on GPUs), the op-by-op core as -inf outside it.
+
 For generation, a :class:`KVCache` keeps every layer's keys and values of the tokens seen
 so far, so that each new token's queries attend over them without recomputing them
 (one-process models only: tp 1, no pipeline). The core needs no flag for it: keys longer
@@ -23,6 +31,7 @@ than the queries mean the queries are the last positions.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -44,13 +53,15 @@ def causal_bias(seq_len: int) -> torch.Tensor:
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: float, training: bool,
-                   rng: RNGStatesTracker, bias: torch.Tensor | None) -> torch.Tensor:
+                   rng: RNGStatesTracker, bias: torch.Tensor | None,
+                   visible: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``q`` ``[b, heads, s, d]`` over ``k``, ``v`` ``[b, kv_heads, t, d]``
     (``heads`` a multiple of ``kv_heads``: query head i reads key/value head
     ``i // (heads / kv_heads)``; ``t >= s``: the queries are the last ``s`` of the ``t``
     positions, as when decoding with a :class:`KVCache`); dropout ``dropout`` on the
     probabilities while ``training``. ``bias`` (from :func:`causal_bias`) selects the
-    op-by-op form."""
+    op-by-op form. ``visible`` (``[b, 1, s, s]`` booleans, :meth:`Documents.visible`): which
+    keys each query sees, in place of the causal mask (document masking; no cache)."""
     p = dropout if training else 0.0
     group = q.shape[1] // k.shape[1]
     s, t = q.shape[-2], k.shape[-2]
@@ -59,14 +70,61 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout
     with rng.fork() if p > 0 else contextlib.nullcontext():
         if bias is None:
             # torch's is_causal aligns the mask top-left: after cached positions, say which keys each query sees
-            mask = None if s == t else torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+            mask = visible if visible is not None else \
+                None if s == t else torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p,
                                                   enable_gqa=group > 1)
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-        probs = torch.softmax(scores + bias[t - s:t, :t].to(scores.dtype), dim=-1)
+        if visible is not None:  # -inf outside the mask (adding 0 inside it changes nothing)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        else:
+            scores = scores + bias[t - s:t, :t].to(scores.dtype)
+        probs = torch.softmax(scores, dim=-1)
         return torch.matmul(F.dropout(probs, p, training), v)
+
+
+class Documents:
+    """The documents of a micro-batch's packed sequences (``--document-mask``), made once
+    per micro-batch (and model chunk) from the data's ``documents`` ids ``[b, seq_len]``
+    (non-decreasing along each sequence: a document starts where the id changes).
+
+    ``ids`` and ``positions`` cover the whole sequence whatever the layout: a cp rank
+    needs every token's document to mask its chunk pairs, and cuts out its own
+    positions (:meth:`local_positions`). ``positions`` restart at 0 at each document's
+    first token (the index minus the index of that token), so learned and rotary
+    positions see each document as if it began the sequence. The attention mask
+    (:meth:`visible`) is made on first use and kept here, so every layer of the chunk
+    shares one tensor, and a recomputed region, which holds this object (bound into the
+    function it replays), masks with its own micro-batch's documents even when later
+    micro-batches ran forward in between (1F1B).
+    """
+
+    def __init__(self, ids: torch.Tensor):
+        if ids.dim() != 2:
+            raise ValueError(f"documents must be [batch, seq_len] document ids, got shape {tuple(ids.shape)}")
+        self.ids = ids
+        index = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        starts = torch.ones_like(ids, dtype=torch.bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+        self.positions = index - first  # [b, s]: the position within the token's document
+        self._visible: torch.Tensor | None = None
+
+    def visible(self) -> torch.Tensor:
+        """``[b, 1, s, s]``: True where query i sees key j (same document, ``j <= i``)."""
+        if self._visible is None:
+            s = self.ids.shape[1]
+            causal = torch.ones(s, s, dtype=torch.bool, device=self.ids.device).tril()
+            self._visible = ((self.ids[:, :, None] == self.ids[:, None, :]) & causal)[:, None]
+        return self._visible
+
+    def local_positions(self, cp: ContextParallel) -> torch.Tensor:
+        """The document positions of this cp rank's tokens (its two chunks), ``[b, s / cp]``."""
+        if cp.size == 1:
+            return self.positions
+        return context_parallel.split_sequence(self.positions, cp.size, cp.rank)
 
 
 class SelfAttention(nn.Module):
@@ -92,24 +150,32 @@ class SelfAttention(nn.Module):
             self.register_buffer("causal_bias", causal_bias(cfg.seq_len), persistent=False)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               cache: LayerCache | None = None) -> torch.Tensor:
+               cache: LayerCache | None = None, documents: Documents | None = None) -> torch.Tensor:
         """The core over ``[b, heads, s, d]`` inputs, as ``[b, s, heads * d]``; with a
-        ``cache``, ``k`` and ``v`` join the cached ones and the queries attend over all."""
+        ``cache``, ``k`` and ``v`` join the cached ones and the queries attend over all;
+        with ``documents``, each query sees only its own document's keys. Selective
+        recomputation replays the core with the micro-batch's ``documents`` bound in."""
         if cache is not None:
+            if documents is not None:
+                raise ValueError("a key/value cache holds one sequence: generation takes no documents")
             y = self.core(*cache.append(q, k, v))
         elif self.cp.size > 1:
-            y = context_parallel.attention(q, k, v, self.cp)
+            y = context_parallel.attention(q, k, v, self.cp, None if documents is None else documents.ids)
         elif self.recompute.selective:
-            y = self.recompute.checkpoint(self.core, q, k, v)
+            core = self.core if documents is None else functools.partial(self.core, documents=documents)
+            y = self.recompute.checkpoint(core, q, k, v)
         else:
-            y = self.core(q, k, v)
+            y = self.core(q, k, v, documents)
         b, _, s, _ = q.shape
         return y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d) + causal) v with dropout on the probabilities, [b, heads, s, d]."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             documents: Documents | None = None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + causal) v with dropout on the probabilities, [b, heads, s, d];
+        with ``documents``, the document mask in place of the causal one."""
         return core_attention(q, k, v, dropout=self.dropout, training=self.training, rng=self.tp.rng,
-                              bias=self.causal_bias if self.math else None)
+                              bias=self.causal_bias if self.math else None,
+                              visible=None if documents is None else documents.visible())
 
 
 class KVCache:

@@ -27,7 +27,7 @@ from torch import nn
 
 from gridtrain.models import llama
 from gridtrain.runtime import activation_meter as memory
-from gridtrain.models.attention import KVCache, LayerCache, SelfAttention
+from gridtrain.models.attention import Documents, KVCache, LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
 from gridtrain.parallel.context_parallel import ContextParallel
 from gridtrain.parallel.experts import ExpertParallel
@@ -55,11 +55,12 @@ class CausalSelfAttention(SelfAttention):
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, tp)
         self.proj.weight.residual_projection = True  # scaled init, see init_parameters
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        return self.proj(self.attend(q, k, v, cache))
+        return self.proj(self.attend(q, k, v, cache, documents))
 
 
 class MLP(nn.Module):
@@ -109,13 +110,15 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.compiled: Callable | None = None  # see compile_blocks
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        if cache is None and self.compiled is not None:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        if cache is None and documents is None and self.compiled is not None:
             return self.compiled(x)
-        return self.layer(x, cache)
+        return self.layer(x, cache, documents)  # (--compile with --document-mask is refused: validate.py)
 
-    def layer(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.attn(self.ln1(x), cache))
+    def layer(self, x: torch.Tensor, cache: LayerCache | None = None,
+              documents: Documents | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.attn(self.ln1(x), cache, documents))
         return x + self._dropout(self.mlp(self.ln2(x)))
 
     def _dropout(self, h: torch.Tensor) -> torch.Tensor:
@@ -140,13 +143,17 @@ class Embedding(nn.Module):
             self.position = None
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, offset: int = 0, documents: Documents | None = None) -> torch.Tensor:
         """``tokens`` at positions ``offset`` on (after those in a key/value cache); under
-        context parallelism, at this cp rank's true positions."""
+        context parallelism, at this cp rank's true positions; with ``documents``, at
+        each token's position within its document (this cp rank's, this tp rank's share
+        under SP)."""
         x = self.word(tokens)  # [b, s / tp, d] under sequence parallelism
         if self.position is not None:
             first = self.tp.rank * x.shape[1] if self.tp.sequence_parallel else offset
-            if self.cp.size > 1:  # the cp rank's chunks (its tp share of them under SP)
+            if documents is not None:
+                positions = documents.local_positions(self.cp)[:, first:first + x.shape[1]]
+            elif self.cp.size > 1:  # the cp rank's chunks (its tp share of them under SP)
                 positions = self.cp.positions(tokens.shape[1], tokens.device)[first:first + x.shape[1]]
             else:
                 positions = torch.arange(first, first + x.shape[1], device=tokens.device)
@@ -213,22 +220,32 @@ class Decoder(nn.Module):
         return self.embedding.word.weight if self.head is None else self.head
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
-                chunk: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+                chunk: int = 0, cache: KVCache | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids in, logits ``[b, s, vocab]`` out, or per-token losses ``[b, s]`` (at
         least fp32) when labels are given. A chunk without the embedding takes hidden
         states; a chunk without the head returns them. With a ``cache`` (from
         :meth:`new_cache`; whole one-process models only), ``inputs`` are the tokens
-        after the cached ones, and their keys and values join the cache."""
+        after the cached ones, and their keys and values join the cache.
+
+        ``documents`` (``--document-mask``): the document id of every token of the whole
+        sequence, ``[b, seq_len]`` int64, non-decreasing (the data's ``documents`` key;
+        whole under context parallelism, where ``inputs`` are this rank's chunks). Then
+        attention stays within each document and positions restart at 0 at each one:
+        every document's tokens get the numbers they would get alone. Every chunk of a
+        pipeline takes them (each stage's attention is masked)."""
         spec = self.chunks[chunk]
         if cache is not None:
             self._check_cache(cache, inputs.shape[1])
+            if documents is not None:
+                raise ValueError("a key/value cache holds one sequence: generation takes no documents")
+        docs = None if documents is None else Documents(documents)  # once per micro-batch and chunk
         if spec.pre_process:
             with memory.layer_scope("embedding"):
-                x = self.embedding(inputs, 0 if cache is None else cache.length)
+                x = self.embedding(inputs, 0 if cache is None else cache.length, docs)
         else:
             x = inputs
         if cache is None:
-            x = self._run_blocks(x, spec.layer_ids)
+            x = self._run_blocks(x, spec.layer_ids, docs)
         else:
             for i in spec.layer_ids:
                 x = self.blocks[str(i)](x, cache.layer(i))
@@ -244,16 +261,17 @@ class Decoder(nn.Module):
                 return self.compiled_loss(logits, labels, self.cfg.vocab_size)
             return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
 
-    def _run_blocks(self, x: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
+    def _run_blocks(self, x: torch.Tensor, layer_ids: tuple[int, ...],
+                    documents: Documents | None = None) -> torch.Tensor:
         """Blocks ``layer_ids`` in turn, recomputed as the recomputation policy says."""
         for ids, recomputed in self.recompute.policy.block_runs(layer_ids):
             if recomputed and self.recompute.full:
                 with memory.layer_scope(f"blocks.{ids[0]}"):
-                    x = self.recompute.checkpoint(self._blocks(ids), x)
+                    x = self.recompute.checkpoint(self._blocks(ids, documents), x)
                 continue
             for i in ids:
                 with memory.layer_scope(f"blocks.{i}"):
-                    x = self.blocks[str(i)](x)
+                    x = self.blocks[str(i)](x) if documents is None else self.blocks[str(i)](x, documents=documents)
         return x
 
     def new_cache(self, batch: int) -> KVCache:
@@ -276,11 +294,13 @@ class Decoder(nn.Module):
             raise ValueError(f"a key/value cache holds {cache.max_len} positions: {cache.length} cached + "
                              f"{tokens} new tokens do not fit (slide a window without the cache)")
 
-    def _blocks(self, ids: tuple[int, ...]):
-        """A function running blocks ``ids`` in turn: one recomputed region."""
+    def _blocks(self, ids: tuple[int, ...], documents: Documents | None = None):
+        """A function running blocks ``ids`` in turn: one recomputed region. The
+        micro-batch's ``documents`` are bound in, so that the rebuild in backward masks
+        as its forward did, whatever ran in between."""
         def run(x: torch.Tensor) -> torch.Tensor:
             for i in ids:
-                x = self.blocks[str(i)](x)
+                x = self.blocks[str(i)](x) if documents is None else self.blocks[str(i)](x, documents=documents)
             return x
         return run
 

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gridtrain.models.attention import LayerCache, SelfAttention
+from gridtrain.models.attention import Documents, LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
 from gridtrain.parallel.context_parallel import ContextParallel
 from gridtrain.parallel.recompute import Recomputation
@@ -202,9 +202,12 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[b, heads, s, head_dim]`` at positions offset..offset+s-1 (or at
-        ``positions``: a context-parallel rank's true positions), rotated."""
+        ``positions``: ``[s]``, a context-parallel rank's true positions, or ``[b, s]``,
+        each token's own, e.g. its position within its document), rotated."""
         if positions is not None:
             cos, sin = self.cos[positions], self.sin[positions]
+            if positions.dim() == 2:  # per sequence: the same for every head
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         else:
             end = offset + x.shape[-2]
             cos, sin = self.cos[offset:end], self.sin[offset:end]
@@ -247,7 +250,8 @@ class Attention(SelfAttention):
             self.q_norm = ProjectionNorm(cfg.n_head * cfg.head_dim, cfg.layernorm_eps, tp)
             self.k_norm = ProjectionNorm(kv_dim, cfg.layernorm_eps, tp, replicas)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         q, k, v = column_linears(x, [self.q.weight, self.k.weight, self.v.weight], self.tp)
         b, s, _ = q.shape
         if self.qk_norm == "full":  # over every head's features (all ranks')
@@ -257,11 +261,14 @@ class Attention(SelfAttention):
         if self.qk_norm == "head":  # each head by itself
             q, k = self.q_norm(q), self.k_norm(k)
         offset = 0 if cache is None else cache.offset  # positions after the cached tokens
-        positions = self.cp.positions(s, x.device) if self.cp.size > 1 else None  # this cp rank's chunks
+        if documents is not None:  # [b, s]: within each document (this cp rank's chunks)
+            positions = documents.local_positions(self.cp)
+        else:
+            positions = self.cp.positions(s, x.device) if self.cp.size > 1 else None  # this cp rank's chunks
         q = self.rotary(q.transpose(1, 2), offset, positions)
         k = self.rotary(k.transpose(1, 2), offset, positions)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        return self.proj(self.attend(q, k, v, cache))
+        return self.proj(self.attend(q, k, v, cache, documents))
 
 
 class SwiGLU(nn.Module):

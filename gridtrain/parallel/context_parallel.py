@@ -20,6 +20,14 @@ log-sum-exp ``l_i`` of its scores, the whole is ``o = (e^{l1} o1 + e^{l2} o2) /
 (e^{l1} + e^{l2})`` and ``l = log(e^{l1} + e^{l2})`` (computed from the larger ``l``, so
 nothing overflows). A block with no visible key (above the causal diagonal) has
 ``l = -inf`` and contributes nothing, so it may be skipped (:func:`merge`).
+
+**Documents** (``--document-mask``): with the whole sequence's document ids (every cp rank
+holds them all), a query sees a key when both lie in the same document and the key's
+true position is at or before the query's. Chunk pairs wholly above the diagonal are
+still skipped; every other pair is masked by documents and true positions, with the
+matrix-product block kernel (torch's fused CPU kernel takes no mask). A query row that
+sees no key of a pair has ``l = -inf`` there, and the merge drops it; every query sees
+at least itself, so the merged result is always defined.
 """
 
 from __future__ import annotations
@@ -94,16 +102,20 @@ def causal_pairs(seq_len: int, cp: int, rank: int) -> int:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           scale: float | None = None, q_doc: torch.Tensor | None = None,
+           k_doc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of queries ``q [..., sq, d]`` at positions ``q_pos`` over keys and
     values ``k, v [..., sk, d]`` at ``k_pos`` (a query sees keys at its position or
     before): the output and the log-sum-exp of each query's scores (``-inf`` and a zero
     output for a query that sees none of these keys). Scores and softmax in fp32 or
-    wider."""
+    wider. With documents ``q_doc [sq]`` and ``k_doc [sk]``, only keys of the query's own
+    document are seen."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     wide = torch.promote_types(q.dtype, torch.float32)
     scores = (q.to(wide) @ k.to(wide).transpose(-1, -2)) * scale
     visible = k_pos[None, :] <= q_pos[:, None]
+    if q_doc is not None:
+        visible = visible & (k_doc[None, :] == q_doc[:, None])
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     weights = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
@@ -259,32 +271,54 @@ def _above_diagonal(n: int, g: int, device: torch.device) -> torch.Tensor:
     return (i[None, :] > i[:, None]).repeat(g, 1)
 
 
-def _scores(qf: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def pair_masks(documents: torch.Tensor, cp: int, q_rank: int, k_rank: int) -> dict[tuple[int, int], torch.Tensor]:
+    """For the visible chunk pairs of ``q_rank``'s queries and ``k_rank``'s keys: which
+    (query, key) pairs are seen, ``[b, n, n]``, from the whole sequence's document ids
+    ``documents`` ``[b, seq_len]`` and the tokens' true positions."""
+    seq_len = documents.shape[1]
+    q_pos = local_positions(seq_len, cp, q_rank, documents.device).chunk(2)
+    k_pos = local_positions(seq_len, cp, k_rank, documents.device).chunk(2)
+    q_doc = split_sequence(documents, cp, q_rank).chunk(2, dim=1)
+    k_doc = split_sequence(documents, cp, k_rank).chunk(2, dim=1)
+    return {(qi, ki): (k_pos[ki][None, None, :] <= q_pos[qi][None, :, None])
+            & (k_doc[ki][:, None, :] == q_doc[qi][:, :, None])
+            for qi, ki, _ in visible_pairs(cp, q_rank, k_rank)}
+
+
+def _scores(qf: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+            visible: torch.Tensor | None = None) -> torch.Tensor:
     s = torch.matmul(qf, k.transpose(-1, -2)) * scale
+    if visible is not None:  # [b, n, n] for each of the g query heads folded into the rows
+        return s.masked_fill(~visible.repeat(1, qf.shape[-2] // k.shape[-2], 1)[:, None], float("-inf"))
     if causal:
         n = k.shape[-2]
         s = s.masked_fill(_above_diagonal(n, qf.shape[-2] // n, qf.device), float("-inf"))
     return s
 
 
-def _pair_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair_forward(q, k, v, causal: bool, scale: float,
+                  visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries ``q`` ``[b, heads, n, d]`` over one chunk's keys and values ``[b, kv_heads,
-    n, d]``: (output, log-sum-exp) in the wide dtype."""
+    n, d]``: (output, log-sum-exp) in the wide dtype. ``visible`` (``[b, n, n]``, document
+    masking): which keys each query sees, in place of ``causal``; a query that sees none
+    gets a zero output and ``-inf``."""
     wide = _wide(q.dtype)
-    if _fused(q):
+    if visible is None and _fused(q):
         out, lse = _FLASH_CPU(q, _every_head(k, q.shape[1]), _every_head(v, q.shape[1]), 0.0, causal, scale=scale)
         return out.to(wide), lse.to(wide)
-    s = _scores(_fold(q, k.shape[1]), k.to(wide), causal, scale)
+    s = _scores(_fold(q, k.shape[1]), k.to(wide), causal, scale, visible)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse[..., None]), v.to(wide))
+    safe = lse if visible is None else lse.masked_fill(torch.isinf(lse), 0.0)  # rows with no key: exp(-inf) = 0
+    out = torch.matmul(torch.exp(s - safe[..., None]), v.to(wide))
     return _unfold(out, q.shape[1]), _unfold(lse, q.shape[1])
 
 
-def _pair_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _pair_backward(dout, q, k, v, out, lse, causal: bool, scale: float, visible: torch.Tensor | None = None):
     """Gradients of one pair (queries, keys, values; the keys' and values' per kv head)
-    given the whole attention's output ``out`` and log-sum-exp ``lse``; wide."""
+    given the whole attention's output ``out`` and log-sum-exp ``lse`` (finite: every
+    query sees itself); wide."""
     wide, heads, kv_heads = _wide(q.dtype), q.shape[1], k.shape[1]
-    if _fused(q):
+    if visible is None and _fused(q):
         dq, dk, dv = _FLASH_CPU_BACKWARD(dout, q, _every_head(k, heads), _every_head(v, heads), out, lse, 0.0,
                                           causal, scale=scale)
         return dq.to(wide), _per_kv_head(dk, kv_heads).to(wide), _per_kv_head(dv, kv_heads).to(wide)
@@ -292,7 +326,7 @@ def _pair_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     rowsum = (dof * _fold(out, kv_heads)).sum(-1)
     lse_f = lse.unflatten(1, (kv_heads, -1)).reshape(lse.shape[0], kv_heads, -1)
     kw, vw = k.to(wide), v.to(wide)
-    p = torch.exp(_scores(qf, kw, causal, scale) - lse_f[..., None])
+    p = torch.exp(_scores(qf, kw, causal, scale, visible) - lse_f[..., None])
     dv = torch.matmul(p.transpose(-1, -2), dof)
     ds = p * (torch.matmul(dof, vw.transpose(-1, -2)) - rowsum[..., None])
     dq = torch.matmul(ds, kw) * scale
@@ -300,23 +334,29 @@ def _pair_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return _unfold(dq, heads), dk, dv
 
 
-def _forward_blocks(qh: list[torch.Tensor], kv: torch.Tensor, pairs, acc: list, scale: float) -> None:
+def _forward_blocks(qh: list[torch.Tensor], kv: torch.Tensor, pairs, acc: list, scale: float,
+                    masks: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
     """Merge the visible pairs of one rank's key/value block ``kv`` (``[2, b, kv_heads,
-    2n, d]``) into ``acc`` (per query half: (output, log-sum-exp) so far, or None)."""
+    2n, d]``) into ``acc`` (per query half: (output, log-sum-exp) so far, or None);
+    ``masks``: each pair's document mask (:func:`pair_masks`), or None (causal)."""
     k_halves, v_halves = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
     for qi, ki, causal in pairs:
-        out, lse = _pair_forward(qh[qi], k_halves[ki], v_halves[ki], causal, scale)
+        visible = None if masks is None else masks[qi, ki]
+        out, lse = _pair_forward(qh[qi], k_halves[ki], v_halves[ki], causal, scale, visible)
         acc[qi] = (out, lse) if acc[qi] is None else merge(*acc[qi], out, lse)
 
 
-def _backward_blocks(qh, doh, oh, lse, kv: torch.Tensor, pairs, dqh, scale: float) -> torch.Tensor:
+def _backward_blocks(qh, doh, oh, lse, kv: torch.Tensor, pairs, dqh, scale: float,
+                     masks: dict[tuple[int, int], torch.Tensor] | None = None) -> torch.Tensor:
     """Gradients of the visible pairs with block ``kv``: added into ``dqh`` (per query
     half); returned for the block's keys and values, ``[2, b, kv_heads, 2n, d]`` wide."""
     k_halves, v_halves = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
     dkv = torch.zeros(kv.shape, dtype=dqh[0].dtype, device=kv.device)
     dk_halves, dv_halves = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
     for qi, ki, causal in pairs:
-        dq, dk, dv = _pair_backward(doh[qi], qh[qi], k_halves[ki], v_halves[ki], oh[qi], lse[qi], causal, scale)
+        visible = None if masks is None else masks[qi, ki]
+        dq, dk, dv = _pair_backward(doh[qi], qh[qi], k_halves[ki], v_halves[ki], oh[qi], lse[qi], causal, scale,
+                                    visible)
         dqh[qi].add_(dq)
         dk_halves[ki].add_(dk)
         dv_halves[ki].add_(dv)
@@ -328,14 +368,18 @@ class _CPAttention(torch.autograd.Function):
     group; ``cp.mode`` says how the other ranks' blocks arrive (see :func:`attention`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel):
+    def forward(ctx, q, k, v, cp: ContextParallel, documents: torch.Tensor | None = None):
         with _named(cp, "forward"):
-            return _CPAttention._forward(ctx, q, k, v, cp)
+            return _CPAttention._forward(ctx, q, k, v, cp, documents)
 
     @staticmethod
-    def _forward(ctx, q, k, v, cp: ContextParallel):
+    def _forward(ctx, q, k, v, cp: ContextParallel, documents: torch.Tensor | None):
         scale = 1.0 / math.sqrt(q.shape[-1])
         size, rank = cp.size, cp.rank
+
+        def masks(src: int):  # each pair's document mask with rank src's keys (None: causal)
+            return None if documents is None else pair_masks(documents, size, rank, src)
+
         qh = q.chunk(2, dim=2)
         acc: list = [None, None]
         kv = torch.stack([k, v])  # [2, b, kv_heads, 2n, d]: one message per block
@@ -343,20 +387,21 @@ class _CPAttention(torch.autograd.Function):
             for step in range(size):
                 # pass the block on while attending over it: the next one arrives meanwhile
                 nxt = _ring_step(cp, kv) if step < size - 1 else None
-                _forward_blocks(qh, kv, visible_pairs(size, rank, ring_source(size, rank, step)), acc, scale)
+                src = ring_source(size, rank, step)
+                _forward_blocks(qh, kv, visible_pairs(size, rank, src), acc, scale, masks(src))
                 if nxt is not None:
                     kv = nxt.wait()
             saved = (k, v)
         else:
             gathering = _Timed(cp.transfers, cp.comm.start_all_gather_into(kv.new_empty((size, *kv.shape)), kv))
-            _forward_blocks(qh, kv, visible_pairs(size, rank, rank), acc, scale)  # while the gather travels
+            _forward_blocks(qh, kv, visible_pairs(size, rank, rank), acc, scale, masks(rank))  # while the gather travels
             gathered = gathering.wait()
             for src in range(size):
                 if src != rank:
-                    _forward_blocks(qh, gathered[src], visible_pairs(size, rank, src), acc, scale)
+                    _forward_blocks(qh, gathered[src], visible_pairs(size, rank, src), acc, scale, masks(src))
             saved = (gathered,)
         out = torch.cat([a[0] for a in acc], dim=2).to(q.dtype)
-        ctx.cp, ctx.kv_dtype = cp, k.dtype
+        ctx.cp, ctx.kv_dtype, ctx.documents = cp, k.dtype, documents  # (integer ids: no gradient)
         ctx.save_for_backward(q, out, acc[0][1], acc[1][1], *saved)
         return out
 
@@ -373,12 +418,17 @@ class _CPAttention(torch.autograd.Function):
         qh, doh, oh = q.chunk(2, dim=2), dout.contiguous().chunk(2, dim=2), out.chunk(2, dim=2)
         lse = [lse0, lse1]
         dqh = [torch.zeros(h.shape, dtype=lse0.dtype, device=h.device) for h in qh]
+        documents = ctx.documents
+
+        def masks(src: int):
+            return None if documents is None else pair_masks(documents, size, rank, src)
+
         if cp.mode == "ring":
             kv, incoming = torch.stack(saved), None
             for step in range(size):
                 nxt = _ring_step(cp, kv) if step < size - 1 else None
                 src = ring_source(size, rank, step)
-                dkv = _backward_blocks(qh, doh, oh, lse, kv, visible_pairs(size, rank, src), dqh, scale)
+                dkv = _backward_blocks(qh, doh, oh, lse, kv, visible_pairs(size, rank, src), dqh, scale, masks(src))
                 if incoming is not None:  # what the ranks before added to this block's gradient
                     dkv += incoming.wait()
                 # the gradient travels with its block, and after the last step reaches its owner
@@ -389,9 +439,9 @@ class _CPAttention(torch.autograd.Function):
         else:
             (gathered,) = saved
             dkv = torch.stack([_backward_blocks(qh, doh, oh, lse, gathered[src], visible_pairs(size, rank, src),
-                                                dqh, scale) for src in range(size)])
+                                                dqh, scale, masks(src)) for src in range(size)])
             own = _Timed(cp.transfers, cp.comm.start_reduce_scatter(dkv, dim=0)).wait()[0]
-        return torch.cat(dqh, dim=2).to(q.dtype), own[0].to(ctx.kv_dtype), own[1].to(ctx.kv_dtype), None
+        return torch.cat(dqh, dim=2).to(q.dtype), own[0].to(ctx.kv_dtype), own[1].to(ctx.kv_dtype), None, None
 
 
 def _ring_step(cp: ContextParallel, block: torch.Tensor) -> _Timed:
@@ -414,7 +464,8 @@ def _named(cp: ContextParallel, phase: str):
 
 
 @torch._dynamo.disable
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
+              documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries ``q`` ``[b, heads, 2n, d]`` over the
     keys and values ``k``, ``v`` ``[b, kv_heads, 2n, d]`` of every rank of ``cp``: the
     same numbers as one process attending over the whole sequence, for this rank's
@@ -430,6 +481,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     (the gathered ones under all-gather): nothing of size ``s x s``. Scores and sums are
     computed in fp32 or wider; gradients of keys and values travel in that width.
 
+    ``documents`` (``[b, seq_len]``, the whole sequence's document ids, ``--document-mask``):
+    each query sees only its own document's keys (module docstring, "Documents").
+
     Outside ``torch.compile``'s graphs (a compiled block breaks around it): its
     point-to-point sends are not traceable."""
-    return _CPAttention.apply(q, k, v, cp)
+    return _CPAttention.apply(q, k, v, cp, documents)

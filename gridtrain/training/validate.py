@@ -131,6 +131,13 @@ def _validate_recompute(a: ActivationsConfig, t: TrainingConfig) -> None:
              "block, breaks the compiled graph); use --recompute full or none with --compile")
 
 
+def _validate_document_mask(d: DataConfig, t: TrainingConfig) -> None:
+    """What document masking does not compose with yet."""
+    _require(not (d.document_mask and t.compile),
+             "--compile does not take --document-mask yet (compiled blocks take no document mask); "
+             "drop --compile or --document-mask")
+
+
 def _validate_parallel(p: ParallelConfig, world_size: int) -> None:
     _require(p.schedule in ORDERS, f"--schedule {p.schedule!r} is not one of {', '.join(ORDERS)}")
     _validate_zero(p)
@@ -431,6 +438,7 @@ def validate(cfg: Config, world_size: int | None = None, *, data: bool = True) -
     _validate_model(m)
     _validate_training(t)
     _validate_recompute(cfg.activations, t)
+    _validate_document_mask(cfg.data, t)
     _validate_parallel(p, world_size)
     _validate_host(cfg)
     _validate_cuda(p, t)
