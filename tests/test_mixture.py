@@ -210,3 +210,32 @@ def test_windows_say_which_document_each_token_is_in_from_the_eot_or_the_index()
     assert "documents" not in TokenWindows(tokens, 4, eot=eot)[0]
     with pytest.raises(DataError, match="--document-mask needs document boundaries"):
         TokenWindows(tokens, 4, documents=True)
+
+
+@pytest.mark.slow
+def test_a_large_token_file_costs_a_rank_its_shuffle_index_and_batches_not_the_file(tmp_path):
+    """Training data over a 96 MB token file (48M tokens): building the datasets and the
+    sampler and reading batches allocates the shuffle index of the epoch (8 bytes per
+    window) and the batches, never the tokens (memory-mapped) nor a list of windows."""
+    import tracemalloc
+
+    from gridtrain.data import ByteTokenizer, write_token_file
+    from gridtrain.training.providers import text_datasets_provider
+    from gridtrain.training.trainer import train_sampler
+    n = 48 << 20
+    tokens = np.lib.format.open_memmap(tmp_path / "scratch.npy", mode="w+", dtype=np.uint16, shape=(n,))
+    tokens[:] = np.arange(n, dtype=np.int64) % 251
+    write_token_file(tokens, tmp_path / "big", ByteTokenizer())
+    cfg = tiny_config(global_batch_size=32, micro_batch_size=4)
+    cfg.data.path = str(tmp_path / "big.bin")
+    tracemalloc.start()
+    data = text_datasets_provider(cfg)
+    ctx = type("Ctx", (), {"grid": type("G", (), {"dp": 1})(), "coords": type("C", (), {"dp": 0})()})()
+    sampler = train_sampler(data, cfg, ctx)
+    for step in range(3):
+        [data.train[int(i)] for ids in sampler.micro_batches(step) for i in ids]
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    windows = (n - 1) // cfg.model.seq_len
+    assert len(data.train) + len(data.valid) == windows
+    assert peak < 2 * 8 * windows + (4 << 20), peak  # the shuffle index (and its making), plus change

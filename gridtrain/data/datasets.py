@@ -111,6 +111,30 @@ class WindowSubset(torch.utils.data.Dataset):
         return self.dataset[self.ids[int(i)]]
 
 
+class HeldOut(torch.utils.data.Dataset):
+    """The training (``held=False``) or validation (``held=True``) part of a dataset whose
+    every ``valid_every``-th item is held out, addressed 0..len-1 by arithmetic: the
+    same items :func:`split_windows` lists, with no index array (a 10 GB token file's
+    millions of windows cost nothing here)."""
+
+    def __init__(self, dataset, valid_every: int, held: bool) -> None:
+        if valid_every < 2:
+            raise DataError(f"valid_every={valid_every}: must be at least 2 to leave training data")
+        self.dataset, self.valid_every, self.held = dataset, valid_every, held
+        valid = len(dataset) // valid_every
+        self.length = valid if held else len(dataset) - valid
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        i = int(i)
+        if not 0 <= i < self.length:
+            raise IndexError(f"item {i} out of range [0, {self.length})")
+        every = self.valid_every
+        return self.dataset[i * every + every - 1 if self.held else i + i // (every - 1)]
+
+
 def split_windows(num_windows: int, valid_every: int = 100) -> tuple[np.ndarray, np.ndarray]:
     """Every ``valid_every``-th window is held out.
 

@@ -20,6 +20,9 @@ import numpy as np
 import torch
 
 from gridtrain.config import WEIGHTED_SOURCE as _WEIGHTED
+from gridtrain.data import sft, token_files  # sft: fine-tuning records (prompt/completion or messages)
+from gridtrain.data.corpora import check_enough_tokens, load_tokens
+from gridtrain.data.datasets import HeldOut, TokenWindows, WindowSubset, split_windows, unigram_entropy
 from gridtrain.data.errors import DataError
 
 
@@ -107,9 +110,6 @@ def build_source(source: Source, name: str, tokenizer, seq_len: int, *, valid_ev
     ``--valid-data`` source puts all of them in ``valid``). ``enough_for``: the training
     samples it must hold (one global batch for a run's only source: fewer would repeat
     samples within a step; one for a mixture's, which wraps and says so)."""
-    from gridtrain.data import sft  # fine-tuning records: JSON lines with prompt/completion or messages
-    from gridtrain.data.corpora import check_enough_tokens, load_tokens
-    from gridtrain.data.datasets import TokenWindows, WindowSubset, split_windows, unigram_entropy
     if source.path is not None and sft.is_sft_jsonl(source.path):
         packed = sft.SFTDataset(source.path, tokenizer, seq_len)
         note = f"{name}: {packed.summary()}"
@@ -133,9 +133,8 @@ def build_source(source: Source, name: str, tokenizer, seq_len: int, *, valid_ev
     check_enough_tokens(len(tokens), source.path, seq_len, enough_for, valid_every if split else None)
     if not split:
         return SourceSets(name, source.weight, windows, windows, reference)
-    train_ids, valid_ids = split_windows(len(windows), valid_every)
-    return SourceSets(name, source.weight, WindowSubset(windows, train_ids), WindowSubset(windows, valid_ids),
-                      reference)
+    return SourceSets(name, source.weight, HeldOut(windows, valid_every, held=False),
+                      HeldOut(windows, valid_every, held=True), reference)
 
 
 def build_sources(data, tokenizer, seq_len: int, global_batch_size: int, documents: bool = False
@@ -174,13 +173,13 @@ class WithoutDocuments(torch.utils.data.Dataset):
 def _header_entropy(path) -> float | None:
     """The unigram entropy ``gridtrain prepare`` recorded in a token file's header (so a
     huge file is not read through at start), or None."""
-    from gridtrain.data.token_files import find_token_header
-    found = find_token_header(path) if path is not None else None
+    found = token_files.find_token_header(path) if path is not None else None
     value = json.loads(found.read_text("utf-8")).get("unigram_entropy") if found is not None else None
     return float(value) if value is not None else None
 
 
 def _document_index(path) -> np.ndarray | None:
-    from gridtrain.data import token_files
-    reader = getattr(token_files, "read_document_index", None)
-    return reader(path) if reader is not None and path is not None else None
+    """A token file's document index (None: no token file, or one without an index)."""
+    if path is None or token_files.find_token_header(path) is None:
+        return None
+    return token_files.read_document_index(path)
