@@ -153,11 +153,14 @@ def test_token_file_is_memory_mapped_with_header(corpus_dir: Path, tmp_path: Pat
     assert isinstance(tokens, np.memmap) and tokens.mode == "r"
     assert header == {
         "format": "gridtrain-tokens",
-        "version": 1,
+        "version": 2,
         "dtype": "uint16",
         "num_tokens": len(tokens),
         "vocab_size": 257,
         "tokenizer": "byte",
+        "num_documents": 3,
+        "index": "tok.idx",
+        "unigram_entropy": pytest.approx(unigram_entropy(tokens, 257), rel=1e-12),
     }
     assert bin_path.stat().st_size == 2 * len(tokens)
     assert find_token_header(bin_path) == bin_path.with_suffix(".json")

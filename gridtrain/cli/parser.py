@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import typing
 from typing import Any
@@ -77,8 +78,10 @@ def _generate_parser(sub) -> None:
 def _prepare_parser(sub) -> None:
     p = sub.add_parser("prepare", help="tokenize text into a memory-mapped token file")
     p.add_argument("--data", default=None, help="text file or folder (default: built-in corpus)")
-    p.add_argument("--out", required=True, help="output path; writes OUT.bin and OUT.json")
+    p.add_argument("--out", required=True, help="output path; writes OUT.bin, OUT.idx (document starts) and OUT.json")
     p.add_argument("--tokenizer", default=None, help="Hugging Face tokenizer.json (default: bytes)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes tokenizing contiguous shares of the corpus (default: 1); same output")
 
 
 def _hf_parsers(sub) -> None:
@@ -186,7 +189,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    print(f"wrote {prepare(args.data, args.out, args.tokenizer)}")
+    bin_path = prepare(args.data, args.out, args.tokenizer, workers=args.workers)
+    header = json.loads(bin_path.with_suffix(".json").read_text("utf-8"))
+    print(f"wrote {bin_path} ({header['num_tokens']:,} tokens, {header['num_documents']:,} documents)")
     return 0
 
 

@@ -7,8 +7,11 @@ the data-parallel size or micro-batch size.
 
 * tokenizers.py: the byte tokenizer and Hugging Face ``tokenizer.json`` files;
 * corpora.py: every source (built-in corpus, text file, folder, JSON lines, token file)
-  as one token array; counting it before any process starts; ``prepare``;
-* token_files.py: the files ``gridtrain prepare`` writes, memory-mapped on reading;
+  as one token array; counting it before any process starts;
+* prepare.py: ``gridtrain prepare``, a corpus of any size into a token file in bounded
+  memory, with several processes;
+* token_files.py: the files ``gridtrain prepare`` writes (tokens, document index,
+  header), memory-mapped on reading;
 * datasets.py: windows, the train/validation split, :class:`Datasets`, ``collate``;
 * sampler.py: :class:`GlobalBatchSampler`, step -> global batch -> rank -> micro-batch;
 * errors.py: :class:`DataError`, the one-line error every module raises.
@@ -19,13 +22,14 @@ The names are re-exported here: ``from gridtrain.data import build_datasets``.
 from __future__ import annotations
 
 from gridtrain.data.corpora import (EXCLUDED_DIRS, JSONL_SUFFIX, builtin_corpus_files, builtin_corpus_root,
-                                    check_enough_tokens, corpus_files, count_tokens, load_tokens, prepare)
+                                    check_enough_tokens, corpus_files, count_tokens, load_tokens)
 from gridtrain.data.datasets import (Batch, Datasets, TokenWindows, WindowSubset, build_datasets, collate,
                                      split_windows, unigram_entropy)
 from gridtrain.data.errors import DataError
+from gridtrain.data.prepare import prepare
 from gridtrain.data.sampler import GlobalBatchSampler
 from gridtrain.data.token_files import (TOKEN_FILE_FORMAT, TOKEN_FILE_VERSION, find_token_header, open_token_file,
-                                        read_token_file, write_token_file)
+                                        read_document_index, read_token_file, write_token_file)
 from gridtrain.data.tokenizers import (EOT_CANDIDATES, ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer,
                                        token_dtype)
 
@@ -34,6 +38,6 @@ __all__ = [
     "Batch", "ByteTokenizer", "DataError", "Datasets", "GlobalBatchSampler", "HFTokenizer", "TokenWindows",
     "Tokenizer", "WindowSubset", "build_datasets", "builtin_corpus_files", "builtin_corpus_root",
     "check_enough_tokens", "collate", "corpus_files", "count_tokens", "find_token_header", "load_tokenizer",
-    "load_tokens", "open_token_file", "prepare", "read_token_file", "split_windows", "token_dtype",
+    "load_tokens", "open_token_file", "prepare", "read_document_index", "read_token_file", "split_windows", "token_dtype",
     "unigram_entropy", "write_token_file",
 ]
