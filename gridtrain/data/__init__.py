@@ -14,6 +14,8 @@ the data-parallel size or micro-batch size.
   header), memory-mapped on reading;
 * datasets.py: windows, the train/validation split, :class:`Datasets`, ``collate``;
 * sampler.py: :class:`GlobalBatchSampler`, step -> global batch -> rank -> micro-batch;
+* sft.py: fine-tuning sets (prompt/completion or chat JSON lines), the loss on the answers
+  only, packed into samples (:class:`SFTDataset`);
 * errors.py: :class:`DataError`, the one-line error every module raises.
 
 The names are re-exported here: ``from gridtrain.data import build_datasets``.
@@ -28,6 +30,8 @@ from gridtrain.data.datasets import (Batch, Datasets, TokenWindows, WindowSubset
 from gridtrain.data.errors import DataError
 from gridtrain.data.prepare import prepare
 from gridtrain.data.sampler import GlobalBatchSampler
+from gridtrain.data.sft import (ChatTemplate, SFTDataset, encode_example, encode_examples, is_sft_jsonl,
+                                load_chat_template, read_examples)
 from gridtrain.data.token_files import (TOKEN_FILE_FORMAT, TOKEN_FILE_VERSION, find_token_header, open_token_file,
                                         read_document_index, read_token_file, write_token_file)
 from gridtrain.data.tokenizers import (EOT_CANDIDATES, ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer,
@@ -40,4 +44,6 @@ __all__ = [
     "check_enough_tokens", "collate", "corpus_files", "count_tokens", "find_token_header", "load_tokenizer",
     "load_tokens", "open_token_file", "prepare", "read_document_index", "read_token_file", "split_windows", "token_dtype",
     "unigram_entropy", "write_token_file",
+    "ChatTemplate", "SFTDataset", "encode_example", "encode_examples", "is_sft_jsonl", "load_chat_template",
+    "read_examples",
 ]

@@ -79,6 +79,7 @@ class HFTokenizer:
             msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise DataError(f"--tokenizer {path}: not a tokenizer.json file ({msg})") from None
         self.name = str(path.resolve())
+        self.path = path
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.eot_id: int | None = _find_eot(self._tok)
 
@@ -89,6 +90,11 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Many documents at once; the Rust side parallelises them."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_with_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's token ids and each token's ``(start, end)`` character span in it
+        (gridtrain.data.sft: which tokens of a chat an assistant wrote)."""
+        return [(e.ids, e.offsets) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Special tokens are kept so that document boundaries stay visible."""
