@@ -222,26 +222,36 @@ def _read_documents(files: list[Path], skip_non_text: bool) -> list[bytes]:
     return documents
 
 
+JSONL_SHAPE = 'every line must be an object like {"text": "..."}'
+
+
+def text_of_line(line: bytes) -> bytes | None:
+    """The UTF-8 ``text`` of one JSON-lines record; None for a blank line or an empty
+    text (no stray eot). Raises ValueError saying what is wrong with the line."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"is not JSON ({getattr(e, 'msg', e)})") from None
+    text = record.get("text") if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise ValueError('has no string "text" field')
+    return text.encode("utf-8") if text else None
+
+
 def _jsonl_documents(file: Path, data: bytes) -> list[bytes]:
-    """Each line's ``text`` field, UTF-8 encoded; blank lines and empty texts add nothing
-    (no stray eot). A JSON string holds no raw newline, so a line is a record. Each
-    document's byte count is below its line's, so a file's size still bounds its tokens
-    plus separators (count_tokens)."""
+    """Each line's ``text`` field (:func:`text_of_line`). A JSON string holds no raw
+    newline, so a line is a record. Each document's byte count is below its line's, so a
+    file's size still bounds its tokens plus separators (count_tokens)."""
     documents = []
     for number, line in enumerate(data.splitlines(), 1):
-        if not line.strip():
-            continue
         try:
-            record = json.loads(line)
+            text = text_of_line(line)
         except ValueError as e:
-            raise DataError(f"--data {file}: line {number} is not JSON ({getattr(e, 'msg', e)}); "
-                            'every line must be an object like {"text": "..."}') from None
-        text = record.get("text") if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            raise DataError(f'--data {file}: line {number} has no string "text" field; '
-                            'every line must be an object like {"text": "..."}')
+            raise DataError(f"--data {file}: line {number} {e}; {JSONL_SHAPE}") from None
         if text:
-            documents.append(text.encode("utf-8"))
+            documents.append(text)
     return documents
 
 

@@ -18,6 +18,7 @@ import torch
 
 from gridtrain.data.corpora import check_enough_tokens, load_tokens
 from gridtrain.data.errors import DataError
+from gridtrain.data.token_files import entropy_from_counts
 from gridtrain.data.tokenizers import Tokenizer
 
 Batch = dict[str, torch.Tensor]  # a micro-batch: "tokens", "labels", ... each [b, s]
@@ -181,11 +182,7 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
         if len(piece_counts) > vocab_size:
             raise DataError(f"token id {len(piece_counts) - 1} is outside vocab {vocab_size}")
         counts += piece_counts
-    total = counts.sum()
-    if total == 0:
-        return 0.0
-    p = counts[counts > 0] / total
-    return float(-(p * np.log(p)).sum())
+    return entropy_from_counts(counts)
 
 
 def collate(dataset: torch.utils.data.Dataset, ids: Sequence[int]) -> Batch:

@@ -33,7 +33,6 @@ UTF-8 text file, or the non-empty ``text`` of one JSON line.
 from __future__ import annotations
 
 import codecs
-import json
 import multiprocessing
 import os
 import re
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gridtrain.data.corpora import JSONL_SUFFIX, _empty, _no_text_in_folder, _text_files
+from gridtrain.data.corpora import JSONL_SHAPE, JSONL_SUFFIX, _empty, _no_text_in_folder, _text_files, text_of_line
 from gridtrain.data.errors import DataError
 from gridtrain.data.token_files import (IndexWriter, _token_paths, entropy_from_counts, finish_token_file,
                                         open_token_file, read_document_index, read_token_file)
@@ -374,17 +373,12 @@ def _jsonl_texts(f, piece: Piece):
             break
         for line in chunk.splitlines():
             number += 1
-            if not line.strip():
-                continue
             try:
-                record = json.loads(line)
+                text = text_of_line(line)
             except ValueError as e:
-                raise _jsonl_error(piece, number, f"is not JSON ({getattr(e, 'msg', e)})") from None
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise _jsonl_error(piece, number, 'has no string "text" field')
+                raise _jsonl_error(piece, number, str(e)) from None
             if text:
-                yield text.encode("utf-8")
+                yield text
 
 
 def _jsonl_error(piece: Piece, number: int, what: str) -> DataError:
@@ -394,8 +388,7 @@ def _jsonl_error(piece: Piece, number: int, what: str) -> DataError:
         with open(piece.file, "rb") as f:
             while f.tell() < piece.start:
                 before += len(f.readline().splitlines())
-    return DataError(f"--data {piece.file}: line {before + number} {what}; "
-                     'every line must be an object like {"text": "..."}')
+    return DataError(f"--data {piece.file}: line {before + number} {what}; {JSONL_SHAPE}")
 
 
 # ---- the output ------------------------------------------------------------------------------------
