@@ -29,6 +29,8 @@ ROPE_SCALINGS = ("llama3",)
 QK_NORMS = ("head", "full")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("nccl", "gloo")
+LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")  # gridtrain.optim.schedules
+LR_DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # the shapes of wsd's decay
 
 
 class ConfigError(ValueError):
@@ -55,7 +57,7 @@ def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = 
     ``flag``: the `gridtrain train` flag (default ``--field-name``; None: set in a config
     file only). A bool field's flag is a switch that sets the opposite of its default.
     ``help``: the flag's help line; ``doc``: its README meaning (default: ``help``).
-    ``range``: ">= x", "> x", "[a, b]" or "[a, b)", with ``hint`` appended to the message;
+    ``range``: ">= x", "> x", "[a, b]", "[a, b)" or "(a, b]", with ``hint`` appended to the message;
     ``choices``: the values a string field may take. ``was``: the section that held the
     field before the split by topic, so that old config files and checkpoints that spell it
     there still load.
@@ -317,11 +319,23 @@ class TrainingConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule: linear warm-up, then cosine decay."""
+    """AdamW and its learning-rate schedule: linear warm-up, then cosine (default), linear,
+    warmup-stable-decay or constant (gridtrain.optim.schedules)."""
 
     lr: float = option(1e-3, range="> 0", was="training", help="peak learning rate")
-    min_lr_ratio: float = option(0.1, flag=None, range="[0, 1]", was="training",
-                                 help="the cosine decay ends at lr times this")
+    lr_schedule: str = option("cosine", choices=LR_SCHEDULES, metavar="S",
+                              help="cosine | linear | wsd | constant (after the warm-up)",
+                              doc="after the linear warm-up: `cosine` (default) or `linear` decay to the floor "
+                                  "(`--min-lr-ratio`) over the rest of the run, `wsd` (warmup-stable-decay: lr, "
+                                  "then decay over the last `--lr-decay-fraction` of the steps), `constant`")
+    lr_decay_fraction: float | None = option(None, range="(0, 1]", metavar="F",
+                                             help="wsd: decay over the last F of the steps (default 0.2)")
+    lr_decay_shape: str | None = option(None, choices=LR_DECAY_SHAPES, metavar="D",
+                                        help="wsd: the decay's shape, linear | cosine | 1-sqrt (default 1-sqrt)",
+                                        doc="wsd: the decay's shape, `linear`, `cosine` or `1-sqrt` (default; "
+                                            "lr falls as 1 - sqrt(progress))")
+    min_lr_ratio: float = option(0.1, range="[0, 1]", was="training", metavar="R",
+                                 help="the decay ends at lr times this (default 0.1)")
     warmup_steps: int | None = option(None, range=">= 0", was="training",
                                       help="linear warm-up steps (default 5% of steps)")
     weight_decay: float = option(0.1, range=">= 0", was="training", help="AdamW weight decay")
@@ -674,13 +688,14 @@ def check_types(cfg: Config) -> Config:
 
 
 def in_range(value: float, rule: str) -> bool:
-    """Whether ``value`` satisfies a declared range: ">= x", "> x", "[a, b]" or "[a, b)"."""
+    """Whether ``value`` satisfies a declared range: ">= x", "> x", "[a, b]", "[a, b)" or "(a, b]"."""
     if rule.startswith(">= "):
         return value >= float(rule[3:])
     if rule.startswith("> "):
         return value > float(rule[2:])
     low, high = (float(x) for x in rule[1:-1].split(","))
-    return low <= value and (value <= high if rule.endswith("]") else value < high)
+    above = low < value if rule.startswith("(") else low <= value
+    return above and (value <= high if rule.endswith("]") else value < high)
 
 
 def range_problem(name: str, value: Any, f: dataclasses.Field) -> str | None:
@@ -689,7 +704,7 @@ def range_problem(name: str, value: Any, f: dataclasses.Field) -> str | None:
     rule = f.metadata.get("range")
     if rule is None or value is None or in_range(value, rule):
         return None
-    within = f"in {rule}" if rule.startswith("[") else rule
+    within = f"in {rule}" if rule.startswith(("[", "(")) else rule
     return f"{name} must be {within}, got {value}{f.metadata['hint']}"
 
 

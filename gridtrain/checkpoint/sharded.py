@@ -8,7 +8,8 @@ Layout of a step directory (format 2)::
                                          and where each of its chunks is stored
     DIR/step_0000200/__<rank>_0.distcp   the chunks rank <rank> wrote
     DIR/step_0000200/meta.json           format, step, config, the layout that wrote it,
-                                         optimizer step and groups, loss scaler, data position
+                                         optimizer step and groups, loss scaler, data position,
+                                         the learning-rate schedule (resolved)
     DIR/step_0000200/manifest.json       size and sha256 of every other file; written last
 
 Keys are global names, the same whatever the layout (the global layer index, no ``pp``
@@ -60,6 +61,7 @@ from gridtrain.checkpoint.manifest import DCP_METADATA, META, seal, write_atomic
 from gridtrain.checkpoint.shards import Placement, Slab, single_process
 from gridtrain.config import Config
 from gridtrain.optim.interface import Optimizer, StatePiece
+from gridtrain.optim.schedules import schedule_of
 from gridtrain.parallel.tensor_parallel import TensorParallel, shard_spec
 from gridtrain.parallel.zero3 import whole_shape
 
@@ -179,7 +181,8 @@ def meta_of(step: int, cfg: Config, ctx, optimizer, scaler) -> dict[str, Any]:
     return {"format": FORMAT, "version": VERSION, "step": step, "config": cfg.to_dict(),
             "layout": layout_of(cfg, ctx), "optimizer": optimizer_meta(optimizer),
             "scaler": scaler.state_dict() if scaler is not None else None,
-            "data": {"next_step": step, "samples_seen": step * t.global_batch_size, "seed": t.seed}}
+            "data": {"next_step": step, "samples_seen": step * t.global_batch_size, "seed": t.seed},
+            "lr_schedule": schedule_of(cfg.optim, t.steps).meta()}  # every default resolved (schedules.py)
 
 
 def _rng_state(ctx) -> dict[str, Any]:

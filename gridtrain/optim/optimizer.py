@@ -1,4 +1,4 @@
-"""AdamW on the parameters, the learning-rate schedule and the clipping factor.
+"""AdamW on the parameters, the learning rate of a step and the clipping factor.
 
 :class:`AdamW` puts torch's AdamW behind the optimizer interface (interface.py) that the
 trainer, the gradient path and checkpoints use: fp32/fp64 runs without ZeRO step with
@@ -14,6 +14,7 @@ from torch import nn
 
 from gridtrain.config import OptimConfig
 from gridtrain.optim.interface import Optimizer, StatePiece
+from gridtrain.optim.schedules import schedule_of
 from gridtrain.parallel.tensor_parallel import is_tp_duplicate
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state per parameter, as torch names it
@@ -42,14 +43,9 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
 
 
 def lr_at(step: int, o: OptimConfig, steps: int) -> float:
-    """Linear warm-up from lr/warmup to lr, then cosine decay to lr * min_lr_ratio at the
-    end of a run of ``steps``."""
-    warmup = o.warmup(steps)
-    if step < warmup:
-        return o.lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    floor = o.lr * o.min_lr_ratio
-    return floor + 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))) * (o.lr - floor)
+    """The learning rate of ``step`` (0-based) of a run of ``steps``: linear warm-up, then
+    ``o.lr_schedule`` (cosine, linear, wsd or constant; schedules.py)."""
+    return schedule_of(o, steps).lr(step)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

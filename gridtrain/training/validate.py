@@ -16,6 +16,8 @@ without one; both come from the field's declaration), the problem and the fix:
 * ranges and choices: every number within its meaning (steps >= 1, betas in [0, 1),
   ...) and every named option one of its values, as each field's declaration in
   gridtrain.config says;
+* the learning-rate schedule: wsd's decay flags only with wsd, its warm-up and decay
+  within the run;
 * sizes: the grid against the world, heads and MLP against tp, the pipeline split,
   the batch against micro-batch x dp, recomputation settings;
 * data: the corpus exists, is readable, has a recognised format and holds a
@@ -42,8 +44,8 @@ import torch
 
 from gridtrain.checkpoint import CheckpointError, check_loadable, latest_step_dir
 from gridtrain.config import (ROPE_SCALINGS, ActivationsConfig, Config, ConfigError, DataConfig, ModelConfig,
-                              ParallelConfig, TrainingConfig, check_types, declared_fields, flag_of, range_problem,
-                              under_torchrun, world_size_of)
+                              OptimConfig, ParallelConfig, TrainingConfig, check_types, declared_fields, flag_of,
+                              range_problem, under_torchrun, world_size_of)
 from gridtrain.data import DataError, check_enough_tokens, count_tokens, load_tokenizer
 from gridtrain.runtime.devices import gpu_shortage, shares_gpus
 from gridtrain.parallel.context_parallel import split_problem
@@ -52,6 +54,7 @@ from gridtrain.checkpoint.huggingface import HFError, check_init_from
 from gridtrain.runtime.launch import resolve_device_type
 from gridtrain.training.metrics import require_tensorboard
 from gridtrain.models.decoder import count_parameters
+from gridtrain.optim.schedules import wsd_problem
 from gridtrain.parallel.pipeline.partition import METHODS, PartitionError, check_counts
 from gridtrain.parallel.pipeline.schedules import ORDERS, ScheduleError, check_sizes
 
@@ -117,6 +120,18 @@ def _validate_llama(m: ModelConfig) -> None:
 
 def _validate_training(t: TrainingConfig) -> None:
     _require(t.seed < 2 ** 63, f"--seed must be < 2**63, got {t.seed}; choose a smaller seed")
+
+
+def _validate_schedule(o: OptimConfig, t: TrainingConfig) -> None:
+    """The decay flags belong to wsd (given with another schedule they would be ignored, and
+    the run would not decay as asked); wsd's warm-up and decay fit in the run."""
+    given = [flag for flag, value in (("--lr-decay-fraction", o.lr_decay_fraction),
+                                      ("--lr-decay-shape", o.lr_decay_shape)) if value is not None]
+    _require(o.lr_schedule == "wsd" or not given,
+             f"{' and '.join(given)} {'shape' if len(given) > 1 else 'shapes'} the decay of --lr-schedule wsd, "
+             f"not --lr-schedule {o.lr_schedule}; pass --lr-schedule wsd or drop {'them' if len(given) > 1 else 'it'}")
+    problem = wsd_problem(o, t.steps)
+    _require(problem is None, problem or "")
 
 
 def _validate_recompute(a: ActivationsConfig, t: TrainingConfig) -> None:
@@ -437,6 +452,7 @@ def validate(cfg: Config, world_size: int | None = None, *, data: bool = True) -
     _validate_declared(cfg)
     _validate_model(m)
     _validate_training(t)
+    _validate_schedule(cfg.optim, t)
     _validate_recompute(cfg.activations, t)
     _validate_document_mask(cfg.data, t)
     _validate_parallel(p, world_size)
