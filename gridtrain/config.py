@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ ROPE_SCALINGS = ("llama3",)
 QK_NORMS = ("head", "full")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("nccl", "gloo")
+# one source of a data mixture, ``WEIGHT:PATH`` (gridtrain.data.mixture)
+WEIGHTED_SOURCE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*:(.+)$")
 LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")  # gridtrain.optim.schedules
 LR_DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # the shapes of wsd's decay
 
@@ -51,7 +54,7 @@ DERIVED = "derived"  # the flag of a field is --its-name unless the declaration 
 
 def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = DERIVED, doc: str | None = None,
            metavar: str | None = None, range: str | None = None, hint: str = "",
-           choices: tuple[str, ...] | None = None, was: str | None = None) -> Any:
+           choices: tuple[str, ...] | None = None, was: str | None = None, spell=None) -> Any:
     """A dataclass field with its declaration in ``metadata``.
 
     ``flag``: the `gridtrain train` flag (default ``--field-name``; None: set in a config
@@ -60,10 +63,11 @@ def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = 
     ``range``: ">= x", "> x", "[a, b]", "[a, b)" or "(a, b]", with ``hint`` appended to the message;
     ``choices``: the values a string field may take. ``was``: the section that held the
     field before the split by topic, so that old config files and checkpoints that spell it
-    there still load.
+    there still load. ``spell(value, where)``: turns another way a config file may write
+    the value into the field's type (e.g. a YAML list of data sources into ``--data``'s text).
     """
     meta = dict(flag=flag, help=help, doc=doc or help, metavar=metavar, range=range, hint=hint, choices=choices,
-                was=was)
+                was=was, spell=spell)
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -454,15 +458,44 @@ class MetricsConfig:
     progress: bool = option(True, flag="--no-progress", was="training", help="no progress bar")
 
 
+def spell_sources(value: Any, where: str) -> Any:
+    """A YAML list of data sources (``["0.7:web.bin", ...]`` or ``[{path: web.bin,
+    weight: 0.7}, ...]``) as the one text ``--data`` takes; anything else as it is."""
+    if not isinstance(value, list):
+        return value
+    pieces = []
+    for entry in value:
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str):
+            pieces.append(f"{entry.get('weight', 1)}:{entry['path']}")
+        elif isinstance(entry, str):
+            pieces.append(entry if WEIGHTED_SOURCE.match(entry) else f"1:{entry}")
+        else:
+            raise ConfigError(f"{where}: source {entry!r} is neither 'WEIGHT:PATH' nor {{path: PATH, weight: W}}; "
+                              "write each source one of those ways")
+    if not pieces:
+        raise ConfigError(f"{where}: the list of sources is empty; name at least one")
+    return ",".join(pieces)
+
+
 @dataclass
 class DataConfig:
     """Where tokens come from: None means the built-in corpus (Python's stdlib sources)."""
 
-    path: str | None = option(None, flag="--data", metavar="PATH",
-                              help="text file, folder of text, or token file (default: built-in corpus)",
+    path: str | None = option(None, flag="--data", metavar="PATH", spell=spell_sources,
+                              help="text file, folder of text, JSON lines or token file, or a mixture "
+                                   "W:PATH,W:PATH,... (default: built-in corpus)",
                               doc="a text file, a folder of text files, JSON lines (`.jsonl`: one "
-                                  "`{\"text\": ...}` document per line), or a token file from `gridtrain "
-                                  "prepare`; default: built-in corpus")
+                                  "`{\"text\": ...}` document per line, or fine-tuning records: see "
+                                  "[Training data](#training-data)), or a token file from `gridtrain "
+                                  "prepare`; or a mixture `W:PATH,W:PATH,...` (in a config file also a YAML "
+                                  "list); default: built-in corpus")
+    valid_data: str | None = option(None, metavar="PATH", spell=spell_sources,
+                                    help="validation sources (PATH or PATH,PATH,...): evaluated whole, and the "
+                                         "--data sources are not split",
+                                    doc="validation sources, `PATH` or `PATH,PATH,...` (any kind `--data` "
+                                        "takes): each is evaluated and reported on its own, and the `--data` "
+                                        "sources then keep every sample for training (default: every "
+                                        "`valid_every`-th sample of each `--data` source is held out)")
     tokenizer: str | None = option(None, metavar="FILE", help="Hugging Face tokenizer.json (default: bytes)",
                                    doc="a Hugging Face `tokenizer.json`; default: bytes (vocabulary 257 with an "
                                        "end-of-text token)")
@@ -725,6 +758,8 @@ def _update_section(cfg: Config, section: str, values: Any, source: str = "", ch
             raise ConfigError(f"{source}unknown key {section}.{key}; known keys: {', '.join(sorted(own))}")
         target = getattr(cfg, home)
         f = target.__dataclass_fields__[key]
+        if f.metadata.get("spell") is not None:  # another way a file may write it (a YAML list of sources)
+            value = f.metadata["spell"](value, f"{source}{section}.{key}")
         value = typed_value(section, key, value, field_types(type(target))[key], source)
         problem = range_problem(f"{section}.{key}", value, f) if check_ranges else None
         if problem:

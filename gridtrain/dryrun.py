@@ -291,14 +291,17 @@ def _fake_batches(cfg: Config, trainer) -> list[dict[str, torch.Tensor]] | None:
     from gridtrain.parallel.tensor_parallel import broadcast_batches
     from gridtrain.training.trainer import batch_shapes, own_chunks
 
-    ctx = trainer.ctx
-    if not (ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
+    ctx, masked = trainer.ctx, cfg.data.document_mask  # with document masks every stage reads them
+    if not (masked or ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
         return None
     n, shape = trainer.num_micro_batches, (cfg.training.micro_batch_size, cfg.model.seq_len)
     batches = None
     if ctx.tp.rank == 0:
         batches = [{k: torch.randint(0, cfg.model.vocab_size, shape).to(ctx.device) for k in ("tokens", "labels")}
                    for _ in range(n)]
+        for b in batches:  # four documents per sequence
+            if masked:
+                b["documents"] = (torch.arange(shape[1]) * 4 // shape[1]).expand(shape).to(ctx.device)
     return own_chunks(broadcast_batches(batches, n, ctx.tp, ctx.device, batch_shapes(cfg)), ctx)
 
 

@@ -47,6 +47,8 @@ from gridtrain.config import (ROPE_SCALINGS, ActivationsConfig, Config, ConfigEr
                               OptimConfig, ParallelConfig, TrainingConfig, check_types, declared_fields, flag_of,
                               range_problem, under_torchrun, world_size_of)
 from gridtrain.data import DataError, check_enough_tokens, count_tokens, load_tokenizer
+from gridtrain.data.mixture import parse_sources
+from gridtrain.data.sft import is_sft_jsonl, read_examples
 from gridtrain.runtime.devices import gpu_shortage, shares_gpus
 from gridtrain.parallel.context_parallel import split_problem
 from gridtrain.parallel.grid import GridError, ProcessGrid
@@ -278,8 +280,17 @@ def _validate_data(d: DataConfig, m: ModelConfig, t: TrainingConfig) -> None:
         _require(tokenizer.vocab_size <= m.vocab_size,
                  f"the tokenizer has {tokenizer.vocab_size} tokens but --vocab-size is "
                  f"{m.vocab_size}; pass --vocab-size {tokenizer.vocab_size}")
-        count, exact = count_tokens(d.path, tokenizer)
-        check_enough_tokens(count, d.path, m.seq_len, t.global_batch_size, d.valid_every, exact)
+        sources = parse_sources(d.path)
+        held = parse_sources(d.valid_data, "--valid-data") if d.valid_data is not None else []
+        for source in sources + held:
+            if source.path is not None and is_sft_jsonl(source.path):
+                read_examples(source.path)  # every record read and checked; tokenized in the workers
+                continue
+            count, exact = count_tokens(source.path, tokenizer)
+            # one source needs a global batch of training windows; a mixture's source wraps (and says so)
+            batch = t.global_batch_size if len(sources) == 1 and source not in held else 1
+            held_out = None if source in held or held else d.valid_every  # --valid-data: nothing held out
+            check_enough_tokens(count, source.path, m.seq_len, batch, held_out, exact)
     except DataError as e:
         raise ConfigError(str(e)) from None
     except OSError as e:  # e.g. a folder on the way that may not be listed
