@@ -299,14 +299,15 @@ def test_dry_run_bytes_and_peak_follow_the_closed_forms(case):
 # ---- parity with one process (real gloo processes) ------------------------------------------------
 
 SEQ = 32
+STEPS, HALF = 6, 3  # parity runs; the world of 4 saves after HALF steps and resumes
 
 
 def _config(n_kv_head: int = 2, n_layer: int = 4, **changes):
-    """llama-tiny with ``n_layer`` blocks of 32 tokens, the parity recipe (fp64, 10 steps,
+    """llama-tiny with ``n_layer`` blocks of 32 tokens, the parity recipe (fp64, 6 steps,
     4 micro-batches of 2, no dropout) and ``changes`` to any section."""
     cfg = preset_config("llama-tiny")
     cfg.model.n_layer, cfg.model.seq_len, cfg.model.n_kv_head = n_layer, SEQ, n_kv_head
-    set_fields(cfg, dtype="fp64", steps=10, global_batch_size=8, micro_batch_size=2, eval_interval=0, eval_iters=1,
+    set_fields(cfg, dtype="fp64", steps=STEPS, global_batch_size=8, micro_batch_size=2, eval_interval=0, eval_iters=1,
                progress=False, lr=3e-3, warmup_steps=2, **changes)
     return cfg
 
@@ -376,15 +377,15 @@ def test_every_layout_trains_the_single_process_model(world, tmp_path):
     tensors) move both ways between one process and tp 4 with replicated kv heads."""
     cfgs = [_config(kv, **changes) for kv, changes in CELLS[world]]
     if world == 4:
-        cfgs[0].checkpoint.save, cfgs[0].checkpoint.save_interval = str(tmp_path / "tp4"), 5
-        one = _config(2, save=str(tmp_path / "one"), save_interval=5)
+        cfgs[0].checkpoint.save, cfgs[0].checkpoint.save_interval = str(tmp_path / "tp4"), HALF
+        one = _config(2, save=str(tmp_path / "one"), save_interval=HALF)
         train_in_process(one)
-        cfgs.append(_config(2, tp=4, load=str(tmp_path / "one" / "step_0000005")))
+        cfgs.append(_config(2, tp=4, load=str(tmp_path / "one" / f"step_{HALF:07d}")))
     results = train_layouts(cfgs, world, timeout_s=600)
     for cfg, runs in zip(cfgs, results):
         reference = _reference(cfg)
         if cfg.checkpoint.load is not None:  # resumed after step 5
-            reference = dict(reference, losses=reference["losses"][5:], grad_norms=reference["grad_norms"][5:])
+            reference = dict(reference, losses=reference["losses"][HALF:], grad_norms=reference["grad_norms"][HALF:])
         for rank, run in enumerate(runs):
             try:
                 assert_rank_matches(run, reference, cfg, rank % cfg.parallel.tp)
@@ -395,5 +396,5 @@ def test_every_layout_trains_the_single_process_model(world, tmp_path):
             for step_bytes in runs[0]["step_bytes"]:
                 assert {k: v for k, v in step_bytes.items() if k.endswith("/tp")} == expected_tp_bytes(cfg)
     if world == 4:
-        resumed = train_in_process(_config(2, load=str(tmp_path / "tp4" / "step_0000005")))
-        assert relative_difference(resumed["losses"], _reference(cfgs[0])["losses"][5:]) <= 1e-9
+        resumed = train_in_process(_config(2, load=str(tmp_path / "tp4" / f"step_{HALF:07d}")))
+        assert relative_difference(resumed["losses"], _reference(cfgs[0])["losses"][HALF:]) <= 1e-9

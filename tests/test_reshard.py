@@ -1,6 +1,6 @@
 """Resharding: a checkpoint written by one layout continues on another exactly.
 
-Each case saves after step 5 of 10 on layout A and resumes on layout B; B's steps 6-10
+Each case saves after step 3 of 6 on layout A and resumes on layout B; B's steps 4-6
 (losses, gradient norms, validation loss, and the weights of its final checkpoint
 loaded whole into one process) must equal an uninterrupted one-process run
 within 1e-9 (fp64). The pairs cover tp 1<->2<->4, pp 1<->2<->4, vpp 2, dp 1<->4,
@@ -21,7 +21,7 @@ from gridtrain.models.decoder import Decoder, count_parameters, init_parameters
 from tests.test_checkpoint_shards import stored_bytes_by_file
 from tests.training import relative_difference, tiny_config, train_in_process, train_layouts
 
-SAVE_STEP = 5
+STEPS, SAVE_STEP = 6, 3
 ONE = {}  # one process
 
 # (name, model, layout A, layout B); every layout of 4 ranks or of one
@@ -39,7 +39,7 @@ PAIRS = [
 
 
 def _config(model: str, layout: dict, *, save: str | None = None, load: str | None = None) -> Config:
-    cfg = tiny_config()
+    cfg = tiny_config(steps=STEPS)
     cfg.model = dataclasses.replace(preset_config(model).model, n_layer=4)  # 4 layers: pp 4, pp 2 x vpp 2
     layout = dict(layout)
     cfg.parallel.zero = layout.pop("zero", 0)
@@ -86,7 +86,7 @@ def _final_weights(save_dir: str, model: str) -> dict:
     gpt = Decoder(cfg.model)
     init_parameters(gpt, 0)  # vocabulary padding rows zero, as in the reference
     gpt.double()
-    assert checkpoint.load_checkpoint(save_dir, gpt) == 10
+    assert checkpoint.load_checkpoint(save_dir, gpt) == STEPS
     return {k: v.numpy() for k, v in gpt.state_dict().items()}
 
 
@@ -97,7 +97,7 @@ def test_a_checkpoint_continues_exactly_on_another_layout(resharded, tmp_path_fa
     reference = refs[model]
     for key in ("losses", "grad_norms"):  # A trains the same model, B continues it
         assert relative_difference(runs[name + "/a"][key], reference[key]) <= 1e-9, key
-        assert len(runs[name + "/b"][key]) == 10 - SAVE_STEP
+        assert len(runs[name + "/b"][key]) == STEPS - SAVE_STEP
         assert relative_difference(runs[name + "/b"][key], reference[key][SAVE_STEP:]) <= 1e-9, key
     assert abs(runs[name + "/b"]["valid_loss"] - reference["valid_loss"]) <= 1e-9 * reference["valid_loss"]
     weights = _final_weights(runs[name + "/b"]["save"], model)
