@@ -1,4 +1,5 @@
-"""Fine-tune a model from a Hugging Face-format directory on JSON lines, on tp 2 x pp 2,
+"""Fine-tune a model from a Hugging Face-format directory on prompt/completion JSON lines
+(the loss on the completions only, examples masked from each other), on tp 2 x pp 2,
 then sample from the result and export it back to Hugging Face's format.
 
 The steps a user takes with a model downloaded from the Hub (say SmolLM2 or TinyLlama),
@@ -33,9 +34,9 @@ def gridtrain(*args: str) -> str:
 
 
 def additions(n: int, seed: int = 0) -> list[dict]:
-    """The fine-tuning set: one small sum per document, as JSON-lines records."""
+    """The fine-tuning set: one small sum per example, as prompt/completion records."""
     rng = random.Random(seed)
-    return [{"text": f"Q: {a} plus {b}? A: {a + b}."} for a, b in
+    return [{"prompt": f"Q: {a} plus {b}? A:", "completion": f" {a + b}."} for a, b in
             ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(n))]
 
 
@@ -47,13 +48,14 @@ def main(work: Path, arch: str = "llama") -> None:
     # 1-2. the stand-in for a downloaded model: a brief base run, exported
     gridtrain("train", *BASE[arch], "--steps", "1", "--save", str(work / "base"), *QUIET)
     gridtrain("export-hf", "--load", str(work / "base"), "--out", str(work / "base-hf"))
-    # 3. fine-tuning data: JSON lines with a "text" field, packed with end-of-text between documents
+    # 3. fine-tuning data: prompt/completion JSON lines; the loss counts the completions only, and
+    #    --document-mask keeps the examples packed into one sequence from seeing each other
     data = work / "sums.jsonl"
     data.write_text("".join(json.dumps(record) + "\n" for record in additions(600)))
     # 4. fine-tune from the Hugging Face directory: the model's shape comes from its config.json
     metrics = work / "tune.jsonl"
     gridtrain("train", "--init-from", str(work / "base-hf"), "--data", str(data), "--tp", "2", "--pp", "2",
-              "--nproc", "4", "--steps", "60", "--lr", "1e-2", "--global-batch-size", "8",
+              "--nproc", "4", "--steps", "60", "--lr", "1e-2", "--global-batch-size", "8", "--document-mask",
               "--micro-batch-size", "2", "--save", str(work / "tuned"), "--metrics-file", str(metrics), *QUIET)
     tuned = losses(metrics)
     print(f"fine-tuning loss {tuned[0]:.3f} -> {tuned[-1]:.3f} over {len(tuned)} steps on tp 2 x pp 2")
