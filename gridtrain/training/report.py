@@ -260,9 +260,10 @@ def _epochs_line(trainer: Trainer, steps_done: int) -> str | None:
     if sampler is None or not steps_done:
         return None
     drawn = sampler.drawn(steps_done)
-    names = [n or "the corpus" for n in trainer.source_names]
+    if len(drawn) == 1:
+        return f"data: {drawn[0] / sampler.sizes[0]:.2f} epochs of the training set read"
     return "data: epochs read per source: " + ", ".join(
-        f"{name} {d / size:.2f}" for name, d, size in zip(names, drawn, sampler.sizes))
+        f"{name} {d / size:.2f}" for name, d, size in zip(trainer.source_names, drawn, sampler.sizes))
 
 
 def routing_summary(steps: list[dict[int, LayerRouting]]) -> str:
