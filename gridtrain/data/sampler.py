@@ -18,6 +18,7 @@ have read next.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -63,15 +64,19 @@ def largest_deficit(weights: np.ndarray, drawn: np.ndarray, base_drawn: np.ndarr
     index). ``drawn`` is updated in place. Megatron's blended datasets assign samples
     the same way; counting from a *base* (where the mixture last changed) lets a resumed
     run change its weights without the new mixture paying back the old one's counts."""
-    out = np.empty(count, dtype=np.int64)
-    since = drawn - base_drawn
-    n = int(since.sum())
-    for j in range(count):
-        i = int(np.argmax(weights * (n + j + 1) - since))
-        out[j] = i
-        since[i] += 1
-    drawn[:] = base_drawn + since
-    return out
+    w, since = weights.tolist(), (drawn - base_drawn).tolist()  # plain floats: no numpy call per position
+    out, r, sources = [], sum(since), range(len(w))
+    for _ in range(count):
+        r += 1
+        best, pick = -math.inf, 0
+        for i in sources:
+            deficit = w[i] * r - since[i]
+            if deficit > best:
+                best, pick = deficit, i
+        out.append(pick)
+        since[pick] += 1
+    drawn[:] = base_drawn + np.asarray(since, dtype=np.int64)
+    return np.asarray(out, dtype=np.int64)
 
 
 class GlobalBatchSampler:
