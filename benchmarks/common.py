@@ -44,7 +44,8 @@ from gridtrain.training.validate import validate
 __all__ = ["Run", "Side", "benchmark_main", "benchmark_parser", "add_micro_batch_arguments", "parse",
            "make_config", "random_batches", "build_gpt", "build_gpt_one_process", "between_barriers",
            "timed_rounds", "isolated_seconds", "reference_threads", "run_ranks", "med", "paired_ratio",
-           "format_bytes", "mib", "gridtrain_version", "header", "per_round", "footer"]
+           "format_bytes", "mib", "gridtrain_version", "header", "per_round", "footer", "long_sequence_parser",
+           "long_sequence_config", "long_sequence_header", "pretrain_worker", "rounds_of_sides"]
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -294,3 +295,70 @@ def per_round(title: str, rows: Iterable[tuple[str, Sequence[float]]], fmt: Call
 
 def footer(run: Run, notes: Iterable[str] = ()) -> list[str]:
     return [*("NOTE " + note.rstrip() for note in notes), f"wall time {run.wall_s:.0f} s"]
+
+
+# ---- whole-loop sides at long sequences (cp_long_context.py, document_mask.py) -----------------
+
+
+def long_sequence_parser(doc: str, *, seq_len: int, steps: int) -> argparse.ArgumentParser:
+    """The flags of a small GPT trained whole (``pretrain``) at one long sequence length."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--rounds", type=int, default=2)
+    return p
+
+
+def long_sequence_config(opts: argparse.Namespace, world: int, parallel: dict, **fields: Any) -> Config:
+    """The run of those flags on ``world`` ranks with ``parallel``'s layout (validated:
+    ConfigError names a bad shape): one sequence per micro-batch, fp32, no validation."""
+    cfg = preset_config("tiny")
+    set_fields(cfg, n_layer=opts.n_layer, d_model=opts.d_model, n_head=opts.n_head, seq_len=opts.seq_len,
+               dtype="fp32", steps=opts.steps, micro_batch_size=1, global_batch_size=opts.global_batch_size,
+               eval_interval=0, eval_iters=1, progress=False, lr=1e-3, warmup_steps=1, **fields)
+    cfg.parallel.nproc = world if world > 1 else None
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return validate(cfg, world_size=world)
+
+
+def long_sequence_header(opts: argparse.Namespace) -> str:
+    return (f"GPT: {opts.n_layer} layers, d {opts.d_model}, {opts.n_head} heads, seq {opts.seq_len}, "
+            f"{opts.global_batch_size} sequences per step (micro-batch 1), fp32, {opts.steps} steps per run "
+            f"(step 1 untimed), {opts.rounds} rounds; torch {torch.__version__}, {os.cpu_count()} CPU cores, "
+            f"gridtrain {gridtrain_version()}")
+
+
+def pretrain_worker(rank: int, world_size: int, cfg: Config) -> dict:
+    """The whole loop on the built-in corpus, as ``gridtrain train`` runs it (one rank:
+    every core's threads): its tokens/s, peak bytes saved for backward, cp transfer
+    overlap per step after the first, and bytes moved per group in the last step."""
+    from gridtrain.training.loop import pretrain
+    from gridtrain.training.providers import text_datasets_provider
+    from gridtrain.training.report import bytes_by_group
+    if world_size == 1:
+        torch.set_num_threads(os.cpu_count() or 1)
+    result = pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg)
+    return {"tokens_per_s": result.tokens_per_s,
+            "peak_activation_bytes": max(s.peak_bytes for s in result.memory) if result.memory else 0,
+            "cp_overlap": result.cp_overlap[1:], "bytes": bytes_by_group(result.step_bytes[-1])}
+
+
+def rounds_of_sides(sides: dict[str, tuple[int, Config]], rounds: int) -> dict[str, list[list[dict]]]:
+    """Each side (name -> world size, config) trained by :func:`pretrain_worker` in turn,
+    the order reversed every other round; per side, every round's results by rank."""
+    measured: dict[str, list[list[dict]]] = {side: [] for side in sides}
+    order = list(sides)
+    for round_ in range(rounds):
+        for side in order if round_ % 2 == 0 else order[::-1]:
+            began = time.perf_counter()
+            world, cfg = sides[side]
+            ranks = run_ranks(pretrain_worker, world, cfg, timeout_s=1800)
+            print(f"  round {round_ + 1}: {side}: {ranks[0]['tokens_per_s']:,.0f} tokens/s "
+                  f"({time.perf_counter() - began:.0f} s with start-up)", flush=True)
+            measured[side].append(ranks)
+    return measured
