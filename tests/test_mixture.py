@@ -239,3 +239,22 @@ def test_a_large_token_file_costs_a_rank_its_shuffle_index_and_batches_not_the_f
     windows = (n - 1) // cfg.model.seq_len
     assert len(data.train) + len(data.valid) == windows
     assert peak < 2 * 8 * windows + (4 << 20), peak  # the shuffle index (and its making), plus change
+
+
+def test_a_bad_source_of_a_mixture_is_one_line_before_any_process_starts(tmp_path):
+    from gridtrain.training.validate import validate
+    (tmp_path / "web.txt").write_text("x" * 20000)
+    (tmp_path / "chat.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": 3}\n')
+    cases = [(f"0.5:{tmp_path / 'web.txt'},0.5:{tmp_path / 'missing.bin'}", None, "missing.bin: no such file"),
+             (f"0.5:{tmp_path / 'web.txt'},0.5:{tmp_path / 'chat.jsonl'}", None, "chat.jsonl: line 2"),
+             (f"0.5:{tmp_path / 'web.txt'},{tmp_path / 'chat.jsonl'}", None, "has no weight"),
+             (str(tmp_path / "web.txt"), str(tmp_path / "nowhere.txt"), "nowhere.txt: no such file")]
+    for data, valid, words in cases:
+        cfg = tiny_config()
+        cfg.data.path, cfg.data.valid_data = data, valid
+        with pytest.raises(ConfigError, match=words) as info:
+            validate(cfg, world_size=1)
+        assert "\n" not in str(info.value)
+    cfg = tiny_config()
+    cfg.data.path, cfg.data.valid_data = str(tmp_path / "web.txt"), str(tmp_path / "web.txt")
+    assert validate(cfg, world_size=1) is cfg  # nothing held out: 312 windows train, all of them validate

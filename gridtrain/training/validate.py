@@ -282,15 +282,16 @@ def _validate_data(d: DataConfig, m: ModelConfig, t: TrainingConfig) -> None:
                  f"{m.vocab_size}; pass --vocab-size {tokenizer.vocab_size}")
         sources = parse_sources(d.path)
         held = parse_sources(d.valid_data, "--valid-data") if d.valid_data is not None else []
-        for source in sources + held:
+        # one source needs a global batch of training windows; a mixture's source wraps (and says so);
+        # with --valid-data nothing is held out of the training sources
+        batch = t.global_batch_size if len(sources) == 1 else 1
+        for source, enough, held_out in [(s, batch, None if held else d.valid_every) for s in sources] + \
+                [(s, 1, None) for s in held]:
             if source.path is not None and is_sft_jsonl(source.path):
                 read_examples(source.path)  # every record read and checked; tokenized in the workers
                 continue
             count, exact = count_tokens(source.path, tokenizer)
-            # one source needs a global batch of training windows; a mixture's source wraps (and says so)
-            batch = t.global_batch_size if len(sources) == 1 and source not in held else 1
-            held_out = None if source in held or held else d.valid_every  # --valid-data: nothing held out
-            check_enough_tokens(count, source.path, m.seq_len, batch, held_out, exact)
+            check_enough_tokens(count, source.path, m.seq_len, enough, held_out, exact)
     except DataError as e:
         raise ConfigError(str(e)) from None
     except OSError as e:  # e.g. a folder on the way that may not be listed
