@@ -271,7 +271,7 @@ class Decoder(nn.Module):
                 continue
             for i in ids:
                 with memory.layer_scope(f"blocks.{i}"):
-                    x = self.blocks[str(i)](x) if documents is None else self.blocks[str(i)](x, documents=documents)
+                    x = self.blocks[str(i)](x, documents=documents)
         return x
 
     def new_cache(self, batch: int) -> KVCache:
@@ -300,7 +300,7 @@ class Decoder(nn.Module):
         as its forward did, whatever ran in between."""
         def run(x: torch.Tensor) -> torch.Tensor:
             for i in ids:
-                x = self.blocks[str(i)](x) if documents is None else self.blocks[str(i)](x, documents=documents)
+                x = self.blocks[str(i)](x, documents=documents)
             return x
         return run
 
