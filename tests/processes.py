@@ -2,8 +2,9 @@
 trained some steps, find its workers, signal them, and check that none is left behind.
 
 Workers are found through /proc (Linux): a process's children are the processes whose
-parent pid is its pid. Spawned `--nproc` workers are the launcher's children; torchrun's
-workers are the torchrun agent's children.
+parent pid is its pid. `--nproc` workers are the children of the launcher's warm server
+(or the launcher's own, under GRIDTRAIN_START_METHOD=spawn); torchrun's workers are the
+torchrun agent's children.
 """
 
 from __future__ import annotations
@@ -54,18 +55,30 @@ def children(pid: int) -> list[int]:
     return sorted(out)
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
+def servers(pid: int) -> list[int]:
+    """The warm servers (multiprocessing's forkserver) among the children of ``pid``."""
+    return [child for child in children(pid) if b"multiprocessing.forkserver" in _cmdline(child)]
+
+
 def workers(pid: int) -> list[int]:
-    """The gridtrain worker processes started by the launcher or torchrun agent ``pid``
-    (its children running gridtrain code, not multiprocessing's resource tracker)."""
+    """The gridtrain worker processes started by the launcher or torchrun agent ``pid``:
+    its children running gridtrain code, or the children of its warm server (workers
+    are forked there: gridtrain/runtime/warm.py); not multiprocessing's resource tracker."""
     found = []
     for child in children(pid):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-        except OSError:
-            continue
-        if b"resource_tracker" not in cmdline:
+        cmdline = _cmdline(child)
+        if b"multiprocessing.forkserver" in cmdline:
+            found.extend(children(child))
+        elif cmdline and b"resource_tracker" not in cmdline:
             found.append(child)
-    return found
+    return sorted(found)
 
 
 def alive(pid: int) -> bool:

@@ -181,17 +181,17 @@ def test_nproc_workers_bind_their_gpu_and_pass_device_id(gpus, monkeypatch):
         monkeypatch.setenv(name, "0")  # restored after the test; _set_worker_env overwrites them
     for rank in range(4):
         spec = worker.WorkerSpec(fn=print, args=(), rank=rank, world_size=4, port=1, backend="nccl",
-                                 collective_timeout_s=1.0, parent_pid=0)
+                                 collective_timeout_s=1.0)
         worker._set_worker_env(spec)
         worker._init_worker_process_group(spec)
     assert chosen == [torch.device("cuda", r) for r in range(4)]
     assert [k["device_id"] for _, k in inits] == [torch.device("cuda", r) for r in range(4)]
-    gloo = worker.WorkerSpec(print, (), 1, 4, 1, "gloo", 1.0, 0)
+    gloo = worker.WorkerSpec(print, (), 1, 4, 1, "gloo", 1.0)
     worker._set_worker_env(gloo)
     worker._init_worker_process_group(gloo)
     assert "device_id" not in inits[-1][1] and len(chosen) == 4
     gpus(3)
-    spec = worker.WorkerSpec(print, (), 3, 4, 1, "nccl", 1.0, 0)
+    spec = worker.WorkerSpec(print, (), 3, 4, 1, "nccl", 1.0)
     worker._set_worker_env(spec)
     with pytest.raises(DeviceError, match="found 3"):
         worker._init_worker_process_group(spec)

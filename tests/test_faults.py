@@ -196,14 +196,17 @@ def test_ctrl_c_is_one_line_and_leaves_no_worker(tmp_path):
 
 @pytest.mark.spawn
 def test_killing_the_launcher_while_workers_import_leaves_no_worker(tmp_path):
-    """Workers tie their life to the launcher's before importing torch (worker.py),
-    so a kill -9 in the first second of a run leaves no orphan."""
+    """Workers tie their life to their parent's before they open their work (worker.py),
+    and their parent, the warm server, ties its own to the launcher's (warm.py), so a
+    kill -9 in the first second of a run leaves neither a worker nor the server."""
     proc = processes.start([*processes.GRIDTRAIN, *RUN, "--nproc", "2"])
     deadline = time.monotonic() + 30
     while len(processes.workers(proc.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     spawned = processes.workers(proc.pid)
     assert len(spawned) == 2
+    spawned += processes.servers(proc.pid)
+    assert len(spawned) == 3, "the workers were not forked by a warm server"
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 0.5  # at once: importing torch alone takes longer than this

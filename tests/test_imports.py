@@ -143,16 +143,27 @@ def test_the_layering_check_finds_a_violation():
     assert layering_violations(graph) == ["gridtrain.runtime.watchdog imports gridtrain.parallel.comm"]
 
 
+# Modules that cost a worker a second or more of CPU each (or pull in large trees) and
+# that only some runs use: compiling (dynamo, inductor), checkpoints (DCP), Hugging Face
+# interop (transformers), metrics and pictures (tensorboard, matplotlib, jinja2).
+HEAVY = ("torch._dynamo", "torch._inductor", "sympy", "torch.distributed.checkpoint", "transformers",
+         "tensorboard", "torch.utils.tensorboard", "matplotlib", "jinja2")
+
+
 @pytest.mark.spawn
-def test_the_public_api_imports_from_the_package_without_torch():
+def test_the_public_api_imports_from_the_package_without_torch_and_a_worker_without_heavy_modules():
     """``gridtrain.pretrain``, ``gridtrain.Datasets`` and ``gridtrain.load_model`` are the
-    names users and the examples import; ``import gridtrain`` alone must not import torch
-    (spawned workers import the package first)."""
+    names users and the examples import; ``import gridtrain`` alone must not import torch.
+    What a training worker imports (the train command's worker, which the warm server
+    preloads: gridtrain/runtime/warm.py) imports none of :data:`HEAVY`: each is imported
+    where it is used."""
     import subprocess
     import sys
 
     code = ("import sys, gridtrain; assert 'torch' not in sys.modules; "
             "from gridtrain import Datasets, load_model, pretrain; "
-            "from gridtrain.data import Datasets as D; assert D is Datasets; print(pretrain.__name__)")
+            "from gridtrain.data import Datasets as D; assert D is Datasets; print(pretrain.__name__); "
+            "from gridtrain.runtime import warm; import importlib; [importlib.import_module(m) for m in warm.PRELOAD]; "
+            f"print([m for m in {HEAVY!r} if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "pretrain"
+    assert out.stdout.split("\n")[:2] == ["pretrain", "[]"], out.stdout

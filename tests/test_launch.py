@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -25,6 +26,7 @@ from gridtrain.runtime.launch import (
     init_from_env,
     run_workers,
 )
+from gridtrain.runtime import warm
 from tests.harness import run_on_ranks
 
 GROUP_KINDS = {  # ProcessGroups attribute -> ProcessGrid method giving its ranks
@@ -176,3 +178,49 @@ def test_hanging_rank_gives_worker_timeout_naming_it() -> None:
     assert "ranks [1] had not finished" in str(info.value)
     assert time.monotonic() - start < 20
     assert multiprocessing.active_children() == []
+
+
+# ---- warm workers (gridtrain/runtime/warm.py) ---------------------------------------------------
+
+def _what_the_worker_sees(rank: int, world_size: int, name: str) -> dict:
+    print(f"rank {rank} writes to stdout", flush=True)
+    print(f"rank {rank} writes to stderr", file=sys.stderr, flush=True)
+    return {"value": os.environ.get(name), "parent": os.getppid(), "cwd": os.getcwd(),
+            "rank_env": os.environ["RANK"], "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}
+
+
+@pytest.mark.spawn
+def test_warm_workers_take_the_launchers_environment_cwd_and_output_of_now(monkeypatch, capfd, tmp_path) -> None:
+    """The warm server forked them from its state of when it started; what differs per run
+    (environment, working directory, standard output and error) comes from the launcher
+    as it is at the run, and SIGTERM (ignored by the server) is theirs again."""
+    run_on_ranks(_returns_rank, 1)  # the server runs (started here or by an earlier test)
+    server = warm.ensure_server(multiprocessing.get_context("forkserver"))
+    monkeypatch.setenv("GRIDTRAIN_TEST_VALUE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    results = run_on_ranks(_what_the_worker_sees, 2, "GRIDTRAIN_TEST_VALUE")
+    assert [r["value"] for r in results] == ["set after the server started"] * 2
+    assert [r["rank_env"] for r in results] == ["0", "1"]
+    assert all(r["parent"] == server != os.getpid() for r in results)  # forked by the warm server
+    assert all(r["cwd"] == str(tmp_path) and r["sigterm"] for r in results)
+    out, err = capfd.readouterr()
+    assert "rank 0 writes to stdout" in out and "rank 1 writes to stdout" in out
+    assert "rank 1 writes to stderr" in err
+
+
+def _returns_rank(rank: int, world_size: int) -> int:
+    return rank
+
+
+@pytest.mark.spawn
+def test_cold_spawned_workers_still_work_on_request(monkeypatch) -> None:
+    monkeypatch.setenv(warm.START_METHOD_ENV, "spawn")
+    results = run_on_ranks(_what_the_worker_sees, 2, warm.START_METHOD_ENV)
+    assert [r["parent"] for r in results] == [os.getpid()] * 2  # spawned by this process
+    assert [r["value"] for r in results] == ["spawn"] * 2
+
+
+def test_an_unknown_start_method_is_one_line(monkeypatch) -> None:
+    monkeypatch.setenv(warm.START_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match=r"GRIDTRAIN_START_METHOD='fork' is not available here; use one of"):
+        warm.start_method()

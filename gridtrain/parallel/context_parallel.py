@@ -41,6 +41,7 @@ from functools import lru_cache
 import torch
 
 from gridtrain.parallel.comm import CommGroup, OnGroup, single
+from gridtrain.parallel.split_backward import outside_compiled_graphs
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -463,7 +464,6 @@ def _named(cp: ContextParallel, phase: str):
         recorder.set_action(before)
 
 
-@torch._dynamo.disable
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
               documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries ``q`` ``[b, heads, 2n, d]`` over the
@@ -484,6 +484,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     ``documents`` (``[b, seq_len]``, the whole sequence's document ids, ``--document-mask``):
     each query sees only its own document's keys (module docstring, "Documents").
 
-    Outside ``torch.compile``'s graphs (a compiled block breaks around it): its
-    point-to-point sends are not traceable."""
-    return _CPAttention.apply(q, k, v, cp, documents)
+    Outside ``torch.compile``'s graphs (a compiled block breaks around it: see
+    split_backward.outside_compiled_graphs, which imports dynamo only when compiling):
+    its point-to-point sends are not traceable."""
+    return outside_compiled_graphs(_CPAttention.apply, q, k, v, cp, documents)

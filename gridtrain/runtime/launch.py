@@ -1,7 +1,10 @@
 """Run a function on N local worker processes, or join a job started by torchrun.
 
 ``run_workers`` backs both ``gridtrain train --nproc N`` and the test suite's
-multi-process harness, so it is built to fail loudly and never hang:
+multi-process harness, so it is built to start fast, fail loudly and never hang:
+
+* workers start warm: a server that has imported torch and the package forks them
+  (warm.py), with this process's environment and output sent along;
 
 * the parent hosts the rendezvous store itself (a ``TCPStore`` on a port the OS
   picks), so there is no window in which another job can grab a port chosen by
@@ -13,7 +16,8 @@ multi-process harness, so it is built to fail loudly and never hang:
 * whatever happens (error, timeout, Ctrl-C in the parent), the parent
   terminates every worker it started before returning or raising, and on Linux
   workers also die if the parent is killed outright (from their first instruction:
-  worker.py sets that up before torch is imported);
+  worker.py sets that up before it opens its work; the warm server dies with the
+  launcher, and its workers with it);
 * a worker that stops on purpose (stops.py: diverged, preempted) sends its
   :class:`~gridtrain.runtime.stops.RunStopped` back, which the parent raises as it is, so the
   exit status means the same with ``--nproc`` as in one process; a worker that exits
@@ -25,7 +29,6 @@ multi-process harness, so it is built to fail loudly and never hang:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import queue as queue_lib
@@ -39,7 +42,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from gridtrain.runtime import worker
+from gridtrain.runtime import warm, worker
 from gridtrain.runtime.devices import (DeviceError, cuda_device_from_env, gpu_shortage, local_device_index,  # noqa: F401
                                local_placement, process_group_device)
 from gridtrain.runtime.stops import EXIT_HANG, Hang, Preempted, RunStopped
@@ -169,9 +172,10 @@ def _failure(
     return WorkerError(message, rank=rank, worker_traceback=tb, exitcode=exitcode)
 
 
-def _start_workers(ctx: Any, specs: Sequence[WorkerSpec], results: Any, procs: list) -> None:
+def _start_workers(ctx: Any, parent_pid: int, specs: Sequence[WorkerSpec], results: Any, procs: list) -> None:
     """Start one process per spec, appending each to ``procs`` as soon as it exists,
     so the caller's cleanup sees every started worker even if a later start fails."""
+    start = worker.Start(parent_pid, dict(os.environ), worker.StdioFds())
     for spec in specs:
         try:
             payload = pickle.dumps(spec)
@@ -180,7 +184,7 @@ def _start_workers(ctx: Any, specs: Sequence[WorkerSpec], results: Any, procs: l
                 f"cannot send fn/args to the workers ({exc}); fn must be a module-level "
                 "function and args must be picklable"
             ) from exc
-        proc = ctx.Process(target=worker.main, args=(spec.parent_pid, payload, results),
+        proc = ctx.Process(target=worker.main, args=(start, payload, results),
                            name=f"gridtrain-rank{spec.rank}")
         proc.start()
         procs.append(proc)
@@ -278,13 +282,15 @@ def run_workers(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` fresh processes; return results by rank.
 
-    Workers are started with the "spawn" method (fork is unsafe once torch has
-    started threads), so ``fn`` must be a module-level function of an importable
-    module (not a lambda or closure, and when defined in a script, the script
-    must guard its entry point with ``if __name__ == "__main__":``), and ``args``
-    and the return values must be picklable. Each worker sees the torchrun
-    variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
-    LOCAL_WORLD_SIZE) plus ``env``, and has an initialized default process group.
+    Workers are forked by the warm server (warm.py: a process that imported torch and
+    the package once; forking this process itself is unsafe once torch has started
+    threads), or spawned where it is not available, so ``fn`` must be a module-level
+    function of an importable module (not a lambda or closure, and when defined in a
+    script, the script must guard its entry point with ``if __name__ == "__main__":``),
+    and ``args`` and the return values must be picklable. Each worker sees this
+    process's environment now, the torchrun variables (MASTER_ADDR, MASTER_PORT, RANK,
+    WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and ``env``, writes to this process's
+    standard output and error, and has an initialized default process group.
 
     Raises ``WorkerError`` (naming the rank, with its full traceback or exit
     code) as soon as any worker fails, ``WorkerTimeout`` (naming the
@@ -296,18 +302,17 @@ def run_workers(
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise LaunchError(f"nproc={nproc!r} must be an integer >= 1")
-    ctx = mp.get_context("spawn")
+    ctx, parent_pid = warm.context()
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     specs = [
-        WorkerSpec(fn, tuple(args), rank, nproc, store.port, backend,
-                    collective_timeout_s, os.getpid(), dict(env or {}))
+        WorkerSpec(fn, tuple(args), rank, nproc, store.port, backend, collective_timeout_s, dict(env or {}))
         for rank in range(nproc)
     ]
     results = ctx.Queue()
     procs: list[Any] = []
     try:
         with _SigtermForwarder(procs) as sigterm:
-            _start_workers(ctx, specs, results, procs)
+            _start_workers(ctx, parent_pid, specs, results, procs)
             done = _collect(results, procs, timeout_s, sigterm)
             _wait_for_exit(procs)
     finally:

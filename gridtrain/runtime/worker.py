@@ -1,14 +1,17 @@
-"""The worker side of ``launch.run_workers``: what a spawned worker process runs.
+"""The worker side of ``launch.run_workers``: what a worker process runs.
 
-The first thing it does is arrange to die with the launcher, and only then import.
+The first thing it does is arrange to die with its parent, and only then import.
 
-A spawned worker spends its first seconds importing torch. If the launcher is killed
-(kill -9) in that window, a worker that has not yet asked Linux to kill it with its
-parent lives on as an orphan; with many workers that is many orphans. So this module
-imports nothing heavy at the top: :func:`main` sets the parent-death signal, checks
-the parent is still there, and only then unpickles the work (whose function and
-arguments import torch and the rest of the package), and torch is imported inside the
-functions that need it. Keep it that way.
+A worker is forked by the warm server (warm.py), which has imported torch already, or,
+under ``GRIDTRAIN_START_METHOD=spawn``, spawned cold and spends its first seconds
+importing torch. If the launcher is killed (kill -9) in that window, a worker that has
+not yet asked Linux to kill it with its parent lives on as an orphan; with many workers
+that is many orphans. So this module imports nothing heavy at the top: :func:`main` sets
+the parent-death signal, checks the parent is still there, takes on what the launcher
+sent for this run (:class:`Start`: environment, standard output and error), and only
+then unpickles the work (whose function and arguments import torch and the rest of the
+package); torch is imported inside the functions that need it. Keep it that way: the
+warm server imports this module before anything else.
 
 After that, the worker joins the parent's store, runs the function and sends back its
 result, its deliberate stop or its traceback (the parent side is launch.py).
@@ -40,7 +43,6 @@ class WorkerSpec:
     port: int
     backend: str
     collective_timeout_s: float
-    parent_pid: int
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -160,11 +162,56 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def main(parent_pid: int, payload: bytes, results) -> None:
-    """Spawn target: ``payload`` is the pickled worker spec, opened only after the
-    parent-death signal is in place."""
-    die_with_parent(parent_pid)
+class StdioFds:
+    """The launcher's standard output and error *now*, sent to a worker as file
+    descriptors. A spawned worker inherits them anyway; a forked one would otherwise
+    write wherever the warm server's were when it started (e.g. an earlier test's
+    output capture)."""
+
+    def __init__(self, fds: tuple[Any, ...] = ()):
+        self.fds = fds  # in the worker: multiprocessing's wrappers of the received descriptors
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        # Called while multiprocessing pickles the process object: DupFd queues each
+        # descriptor to be passed along with it.
+        return StdioFds, (tuple(reduction.DupFd(fd) for fd in (1, 2)),)
+
+    def adopt(self) -> None:
+        for target, wrapped in zip((1, 2), self.fds):
+            (sys.stdout if target == 1 else sys.stderr).flush()
+            fd = wrapped.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a worker takes from the launcher before it opens its work: the pid of the
+    process that started it (the launcher, or the warm server that forked it), the
+    launcher's environment and its standard output and error."""
+
+    parent_pid: int
+    environ: dict[str, str]
+    stdio: StdioFds = field(default_factory=StdioFds)
+
+    def adopt(self) -> None:
+        if os.environ != self.environ:  # a forked worker has the server's environment
+            os.environ.clear()
+            os.environ.update(self.environ)
+        self.stdio.adopt()
+
+
+def main(start: Start, payload: bytes, results) -> None:
+    """Process target: ``payload`` is the pickled worker spec, opened only after the
+    parent-death signal is in place and the launcher's environment and output are this
+    process's."""
+    die_with_parent(start.parent_pid)
     # Ctrl-C reaches every process of the terminal's group; the launcher alone answers it
     # (it stops the workers), so no worker prints a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the warm server ignores it (warm.py)
+    start.adopt()
     worker_main(pickle.loads(payload), results)
