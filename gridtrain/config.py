@@ -408,7 +408,7 @@ class CheckpointConfig:
                                    doc="start from the weights of a gridtrain checkpoint or a Hugging Face "
                                        "directory: step 0, a fresh optimizer, any layout (fine-tuning); the "
                                        "model's shape and tokenizer come from the source (see "
-                                       "[Hugging Face](#hugging-face))")
+                                       "[Hugging Face](models.md#hugging-face))")
     auto_resume: bool = option(False, was="training",
                                help="resume from the --save directory's latest checkpoint when there is one, else "
                                     "start fresh (the same command restarts a preempted job)")
@@ -486,7 +486,7 @@ class DataConfig:
                                    "W:PATH,W:PATH,... (default: built-in corpus)",
                               doc="a text file, a folder of text files, JSON lines (`.jsonl`: one "
                                   "`{\"text\": ...}` document per line, or fine-tuning records: see "
-                                  "[Training data](#training-data)), or a token file from `gridtrain "
+                                  "[Training data](data.md#training-data)), or a token file from `gridtrain "
                                   "prepare`; or a mixture `W:PATH,W:PATH,...` (in a config file also a YAML "
                                   "list); default: built-in corpus")
     valid_data: str | None = option(None, metavar="PATH", spell=spell_sources,
@@ -505,7 +505,7 @@ class DataConfig:
                                              "positions restart at 0 at each document",
                                  doc="attention never crosses a document boundary inside a packed sequence, and "
                                      "positions (learned or rotary) restart at 0 at each document: each document "
-                                     "trains as if alone (README, \"Document masking\")")
+                                     "trains as if alone (see [Document masking](data.md#document-masking))")
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Each config field is declared once (gridtrain/config.py): the `train` parser, the range
-checks and the README's flag table are read from the declarations, and every flag scripts
+checks and the flag table of docs/cli.md are read from the declarations, and every flag scripts
 used before the declarations existed still parses to the same field."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gridtrain.cli import parser as cli
-from gridtrain.cli.flag_table import BEGIN, END, README, flag_table, readme_with_table
+from gridtrain.cli.flag_table import BEGIN, END, CLI_DOC, flag_table, with_table
 from gridtrain.config import ConfigError, declared_fields, flag_of, load_config
 
 # every `train` flag with a value, and the field it set, before the fields were declared once
@@ -34,11 +34,11 @@ OLD_SWITCHES = {"--sequence-parallel": ("sequence_parallel", True), "--no-progre
                 "--auto-resume": ("auto_resume", True)}
 
 
-def test_readme_flag_table_is_the_generated_one():
+def test_cli_doc_flag_table_is_the_generated_one():
     """Run ``python -m gridtrain.cli.flag_table`` after changing a declaration."""
-    text = README.read_text()
+    text = CLI_DOC.read_text()
     assert BEGIN in text and END in text
-    assert readme_with_table(text) == text, "README's flag table is stale: python -m gridtrain.cli.flag_table"
+    assert with_table(text) == text, "docs/cli.md's flag table is stale: python -m gridtrain.cli.flag_table"
 
 
 def test_every_flag_of_the_parser_has_a_row_and_every_row_a_flag():
