@@ -5,6 +5,8 @@ parameters."""
 from __future__ import annotations
 
 import functools
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,15 +18,11 @@ from gridtrain.config import Config, preset_config
 from gridtrain.parallel.data_parallel import GradientReducer, bucket_bounds
 from gridtrain.models.decoder import Decoder, init_parameters
 from tests.harness import run_on_ranks
-from tests.training import relative_difference, tiny_config, train_in_process, train_layout, train_layouts
+from tests.training import SharedSpawns, relative_difference, tiny_config, train_in_process
 
 
-def _config(**parallel) -> Config:
-    cfg = tiny_config(global_batch_size=16, micro_batch_size=2)
-    cfg.model.n_layer = 4
-    for key, value in parallel.items():
-        setattr(cfg.parallel, key, value)
-    return cfg
+def _config(**fields) -> Config:
+    return tiny_config(global_batch_size=16, micro_batch_size=2, n_layer=4, **fields)
 
 
 _reference: dict[int, dict] = {}
@@ -45,26 +43,62 @@ def assert_matches_reference(run: dict, rtol: float = 1e-9) -> None:
     assert abs(run["valid_loss"] - ref["valid_loss"]) <= rtol * ref["valid_loss"]
 
 
+LAYOUTS = [(2, 2, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (2, 4, 1), (4, 1, 2)]  # (dp, pp, tp)
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+CELLS = {f"3d-{dp}-{pp}-{tp}-{s}": ((dp, pp, tp), s) for dp, pp, tp in LAYOUTS for s in SCHEDULES}
+
+# Every multi-rank run of this file: name -> (world size, fields of _config). The runs of
+# one world size train one after another on the same ranks (SharedSpawns): one spawn for
+# each of 2, 4 and 8 ranks, each test still its own test reading its runs.
+RUNS: dict[str, tuple[int, dict]] = {
+    "dp2": (2, dict(dp=2)),
+    "dp4": (4, dict(dp=4)),
+    "dp8": (8, dict(dp=8)),
+    "dp2-small-buckets": (2, dict(dp=2, bucket_mb=0.01)),
+    "dp2-2-steps": (2, dict(dp=2, steps=2)),
+    **{f"zero1-{dp}-{pp}-{tp}": (dp * pp * tp, dict(dp=dp, pp=pp, tp=tp, sequence_parallel=tp > 1, zero=1,
+                                                     bucket_mb=0.01))
+       for dp, pp, tp in [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2)]},
+    "zero1-dp2-2-steps": (2, dict(dp=2, zero=1, steps=2)),
+    "zero1-dp2-save": (2, dict(dp=2, zero=1, save_interval=5)),  # saved for the one-process resume
+    "zero1-dp2-bf16": (2, dict(dp=2, zero=1, dtype="bf16")),
+    "fp16-dp2-overflow": (2, dict(dp=2, zero=1, dtype="fp16", loss_scale=2.0 ** 40, steps=30)),
+    **{name: (dp * pp * tp, {}) for name, ((dp, pp, tp), _) in CELLS.items()},
+}
+
+
+@functools.cache
+def _tmp() -> Path:
+    return Path(tempfile.mkdtemp(prefix="gridtrain-dp-"))
+
+
+def _run_config(name: str) -> Config:
+    if name in CELLS:
+        return _cell_config(*CELLS[name])
+    cfg = _config(**RUNS[name][1])
+    if name.endswith("-save"):
+        cfg.checkpoint.save = str(_tmp() / name)
+    return cfg
+
+
+run = SharedSpawns(RUNS, _run_config, timeout_s=1800).run
+
+
 @pytest.mark.spawn
 @pytest.mark.parametrize("dp", [2, 4, 8])
 def test_data_parallel_trains_the_single_process_model(dp):
     """16 sequences in micro-batches of 2: 4, 2 and 1 micro-batches accumulated per rank;
     weights equal the one-process weights on every rank."""
-    runs = train_layout(_config(dp=dp), dp)
-    for run in runs:
-        assert_matches_reference(run)
-        for name, value in run["state"].items():
+    for rank_run in run(f"dp{dp}"):
+        assert_matches_reference(rank_run)
+        for name, value in rank_run["state"].items():
             assert relative_difference(value, reference()["state"][name]) <= 1e-9, name
 
 
 @pytest.mark.spawn
 def test_small_buckets_give_the_same_model():
-    for run in train_layout(_config(dp=2, bucket_mb=0.01), 2):
-        assert_matches_reference(run)
-
-
-LAYOUTS = [(2, 2, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (2, 4, 1), (4, 1, 2)]  # (dp, pp, tp)
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+    for rank_run in run("dp2-small-buckets"):
+        assert_matches_reference(rank_run)
 
 
 RECOMPUTE = ["none", "selective", "full"]
@@ -94,27 +128,15 @@ def test_3d_layout_trains_the_single_process_model(dp, pp, tp, schedule):
     :func:`_recompute_mode`; the reference recomputes nothing); interleaving uses 2 chunks
     per rank at pp 2 (at pp 4 the 4 blocks leave one per rank, so one chunk: the schedule
     without interleaving)."""
-    for run in _matrix_runs(dp * pp * tp)[(dp, pp, tp), schedule]:
-        assert_matches_reference(run)
+    for rank_run in run(f"3d-{dp}-{pp}-{tp}-{schedule}"):
+        assert_matches_reference(rank_run)
 
 
 def _cell_config(layout: tuple[int, int, int], schedule: str) -> Config:
     dp, pp, tp = layout
     vpp = 2 if schedule == "interleaved-1f1b" and pp > 1 and 4 % (2 * pp) == 0 else 1
-    cfg = _config(dp=dp, pp=pp, tp=tp, vpp=vpp, schedule=schedule, sequence_parallel=tp > 1)
-    cfg.activations.recompute = _recompute_mode(layout, schedule)
-    cfg.training.steps = MATRIX_STEPS
-    return cfg
-
-
-@functools.cache
-def _matrix_runs(world: int) -> dict:
-    """Every cell of this world size, trained one after another on the same spawned
-    ranks: one spawn per world size instead of one per cell (a spawn of 8 ranks costs
-    about 10 s of imports on 2 cores before the first step)."""
-    cells = [(layout, s) for layout in LAYOUTS if layout[0] * layout[1] * layout[2] == world for s in SCHEDULES]
-    runs = train_layouts([_cell_config(*cell) for cell in cells], world, timeout_s=1500)
-    return dict(zip(cells, runs))
+    return _config(dp=dp, pp=pp, tp=tp, vpp=vpp, schedule=schedule, sequence_parallel=tp > 1,
+                   recompute=_recompute_mode(layout, schedule), steps=MATRIX_STEPS)
 
 
 # ---- the reducer against torch DDP, and its counts --------------------------------------------
@@ -250,11 +272,9 @@ def test_dp_bytes_per_step_equal_the_gradient_buffer():
     step's scalars (the squared norm, the loss and the non-finite flag: 3 x 8 bytes) in
     one collective; nothing per micro-batch, and no token count (the built-in corpus's
     labels all count: ``Datasets.every_label_counts``)."""
-    cfg = _config(dp=2)
-    cfg.training.steps = 2
-    params = sum(p.numel() for p in Decoder(cfg.model).parameters())
-    for run in train_layout(cfg, 2):
-        for step_bytes, calls in zip(run["step_bytes"], run["step_calls"]):
+    params = sum(p.numel() for p in Decoder(_config().model).parameters())
+    for rank_run in run("dp2-2-steps"):
+        for step_bytes, calls in zip(rank_run["step_bytes"], rank_run["step_calls"]):
             assert step_bytes == {"all_reduce/dp": params * 8 + 24}  # gradients; norm, loss, flag
             assert calls == {"all_reduce/dp": 1 + 1}  # no token count: every label of the corpus counts
 
@@ -283,12 +303,9 @@ def test_zero1_trains_the_single_process_model(dp, pp, tp):
     """ZeRO-1 (sharded master weights and Adam state) is the same optimizer, split; with
     small buckets, so that many reduce-scatters run during backward (and under pp the
     tied table's bucket of its own is summed slice by slice)."""
-    cfg = _config(dp=dp, pp=pp, tp=tp, sequence_parallel=tp > 1)
-    cfg.parallel.zero = 1
-    cfg.parallel.bucket_mb = 0.01
-    for run in train_layout(cfg, dp * pp * tp):
-        assert_matches_reference(run)
-        for name, value in run["state"].items():
+    for rank_run in run(f"zero1-{dp}-{pp}-{tp}"):
+        assert_matches_reference(rank_run)
+        for name, value in rank_run["state"].items():
             expected = reference()["state"]["embedding.word.weight" if name == "head" else name]
             if tp == 1:
                 assert relative_difference(value, expected) <= 1e-9, name
@@ -298,12 +315,10 @@ def test_zero1_trains_the_single_process_model(dp, pp, tp):
 def test_zero1_moves_gradients_and_weights_once_each():
     """Per step: a reduce-scatter of the (padded) gradient buffer and an all-gather of the
     updated weights, instead of an all-reduce: the same bytes, split in two."""
-    cfg = _config(dp=2)
-    cfg.parallel.zero, cfg.training.steps = 1, 2
-    params = sum(p.numel() for p in Decoder(cfg.model).parameters())
+    params = sum(p.numel() for p in Decoder(_config().model).parameters())
     padded = -(-params // 2) * 2
-    for run in train_layout(cfg, 2):
-        for step_bytes, calls in zip(run["step_bytes"], run["step_calls"]):
+    for rank_run in run("zero1-dp2-2-steps"):
+        for step_bytes, calls in zip(rank_run["step_bytes"], rank_run["step_calls"]):
             assert step_bytes["reduce_scatter/dp"] == padded * 8
             assert step_bytes["all_gather/dp"] == padded * 8
             assert step_bytes["all_reduce/dp"] == 24  # norm, loss, flag (no token count needed)
@@ -311,32 +326,25 @@ def test_zero1_moves_gradients_and_weights_once_each():
 
 
 @pytest.mark.spawn
-def test_zero1_checkpoint_resumes_without_sharding(tmp_path):
+def test_zero1_checkpoint_resumes_without_sharding():
     """Adam state saved from 2 shards resumes on one process exactly."""
-    cfg = _config(dp=2)
-    cfg.parallel.zero = 1
-    cfg.checkpoint.save, cfg.checkpoint.save_interval = str(tmp_path), 5
-    train_layout(cfg, 2)
+    run("zero1-dp2-save")
     resumed = _config()
-    resumed.checkpoint.load = str(tmp_path / "step_0000005")
-    run = train_in_process(resumed)
-    assert relative_difference(run["losses"], reference()["losses"][5:]) <= 1e-9
+    resumed.checkpoint.load = str(_tmp() / "zero1-dp2-save" / "step_0000005")
+    one = train_in_process(resumed)
+    assert relative_difference(one["losses"], reference()["losses"][5:]) <= 1e-9
 
 
 @pytest.mark.spawn
 def test_bf16_parameters_with_fp32_master_follow_fp32_under_zero1():
-    cfg = _config(dp=2)
-    cfg.training.dtype, cfg.parallel.zero = "bf16", 1
     fp32 = train_in_process(_fp32_reference())
-    for run in train_layout(cfg, 2):
-        for a, b in zip(fp32["losses"], run["losses"]):
+    for rank_run in run("zero1-dp2-bf16"):
+        for a, b in zip(fp32["losses"], rank_run["losses"]):
             assert abs(a - b) <= 0.02 * a
 
 
 def _fp32_reference():
-    cfg = _config()
-    cfg.training.dtype = "fp32"
-    return cfg
+    return _config(dtype="fp32")
 
 
 @pytest.mark.spawn
@@ -344,10 +352,7 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps():
     """fp16 parameters and compute: a scale far too large overflows the gradients, every
     rank skips the step (weights untouched) and the scale halves until gradients fit;
     training then goes on (the following test compares fp16 with fp32 step by step)."""
-    cfg = _config(dp=2)
-    cfg.training.dtype, cfg.parallel.zero, cfg.training.loss_scale = "fp16", 1, 2.0 ** 40
-    cfg.training.steps = 30
-    runs = train_layout(cfg, 2)
+    runs = run("fp16-dp2-overflow")
     norms = runs[0]["grad_norms"]
     skipped = [n == float("inf") for n in norms]
     assert skipped[0] and not skipped[-1] and 0 < sum(skipped) < 30
@@ -359,9 +364,7 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps():
 @pytest.mark.slow
 def test_fp16_without_overflow_follows_fp32():
     fp32 = train_in_process(_fp32_reference())
-    cfg = _config()
-    cfg.training.dtype, cfg.training.loss_scale = "fp16", 1024.0  # a scale that never overflows here
-    fp16 = train_in_process(cfg)
+    fp16 = train_in_process(_config(dtype="fp16", loss_scale=1024.0))  # a scale that never overflows here
     assert not any(n == float("inf") for n in fp16["grad_norms"])
     for a, b in zip(fp32["losses"], fp16["losses"]):
         assert abs(a - b) <= 0.02 * a

@@ -1,0 +1,115 @@
+"""Start-up of ``gridtrain train --nproc N``: warm workers (forked by the server that has
+imported torch and gridtrain once) against cold ones (each spawned worker imports them).
+
+Each side runs the same command in a fresh process, the only difference being the
+environment's ``GRIDTRAIN_START_METHOD`` (``forkserver``, the default, or ``spawn``)::
+
+    python -m gridtrain train --nproc N --model tiny --steps S --metrics-file F ...
+
+and measures, from just before the command is started: the time until the metrics file
+holds step 1 (*first step*: the launcher's imports and checks, the workers' start, the
+process groups, the model's build and one training step) and the time until the command
+exits (*wall*). Rounds are interleaved, the order reversed every other round; the table
+gives medians over rounds and the ratio cold / warm (median of per-round ratios).
+
+It also times what a worker imports cold (the modules the warm server preloads,
+``gridtrain.runtime.warm.PRELOAD``), in a fresh interpreter each round.
+
+Run from the repository root::
+
+    python3 benchmarks/startup.py                      # ~2 min on 2 CPU cores
+    python3 benchmarks/startup.py --nproc 2 --rounds 1 --steps 1   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIDES = {"warm (forkserver)": "forkserver", "cold (spawn)": "spawn"}
+IMPORTS = ("import time; t = time.perf_counter(); import importlib; from gridtrain.runtime import warm; "
+           "[importlib.import_module(m) for m in warm.PRELOAD]; print(time.perf_counter() - t)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=8, help="worker processes (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=2, help="training steps per run (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def command(nproc: int, steps: int, metrics: Path) -> list[str]:
+    return [sys.executable, "-m", "gridtrain", "train", "--nproc", str(nproc), "--dp", str(nproc), "--model", "tiny",
+            "--steps", str(steps), "--global-batch-size", str(2 * nproc), "--micro-batch-size", "2",
+            "--eval-interval", "0", "--sample-tokens", "0", "--no-progress", "--metrics-file", str(metrics)]
+
+
+def run_once(method: str, opts: argparse.Namespace, folder: Path) -> dict[str, float]:
+    """One command: seconds to the first metrics row and to the exit."""
+    metrics = folder / f"{method}.jsonl"
+    metrics.unlink(missing_ok=True)
+    env = {**os.environ, "GRIDTRAIN_START_METHOD": method}
+    began = time.perf_counter()
+    proc = subprocess.Popen(command(opts.nproc, opts.steps, metrics), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = None
+    while proc.poll() is None:
+        if first is None and metrics.is_file() and metrics.read_text().strip():
+            first = time.perf_counter() - began
+        time.sleep(0.005)
+    wall = time.perf_counter() - began
+    if proc.returncode != 0:
+        raise SystemExit(f"startup: the {method} run failed (exit {proc.returncode}):\n{proc.stderr.read()[-3000:]}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    if first is None:  # the run ended between two polls of a step's row
+        first = wall
+    return {"first": first, "wall": wall, "loss": rows[-1]["loss"]}
+
+
+def import_seconds() -> float:
+    out = subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    began, load_before = time.perf_counter(), os.getloadavg()[0]
+    runs: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
+    imports = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(opts.rounds):
+            order = list(SIDES) if round_ % 2 == 0 else list(SIDES)[::-1]
+            for side in order:
+                runs[side].append(run_once(SIDES[side], opts, Path(tmp)))
+            imports.append(import_seconds())
+    losses = {side: [r["loss"] for r in rs] for side, rs in runs.items()}
+    if len({tuple(v) for v in losses.values()}) != 1:
+        raise SystemExit(f"startup: the sides trained different losses: {losses}")
+    warm, cold = runs["warm (forkserver)"], runs["cold (spawn)"]
+    print(f"command: {' '.join(command(opts.nproc, opts.steps, Path('F'))[1:])}")
+    print(f"machine: {os.cpu_count()} CPU cores, {platform.python_implementation()} {platform.python_version()}; "
+          f"1-min load average {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end; {opts.rounds} rounds")
+    print(f"a worker's imports, cold: {statistics.median(imports):.2f} s (median of {len(imports)} fresh interpreters)")
+    print()
+    print("| side | first step | wall | cold / warm (first step) |")
+    print("| --- | --- | --- | --- |")
+    for side, rs in runs.items():
+        ratio = statistics.median(c["first"] / w["first"] for c, w in zip(cold, rs))
+        print(f"| {side} | {statistics.median(r['first'] for r in rs):.2f} s | "
+              f"{statistics.median(r['wall'] for r in rs):.2f} s | {ratio:.2f}x |")
+    print(f"\nwall time {time.perf_counter() - began:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
