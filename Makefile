@@ -27,7 +27,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not spawn and not slow"
 
-# The GPU self-check (docs/gpu.md): the machine's own python3 and torch, no venv, no
+# The GPU self-check (docs/gpus.md): the machine's own python3 and torch, no venv, no
 # install, no network; refuses in one line (exit 2) where no CUDA GPU is visible.
 GPU_CHECK_OUT ?= gpu-check/$(shell date +%Y-%m-%d-%H%M)
 gpu-check:

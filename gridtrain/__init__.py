@@ -1,4 +1,4 @@
-"""gridtrain: train GPT-style language models on a data x pipeline x tensor parallel grid.
+"""gridtrain: train transformer language models on a data x tensor x pipeline x context x expert parallel grid.
 
 The public Python API, importable from the package itself:
 

@@ -43,10 +43,10 @@ class ConfigError(ValueError):
 # ------------------------------------------------------------------- declarations
 #
 # Each field is declared once, here, with everything the rest of the package needs to
-# know about it: its `gridtrain train` flag, the help line, its README row, the range or
-# the choices that validation enforces, and the section it lived in before the sections
-# were split by topic. The parser (gridtrain.cli.parser), the checks
-# (gridtrain.training.validate) and the README's flag table (:func:`flag_table`) read
+# know about it: its `gridtrain train` flag, the help line, its row in the flag table of
+# docs/cli.md, the range or the choices that validation enforces, and the section it
+# lived in before the sections were split by topic. The parser (gridtrain.cli.parser),
+# the checks (gridtrain.training.validate) and the flag table (:func:`flag_table`) read
 # these declarations; adding a field is adding one ``option(...)`` line.
 
 DERIVED = "derived"  # the flag of a field is --its-name unless the declaration says otherwise
@@ -59,7 +59,7 @@ def option(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = 
 
     ``flag``: the `gridtrain train` flag (default ``--field-name``; None: set in a config
     file only). A bool field's flag is a switch that sets the opposite of its default.
-    ``help``: the flag's help line; ``doc``: its README meaning (default: ``help``).
+    ``help``: the flag's help line; ``doc``: its meaning in that table (default: ``help``).
     ``range``: ">= x", "> x", "[a, b]", "[a, b)" or "(a, b]", with ``hint`` appended to the message;
     ``choices``: the values a string field may take. ``was``: the section that held the
     field before the split by topic, so that old config files and checkpoints that spell it

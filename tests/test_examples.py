@@ -1,4 +1,4 @@
-"""The examples in examples/ run and do what their docstrings say (the README links them)."""
+"""The examples in examples/ run and do what their docstrings say (the docs link them)."""
 
 import re
 import subprocess
