@@ -10,10 +10,14 @@ and measures, from just before the command is started: the time until the metric
 holds step 1 (*first step*: the launcher's imports and checks, the workers' start, the
 process groups, the model's build and one training step) and the time until the command
 exits (*wall*). Rounds are interleaved, the order reversed every other round; the table
-gives medians over rounds and the ratio cold / warm (median of per-round ratios).
+gives medians over rounds and each side's ratio to the warm one (median of per-round ratios).
 
 It also times what a worker imports cold (the modules the warm server preloads,
 ``gridtrain.runtime.warm.PRELOAD``), in a fresh interpreter each round.
+
+``--before DIR`` adds a third side: the same command run from another checkout of
+gridtrain (``PYTHONPATH=DIR``), e.g. the commit before warm workers, whose imports are
+timed the same way.
 
 Run from the repository root::
 
@@ -36,8 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = {"warm (forkserver)": "forkserver", "cold (spawn)": "spawn"}
-IMPORTS = ("import time; t = time.perf_counter(); import importlib; from gridtrain.runtime import warm; "
-           "[importlib.import_module(m) for m in warm.PRELOAD]; print(time.perf_counter() - t)")
+IMPORTS = ("import time; t = time.perf_counter(); import gridtrain.cli.commands; "
+           "print(time.perf_counter() - t)")  # what warm.PRELOAD names (asserted in main)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,7 +49,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=8, help="worker processes (default: %(default)s)")
     p.add_argument("--steps", type=int, default=2, help="training steps per run (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
+    p.add_argument("--before", metavar="DIR", help="also run the command from this checkout of gridtrain")
     return p.parse_args(argv)
+
+
+def sides(opts: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """side -> environment it runs with."""
+    out = {name: {"GRIDTRAIN_START_METHOD": method} for name, method in SIDES.items()}
+    if opts.before:
+        out[f"before ({opts.before})"] = {"PYTHONPATH": str(Path(opts.before).resolve())}
+    return out
 
 
 def command(nproc: int, steps: int, metrics: Path) -> list[str]:
@@ -54,11 +67,11 @@ def command(nproc: int, steps: int, metrics: Path) -> list[str]:
             "--eval-interval", "0", "--sample-tokens", "0", "--no-progress", "--metrics-file", str(metrics)]
 
 
-def run_once(method: str, opts: argparse.Namespace, folder: Path) -> dict[str, float]:
+def run_once(side: str, extra_env: dict[str, str], opts: argparse.Namespace, folder: Path) -> dict[str, float]:
     """One command: seconds to the first metrics row and to the exit."""
-    metrics = folder / f"{method}.jsonl"
+    metrics = folder / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    env = {**os.environ, "GRIDTRAIN_START_METHOD": method}
+    env = {**os.environ, **extra_env}
     began = time.perf_counter()
     proc = subprocess.Popen(command(opts.nproc, opts.steps, metrics), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -69,42 +82,51 @@ def run_once(method: str, opts: argparse.Namespace, folder: Path) -> dict[str, f
         time.sleep(0.005)
     wall = time.perf_counter() - began
     if proc.returncode != 0:
-        raise SystemExit(f"startup: the {method} run failed (exit {proc.returncode}):\n{proc.stderr.read()[-3000:]}")
+        raise SystemExit(f"startup: the {side} run failed (exit {proc.returncode}):\n{proc.stderr.read()[-3000:]}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     if first is None:  # the run ended between two polls of a step's row
         first = wall
     return {"first": first, "wall": wall, "loss": rows[-1]["loss"]}
 
 
-def import_seconds() -> float:
-    out = subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, capture_output=True, text=True, check=True)
+def import_seconds(extra_env: dict[str, str]) -> float:
+    out = subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, **extra_env})
     return float(out.stdout.strip())
 
 
 def main(argv=None) -> int:
     opts = parse_args(argv)
+    from gridtrain.runtime import warm
+
+    assert warm.PRELOAD == ["gridtrain.cli.commands"], "IMPORTS times another list than the server preloads"
     began, load_before = time.perf_counter(), os.getloadavg()[0]
-    runs: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
-    imports = []
+    envs = sides(opts)
+    runs: dict[str, list[dict[str, float]]] = {side: [] for side in envs}
+    imports: dict[str, list[float]] = {"this checkout": [], **({"before": []} if opts.before else {})}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(opts.rounds):
-            order = list(SIDES) if round_ % 2 == 0 else list(SIDES)[::-1]
+            order = list(envs) if round_ % 2 == 0 else list(envs)[::-1]
             for side in order:
-                runs[side].append(run_once(SIDES[side], opts, Path(tmp)))
-            imports.append(import_seconds())
+                runs[side].append(run_once(side, envs[side], opts, Path(tmp)))
+            imports["this checkout"].append(import_seconds({}))
+            if opts.before:
+                imports["before"].append(import_seconds(envs[list(envs)[-1]]))
     losses = {side: [r["loss"] for r in rs] for side, rs in runs.items()}
     if len({tuple(v) for v in losses.values()}) != 1:
         raise SystemExit(f"startup: the sides trained different losses: {losses}")
-    warm, cold = runs["warm (forkserver)"], runs["cold (spawn)"]
+    warm_runs = runs["warm (forkserver)"]
     print(f"command: {' '.join(command(opts.nproc, opts.steps, Path('F'))[1:])}")
     print(f"machine: {os.cpu_count()} CPU cores, {platform.python_implementation()} {platform.python_version()}; "
           f"1-min load average {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end; {opts.rounds} rounds")
-    print(f"a worker's imports, cold: {statistics.median(imports):.2f} s (median of {len(imports)} fresh interpreters)")
+    for name, seconds in imports.items():
+        print(f"a worker's imports, cold, {name}: {statistics.median(seconds):.2f} s "
+              f"(median of {len(seconds)} fresh interpreters)")
     print()
-    print("| side | first step | wall | cold / warm (first step) |")
+    print("| side | first step | wall | this side / warm (first step) |")
     print("| --- | --- | --- | --- |")
     for side, rs in runs.items():
-        ratio = statistics.median(c["first"] / w["first"] for c, w in zip(cold, rs))
+        ratio = statistics.median(r["first"] / w["first"] for r, w in zip(rs, warm_runs))
         print(f"| {side} | {statistics.median(r['first'] for r in rs):.2f} s | "
               f"{statistics.median(r['wall'] for r in rs):.2f} s | {ratio:.2f}x |")
     print(f"\nwall time {time.perf_counter() - began:.0f} s")

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from gridtrain.runtime import procs
+
 GRIDTRAIN = [sys.executable, "-m", "gridtrain"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -34,56 +36,18 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _stat(pid: int) -> tuple[int, str] | None:
-    """(parent pid, state letter) of a live process, None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return int(fields[1]), fields[0]
-
-
-def children(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (zombies excluded), in pid order."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            stat = _stat(int(entry))
-            if stat is not None and stat[0] == pid and stat[1] != "Z":
-                out.append(int(entry))
-    return sorted(out)
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:
-        return b""
+children, alive = procs.children, procs.alive
 
 
 def servers(pid: int) -> list[int]:
     """The warm servers (multiprocessing's forkserver) among the children of ``pid``."""
-    return [child for child in children(pid) if b"multiprocessing.forkserver" in _cmdline(child)]
+    return [child for child in children(pid) if procs.is_server(child)]
 
 
 def workers(pid: int) -> list[int]:
-    """The gridtrain worker processes started by the launcher or torchrun agent ``pid``:
-    its children running gridtrain code, or the children of its warm server (workers
-    are forked there: gridtrain/runtime/warm.py); not multiprocessing's resource tracker."""
-    found = []
-    for child in children(pid):
-        cmdline = _cmdline(child)
-        if b"multiprocessing.forkserver" in cmdline:
-            found.extend(children(child))
-        elif cmdline and b"resource_tracker" not in cmdline:
-            found.append(child)
-    return sorted(found)
-
-
-def alive(pid: int) -> bool:
-    stat = _stat(pid)
-    return stat is not None and stat[1] != "Z"
+    """The gridtrain worker processes started by the launcher or torchrun agent ``pid``,
+    in rank order."""
+    return procs.local_workers(pid)
 
 
 def metrics_rows(path: Path) -> list[dict]:

@@ -139,3 +139,14 @@ def test_cp_long_context_runs_every_side_and_refuses_a_bad_shape():
     bad = subprocess.run([*base, "--seq-len", "66"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert bad.stderr.startswith("cp_long_context: error: --cp 2: --seq-len 66 is not divisible by 2 x cp = 4")
+
+
+@pytest.mark.spawn
+def test_startup_times_warm_and_cold_workers_that_train_the_same_losses():
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "startup.py"), "--nproc", "2", "--rounds", "1",
+                           "--steps", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for side in ("warm (forkserver)", "cold (spawn)"):
+        assert re.search(rf"^\| {re.escape(side)} \| [\d.]+ s \| [\d.]+ s \| [\d.]+x \|$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^a worker's imports, cold, this checkout: [\d.]+ s", proc.stdout, re.M)
+    assert re.search(r"^wall time \d+ s$", proc.stdout, re.M)

@@ -5,9 +5,10 @@ the split backward, and checkpoints that move between layouts."""
 from __future__ import annotations
 
 import functools
-
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from gridtrain.parallel.pipeline.validate import in_flight_bound
 from gridtrain.training.providers import unit_costs
 from gridtrain.parallel.split_backward import WeightGradStore
 from gridtrain.parallel.tensor_parallel import TensorParallel
-from tests.training import relative_difference, tiny_config, train_in_process, train_layout, train_layouts
+from tests.training import relative_difference, tiny_config, train_in_process, train_layouts
 
 N_LAYER = 8  # enough blocks for 4 stages x 2 chunks
 
@@ -89,15 +90,31 @@ UNEVEN = {2: [3, 5], 4: [1, 3, 0, 4]}
 
 
 @functools.cache
+def _tmp() -> Path:
+    return Path(tempfile.mkdtemp(prefix="gridtrain-pp-"))
+
+
+def _four_rank_extras() -> dict[str, Config]:
+    """The other 4-rank runs of this file: pp 2 x tp 2 with SP on ZB-H1, and pp 2 x tp 2
+    saving at step 5 (for the one-process resume)."""
+    saving = _config(4, pp=2, tp=2, schedule="1f1b")
+    saving.checkpoint.save, saving.checkpoint.save_interval = str(_tmp() / "pp2-tp2"), 5
+    return {"pp2-tp2-sp-zbh1": _config(4, pp=2, tp=2, sequence_parallel=True, schedule="zb-h1"),
+            "pp2-tp2-save": saving}
+
+
+@functools.cache
 def _pipeline_runs(pp: int) -> dict:
-    """Every schedule case of ``pp`` stages and its uneven split, trained one after another
-    on the same spawned ranks (one spawn per pipeline depth, not one per case)."""
+    """Every schedule case of ``pp`` stages and its uneven split (and at 4 ranks the
+    file's other 4-rank runs), trained one after another on the same spawned ranks (one
+    spawn per pipeline depth, not one per case)."""
     cases = [(schedule, m) for p, schedule, m in CASES if p == pp]
-    cfgs = [_config(m, MATRIX_STEPS, pp=pp, vpp=2 if schedule == "interleaved-1f1b" else 1, schedule=schedule)
-            for schedule, m in cases]
-    cfgs.append(_config(8, MATRIX_STEPS, pp=pp, pp_layers=UNEVEN[pp], schedule="1f1b"))
-    runs = train_layouts(cfgs, pp, timeout_s=900)
-    return {**dict(zip(cases, runs)), "uneven": runs[-1]}
+    cfgs = {case: _config(case[1], MATRIX_STEPS, pp=pp, vpp=2 if case[0] == "interleaved-1f1b" else 1,
+                          schedule=case[0]) for case in cases}
+    cfgs["uneven"] = _config(8, MATRIX_STEPS, pp=pp, pp_layers=UNEVEN[pp], schedule="1f1b")
+    if pp == 4:
+        cfgs.update(_four_rank_extras())
+    return dict(zip(cfgs, train_layouts(list(cfgs.values()), pp, timeout_s=900)))
 
 
 @pytest.mark.spawn
@@ -121,8 +138,7 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_p():
 
 @pytest.mark.spawn
 def test_pipeline_with_tensor_and_sequence_parallelism():
-    cfg = _config(4, pp=2, tp=2, sequence_parallel=True, schedule="zb-h1")
-    for run in train_layout(cfg, 4):
+    for run in _pipeline_runs(4)["pp2-tp2-sp-zbh1"]:
         assert relative_difference(run["losses"], _reference(4)["losses"]) <= 1e-9
 
 
@@ -181,18 +197,17 @@ def test_balanced_partition_is_optimal():
 
 
 @pytest.mark.spawn
-def test_pipeline_checkpoint_resumes_in_another_layout_and_generates(tmp_path):
+def test_pipeline_checkpoint_resumes_in_another_layout_and_generates():
     """A pp=2 x tp=2 run saved at step 5 resumes on one process like the one-process run,
     and `gridtrain generate` samples from it."""
     straight = _reference(4)
-    cfg = _config(4, pp=2, tp=2, schedule="1f1b")
-    cfg.checkpoint.save, cfg.checkpoint.save_interval = str(tmp_path), 5
-    train_layout(cfg, 4)
+    _pipeline_runs(4)["pp2-tp2-save"]
+    saved = _tmp() / "pp2-tp2"
     resumed = _config(4)
-    resumed.checkpoint.load = str(tmp_path / "step_0000005")
+    resumed.checkpoint.load = str(saved / "step_0000005")
     run = train_in_process(resumed)
     assert relative_difference(run["losses"], straight["losses"][5:]) <= 1e-9
-    gen = subprocess.run([sys.executable, "-m", "gridtrain", "generate", "--load", str(tmp_path),
+    gen = subprocess.run([sys.executable, "-m", "gridtrain", "generate", "--load", str(saved),
                           "--prompt", "def ", "--max-new-tokens", "8"], capture_output=True, text=True, timeout=120)
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.startswith("def ")

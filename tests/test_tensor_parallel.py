@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +15,7 @@ from gridtrain.config import Config
 from gridtrain.models.decoder import Decoder
 from gridtrain.parallel.rng import MODEL_PARALLEL_RNG, RNGStatesTracker
 from gridtrain.parallel.tensor_parallel import ShardSpec, TensorParallel, shard, shard_spec, unshard
-from tests.training import (FP32_WEIGHT_RTOL, assert_same_training, tiny_config, train_in_process, train_layout,
-                            train_layouts)
+from tests.training import FP32_WEIGHT_RTOL, assert_same_training, tiny_config, train_in_process, train_layouts
 
 # ---- shards and RNG as data (no processes) -------------------------------------------------
 
@@ -131,14 +132,26 @@ def _traffic_config(sequence_parallel: bool) -> Config:
 
 
 @functools.cache
+def _saved() -> Path:
+    """Where the tp 2 (+SP) run that saves at step 5 writes."""
+    return Path(tempfile.mkdtemp(prefix="gridtrain-tp-"))
+
+
+def _saving_config() -> Config:
+    cfg = _parity_config(2, True, "fp64")
+    cfg.checkpoint.save, cfg.checkpoint.save_interval = str(_saved()), 5
+    return cfg
+
+
+@functools.cache
 def _tp_runs(tp: int) -> dict:
-    """The parity cases of ``tp`` ranks (and, at tp 2, the traffic counts' runs) trained one
-    after another on the same spawned ranks: one spawn per tp size."""
+    """The parity cases of ``tp`` ranks (and, at tp 2, the traffic counts' runs and the
+    saving run) trained one after another on the same spawned ranks: one spawn per tp size."""
     cases = [(sp, dtype) for t, sp, dtype in PARITY if t == tp]
     cfgs = [_parity_config(tp, sp, dtype) for sp, dtype in cases]
-    traffic = [("traffic", sp) for sp in (False, True)] if tp == 2 else []
-    cfgs += [_traffic_config(sp) for _, sp in traffic]
-    return dict(zip(cases + traffic, train_layouts(cfgs, tp, timeout_s=900)))
+    extras = [("traffic", False), ("traffic", True), ("save", True)] if tp == 2 else []
+    cfgs += [_traffic_config(sp) if kind == "traffic" else _saving_config() for kind, sp in extras]
+    return dict(zip(cases + extras, train_layouts(cfgs, tp, timeout_s=900)))
 
 
 # ---- bytes moved --------------------------------------------------------------------------
@@ -192,15 +205,13 @@ def test_tp_traffic_of_a_step_equals_the_analytic_count(sequence_parallel):
 
 
 @pytest.mark.spawn
-def test_checkpoint_written_under_tp_resumes_on_one_process(tmp_path):
+def test_checkpoint_written_under_tp_resumes_on_one_process():
     """Checkpoints hold whole tensors: a tp=2 (+SP) run saved at step 5 resumes on one
     process exactly as the one-process run continues (fp64 1e-9), Adam state included."""
     straight = train_in_process(tiny_config())
-    cfg = _parity_config(2, True, "fp64")
-    cfg.checkpoint.save, cfg.checkpoint.save_interval = str(tmp_path), 5
-    train_layout(cfg, 2)
+    _tp_runs(2)["save", True]
     resumed_cfg = tiny_config()
-    resumed_cfg.checkpoint.load = str(tmp_path / "step_0000005")
+    resumed_cfg.checkpoint.load = str(_saved() / "step_0000005")
     resumed = train_in_process(resumed_cfg)
     assert_same_training(resumed, dict(straight, losses=straight["losses"][5:],
                                        grad_norms=straight["grad_norms"][5:]), rtol=1e-9)

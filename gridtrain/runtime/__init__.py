@@ -1,7 +1,9 @@
 """The processes a run lives in, and the services every layer above uses.
 
-* ``launch`` / ``worker``: spawn ``--nproc`` local workers or read torchrun's environment,
+* ``launch`` / ``worker``: start ``--nproc`` local workers or read torchrun's environment,
   the rendezvous store, failure attribution;
+* ``warm``: the server that has imported torch and the package once and forks the workers;
+* ``procs``: a launcher's worker processes, seen through /proc (for tools that signal a rank);
 * ``devices``: one rule from rank to GPU, process-group devices;
 * ``watchdog``: the flight recorder of collectives and the hang watchdog;
 * ``stops``: exit codes and why a run stopped (NaN, preemption, hang);

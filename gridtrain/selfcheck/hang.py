@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gridtrain.runtime.procs import alive, local_workers
+
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120
 
@@ -22,34 +24,6 @@ class StoppedRun:
     elapsed_s: float  # from the SIGSTOP to the launcher's exit
     err: str  # the launcher's stderr (the workers' included)
     left: list[int]  # worker pids still alive half a second after the launcher exited (killed then)
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid``, in the order they were started."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
-        if int(fields[1]) == pid:
-            child = int(stat.parent.name)
-            try:
-                cmdline = (stat.parent / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"resource_tracker" not in cmdline:
-                kids.append((int(fields[19]), child))  # starttime, pid
-    return [child for _, child in sorted(kids)]
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def stop_a_rank_and_wait(workdir: Path, stop_rank: int, nproc: int, timeout_s: float, *flags: str) -> StoppedRun:
@@ -70,7 +44,7 @@ def stop_a_rank_and_wait(workdir: Path, stop_rank: int, nproc: int, timeout_s: f
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the job did not finish two steps in {START_TIMEOUT_S} s")
             time.sleep(0.1)
-        workers = children(launcher.pid)
+        workers = local_workers(launcher.pid)
         if len(workers) != nproc:
             raise RuntimeError(f"expected {nproc} worker processes, found {workers}")
         os.kill(workers[stop_rank], signal.SIGSTOP)
