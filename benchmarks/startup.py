@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SIDES = {"warm (forkserver)": "forkserver", "cold (spawn)": "spawn"}
-IMPORTS = ("import time; t = time.perf_counter(); import gridtrain.cli.commands; "
+IMPORTS = ("import time; t = time.perf_counter(); import gridtrain.cli.commands, torch._dynamo; "
            "print(time.perf_counter() - t)")  # what warm.PRELOAD names (asserted in main)
 
 
@@ -53,11 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def sides(opts: argparse.Namespace) -> dict[str, dict[str, str]]:
-    """side -> environment it runs with."""
-    out = {name: {"GRIDTRAIN_START_METHOD": method} for name, method in SIDES.items()}
+def sides(opts: argparse.Namespace) -> dict[str, tuple[dict[str, str], Path]]:
+    """side -> (environment it runs with, the folder it runs in: the checkout it imports)."""
+    out = {name: ({"GRIDTRAIN_START_METHOD": method}, ROOT) for name, method in SIDES.items()}
     if opts.before:
-        out[f"before ({opts.before})"] = {"PYTHONPATH": str(Path(opts.before).resolve())}
+        before = Path(opts.before).resolve()
+        out[f"before ({opts.before})"] = ({"PYTHONPATH": str(before)}, before)
     return out
 
 
@@ -67,13 +68,14 @@ def command(nproc: int, steps: int, metrics: Path) -> list[str]:
             "--eval-interval", "0", "--sample-tokens", "0", "--no-progress", "--metrics-file", str(metrics)]
 
 
-def run_once(side: str, extra_env: dict[str, str], opts: argparse.Namespace, folder: Path) -> dict[str, float]:
+def run_once(side: str, extra_env: dict[str, str], cwd: Path, opts: argparse.Namespace,
+             folder: Path) -> dict[str, float]:
     """One command: seconds to the first metrics row and to the exit."""
     metrics = folder / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     env = {**os.environ, **extra_env}
     began = time.perf_counter()
-    proc = subprocess.Popen(command(opts.nproc, opts.steps, metrics), cwd=ROOT, env=env,
+    proc = subprocess.Popen(command(opts.nproc, opts.steps, metrics), cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = None
     while proc.poll() is None:
@@ -89,8 +91,8 @@ def run_once(side: str, extra_env: dict[str, str], opts: argparse.Namespace, fol
     return {"first": first, "wall": wall, "loss": rows[-1]["loss"]}
 
 
-def import_seconds(extra_env: dict[str, str]) -> float:
-    out = subprocess.run([sys.executable, "-c", IMPORTS], cwd=ROOT, capture_output=True, text=True, check=True,
+def import_seconds(extra_env: dict[str, str], cwd: Path) -> float:
+    out = subprocess.run([sys.executable, "-c", IMPORTS], cwd=cwd, capture_output=True, text=True, check=True,
                          env={**os.environ, **extra_env})
     return float(out.stdout.strip())
 
@@ -99,7 +101,7 @@ def main(argv=None) -> int:
     opts = parse_args(argv)
     from gridtrain.runtime import warm
 
-    assert warm.PRELOAD == ["gridtrain.cli.commands"], "IMPORTS times another list than the server preloads"
+    assert warm.PRELOAD == ["gridtrain.cli.commands", "torch._dynamo"], "IMPORTS times another list than the preload"
     began, load_before = time.perf_counter(), os.getloadavg()[0]
     envs = sides(opts)
     runs: dict[str, list[dict[str, float]]] = {side: [] for side in envs}
@@ -108,10 +110,10 @@ def main(argv=None) -> int:
         for round_ in range(opts.rounds):
             order = list(envs) if round_ % 2 == 0 else list(envs)[::-1]
             for side in order:
-                runs[side].append(run_once(side, envs[side], opts, Path(tmp)))
-            imports["this checkout"].append(import_seconds({}))
+                runs[side].append(run_once(side, *envs[side], opts, Path(tmp)))
+            imports["this checkout"].append(import_seconds({}, ROOT))
             if opts.before:
-                imports["before"].append(import_seconds(envs[list(envs)[-1]]))
+                imports["before"].append(import_seconds(*envs[list(envs)[-1]]))
     losses = {side: [r["loss"] for r in rs] for side, rs in runs.items()}
     if len({tuple(v) for v in losses.values()}) != 1:
         raise SystemExit(f"startup: the sides trained different losses: {losses}")

@@ -28,6 +28,7 @@ so the message is the same whether the launcher or a worker finds the problem.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sysconfig
@@ -100,7 +101,20 @@ def load_tokens(path: str | os.PathLike | None, tokenizer: Tokenizer) -> np.ndar
     token_file = open_token_file(path, tokenizer)
     if token_file is not None:
         return token_file
+    if path is None and type(tokenizer) is ByteTokenizer:
+        return builtin_bytes()
     return _load_text(path, *_text_files(path), tokenizer)
+
+
+@functools.cache
+def builtin_bytes() -> np.ndarray:
+    """The built-in corpus in bytes, read and tokenized once per process (half a second
+    or more of CPU per rank otherwise; a warm server that read it gives it to every worker
+    it forks). Read-only: every caller shares the one array, as a token file's callers
+    share its memory map."""
+    tokens = _load_text(None, *_text_files(None), ByteTokenizer())
+    tokens.flags.writeable = False
+    return tokens
 
 
 def _load_text(path, files: list[Path], skip_non_text: bool, tokenizer: Tokenizer) -> np.ndarray:
@@ -125,6 +139,8 @@ def count_tokens(path: str | os.PathLike | None, tokenizer: Tokenizer,
     token_file = open_token_file(path, tokenizer)
     if token_file is not None:
         return len(token_file), True
+    if path is None and type(tokenizer) is ByteTokenizer:
+        return len(builtin_bytes()), True
     files, skip_non_text = _text_files(path)
     sizes = [_size(file) for file in files]
     if isinstance(tokenizer, ByteTokenizer) and sum(sizes) <= read_limit:

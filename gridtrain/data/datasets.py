@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +31,9 @@ class Datasets:
     ``train``/``valid`` are map-style datasets whose items are dicts of equal-shape
     tensors with at least ``labels`` (positions equal to IGNORE_INDEX carry no loss).
     ``reference_loss`` (e.g. the corpus's unigram entropy) is printed beside the final
-    validation loss; ``tokenizer`` lets the run print a sample at the end.
+    validation loss: a number, or a function that gives it, called only by the rank that
+    prints (a pass over the whole corpus need not run on every rank);
+    ``tokenizer`` lets the run print a sample at the end.
     ``valid`` may also be a dict of named validation sets (a mixture's sources, or
     ``--valid-data``): each is evaluated and reported on its own. A ``train`` with
     ``sizes`` and ``weights`` (data.mixture.MixtureDataset) is sampled as a mixture.
@@ -43,7 +45,7 @@ class Datasets:
     train: Any
     valid: Any = None
     tokenizer: Any = None
-    reference_loss: float | None = None
+    reference_loss: float | Callable[[], float] | None = None
     loss_unit: str = "nats/token"
     every_label_counts: bool = False
     notes: list[str] = field(default_factory=list)  # lines the run report prints about the data

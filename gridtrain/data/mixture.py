@@ -11,10 +11,11 @@ with weights decides which source each position of a global batch reads).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -98,7 +99,7 @@ class SourceSets:
     weight: float
     train: Any
     valid: Any  # None: nothing held out (a fine-tuning file too small to spare a sample)
-    reference_loss: float | None = None  # the corpus's unigram entropy (pretraining text)
+    reference_loss: Callable[[], float] | None = None  # the corpus's unigram entropy (pretraining text), on demand
     every_label_counts: bool = True  # False: some labels are ignored (fine-tuning prompts, padding)
     note: str | None = None  # something the run report should say about it
 
@@ -127,9 +128,11 @@ def build_source(source: Source, name: str, tokenizer, seq_len: int, *, valid_ev
     tokens = load_tokens(source.path, tokenizer)
     starts = _document_index(source.path) if documents and tokenizer.eot_id is None else None
     windows = TokenWindows(tokens, seq_len, documents=documents, eot=tokenizer.eot_id, starts=starts)
-    reference = _header_entropy(source.path)
-    if reference is None:
-        reference = unigram_entropy(tokens, tokenizer.vocab_size)
+    recorded = _header_entropy(source.path)
+    if recorded is None:  # counted when printed, by the rank that prints it (a pass over every token)
+        reference = functools.cache(functools.partial(unigram_entropy, tokens, tokenizer.vocab_size))
+    else:
+        reference = functools.partial(float, recorded)
     check_enough_tokens(len(tokens), source.path, seq_len, enough_for, valid_every if split else None)
     if not split:
         return SourceSets(name, source.weight, windows, windows, reference)

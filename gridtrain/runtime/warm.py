@@ -39,9 +39,12 @@ import threading
 START_METHOD_ENV = "GRIDTRAIN_START_METHOD"
 _SERVER_ENV = "GRIDTRAIN_WARM_SERVER_OF"  # set only in the server's environment: the launcher's pid
 
-# What every training worker imports (the train command's worker pulls in the loop, the
-# providers, the models and the parallel layers); the launcher may add more (preload).
-PRELOAD = ["gridtrain.cli.commands"]
+# What every training worker imports before its first step: the train command's worker
+# (the loop, the providers, the models, the parallel layers), and torch._dynamo, which
+# torch imports when the first optimizer is built (torch.optim.Optimizer.__init__ goes
+# through torch._disable_dynamo): a second or more of CPU per worker otherwise, although
+# nothing is compiled. The launcher may add more (preload).
+PRELOAD = ["gridtrain.cli.commands", "torch._dynamo"]
 _extra: list[str] = []
 _lock = threading.Lock()
 

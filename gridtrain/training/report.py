@@ -209,9 +209,10 @@ class RunReport:
             log.print(save_summary(self.trainer.saves, self.trainer.saver is not None))
         log.print(f"final train loss {result.losses[-1]:.4f} {data.loss_unit}")
         if result.valid_loss is not None:
-            ref = "" if data.reference_loss is None else \
-                f" (corpus unigram entropy {data.reference_loss:.4f} {data.loss_unit})"
-            log.print(f"validation loss {result.valid_loss:.4f} {data.loss_unit}{ref}")
+            if log.active:  # the reference may be a pass over the corpus: only where it is printed
+                reference = data.reference_loss() if callable(data.reference_loss) else data.reference_loss
+                ref = "" if reference is None else f" (corpus unigram entropy {reference:.4f} {data.loss_unit})"
+                log.print(f"validation loss {result.valid_loss:.4f} {data.loss_unit}{ref}")
             if self.trainer.valid_by_source:
                 log.print("validation loss per source: " + ", ".join(
                     f"{name} {v:.4f}" for name, v in self.trainer.valid_by_source.items()))
