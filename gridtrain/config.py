@@ -205,9 +205,9 @@ class ParallelConfig:
     layout and a checkpoint records them as part of the layout that wrote it.
     """
 
-    nproc: int | None = option(None, range=">= 1", help="spawn N local worker processes (not under torchrun)",
-                               doc="spawn N local worker processes; under `torchrun`, WORLD_SIZE/RANK come from "
-                                   "the environment")
+    nproc: int | None = option(None, range=">= 1", help="start N local worker processes (not under torchrun)",
+                               doc="start N local worker processes (forked from a warm server); under `torchrun`, "
+                                   "WORLD_SIZE/RANK come from the environment")
     dp: int | None = option(None, range=">= 1", hint="; or leave it out to use world / (tp x cp x pp)",
                             metavar="D", help="data-parallel size (default: world / (tp * cp * pp))",
                             doc="data-parallel size; dp x cp x tp x pp must equal the world size (default: "
