@@ -22,7 +22,7 @@ timed the same way.
 Run from the repository root::
 
     python3 benchmarks/startup.py                      # ~2 min on 2 CPU cores
-    python3 benchmarks/startup.py --nproc 2 --rounds 1 --steps 1   # smoke
+    python3 benchmarks/startup.py --nproc 1 --rounds 1 --steps 1   # smoke
 """
 
 from __future__ import annotations

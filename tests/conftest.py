@@ -23,7 +23,8 @@ def pytest_configure(config):
     # Every multi-process test forks its workers from one warm server per session
     # (gridtrain/runtime/warm.py); what the tests' workers import besides the package
     # is imported there once, checkpoints' DCP included, and the built-in corpus read.
-    warm.preload("pytest", "tests.harness", "tests.training", "gridtrain.checkpoint.dcp_io", "tests.warmup")
+    warm.preload("pytest", "tests.harness", "tests.training", "gridtrain.checkpoint.dcp_io",
+                 "gridtrain.data.corpora:builtin_bytes")
     config.addinivalue_line("markers", "spawn: starts processes (workers or subprocesses); "
                                        "make test-fast leaves it out")
     config.addinivalue_line("markers", "slow: starts no process but takes seconds; make test-fast leaves it out")

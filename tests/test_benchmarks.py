@@ -143,7 +143,7 @@ def test_cp_long_context_runs_every_side_and_refuses_a_bad_shape():
 
 @pytest.mark.spawn
 def test_startup_times_warm_and_cold_workers_that_train_the_same_losses():
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "startup.py"), "--nproc", "2", "--rounds", "1",
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "startup.py"), "--nproc", "1", "--rounds", "1",
                            "--steps", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for side in ("warm (forkserver)", "cold (spawn)"):

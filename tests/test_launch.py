@@ -185,15 +185,20 @@ def test_hanging_rank_gives_worker_timeout_naming_it() -> None:
 def _what_the_worker_sees(rank: int, world_size: int, name: str) -> dict:
     print(f"rank {rank} writes to stdout", flush=True)
     print(f"rank {rank} writes to stderr", file=sys.stderr, flush=True)
+    from gridtrain.data.corpora import builtin_bytes
+
     return {"value": os.environ.get(name), "parent": os.getppid(), "cwd": os.getcwd(),
-            "rank_env": os.environ["RANK"], "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL}
+            "rank_env": os.environ["RANK"], "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+            "corpus_read": builtin_bytes.cache_info().currsize}
 
 
 @pytest.mark.spawn
 def test_warm_workers_take_the_launchers_environment_cwd_and_output_of_now(monkeypatch, capfd, tmp_path) -> None:
     """The warm server forked them from its state of when it started; what differs per run
     (environment, working directory, standard output and error) comes from the launcher
-    as it is at the run, and SIGTERM (ignored by the server) is theirs again."""
+    as it is at the run, and SIGTERM (ignored by the server) is theirs again. The server
+    made the call this session asked it to (tests/conftest.py): the built-in corpus was
+    read before the fork."""
     run_on_ranks(_returns_rank, 1)  # the server runs (started here or by an earlier test)
     server = warm.ensure_server(multiprocessing.get_context("forkserver"))
     monkeypatch.setenv("GRIDTRAIN_TEST_VALUE", "set after the server started")
@@ -203,6 +208,7 @@ def test_warm_workers_take_the_launchers_environment_cwd_and_output_of_now(monke
     assert [r["rank_env"] for r in results] == ["0", "1"]
     assert all(r["parent"] == server != os.getpid() for r in results)  # forked by the warm server
     assert all(r["cwd"] == str(tmp_path) and r["sigterm"] for r in results)
+    assert [r["corpus_read"] for r in results] == [1, 1]
     out, err = capfd.readouterr()
     assert "rank 0 writes to stdout" in out and "rank 1 writes to stdout" in out
     assert "rank 1 writes to stderr" in err

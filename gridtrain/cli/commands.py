@@ -42,9 +42,11 @@ def train_command(cfg: Config) -> int:
         finally:
             shutdown()
         return 0
-    ckpt = cfg.checkpoint
+    ckpt, data = cfg.checkpoint, cfg.data
     if ckpt.save or ckpt.load or ckpt.init_from:  # DCP (about 1 s of CPU) imported once, in the warm server
         warm.preload("gridtrain.checkpoint.dcp_io")
+    if data.path is None and data.tokenizer is None and not ckpt.init_from:  # the built-in corpus read once, not per rank
+        warm.preload("gridtrain.data.corpora:builtin_bytes")
     launch.run_workers(train_worker, nproc, (cfg,), backend=backend_for(resolve_device_type(cfg.training.device), cfg.training.backend),
                        collective_timeout_s=backstop_timeout_s(cfg.training.dist_timeout_s))
     return 0

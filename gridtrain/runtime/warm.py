@@ -38,6 +38,7 @@ import threading
 
 START_METHOD_ENV = "GRIDTRAIN_START_METHOD"
 _SERVER_ENV = "GRIDTRAIN_WARM_SERVER_OF"  # set only in the server's environment: the launcher's pid
+_CALLS_ENV = "GRIDTRAIN_WARM_SERVER_CALLS"  # and the "module:function" entries it calls
 
 # What every training worker imports before its first step: the train command's worker
 # (the loop, the providers, the models, the parallel layers), and torch._dynamo, which
@@ -49,11 +50,14 @@ _extra: list[str] = []
 _lock = threading.Lock()
 
 
-def preload(*modules: str) -> None:
+def preload(*entries: str) -> None:
     """Add modules for the server to import before its first fork (e.g. a test suite's
-    helpers). Takes effect for a server started after the call."""
+    helpers), or ``"module:function"`` entries for it to call: state that every worker
+    would otherwise build alike, such as the built-in corpus's tokens
+    (``gridtrain.data.corpora:builtin_bytes``, a cached function). Takes effect for a
+    server started after the call."""
     with _lock:
-        _extra.extend(m for m in modules if m not in _extra)
+        _extra.extend(e for e in entries if e not in _extra)
 
 
 def start_method() -> str:
@@ -89,23 +93,35 @@ def ensure_server(ctx: mp.context.BaseContext) -> int:
     from multiprocessing import forkserver
 
     with _lock:
-        ctx.set_forkserver_preload(["__main__", __name__, *PRELOAD, *_extra])
+        modules = [e for e in _extra if ":" not in e]
+        ctx.set_forkserver_preload(["__main__", __name__, *PRELOAD, *modules])
         os.environ[_SERVER_ENV] = str(os.getpid())
+        os.environ[_CALLS_ENV] = ",".join(e for e in _extra if ":" in e)
         try:
             forkserver.ensure_running()  # a no-op while the server lives
         finally:
             os.environ.pop(_SERVER_ENV, None)
+            os.environ.pop(_CALLS_ENV, None)
         return forkserver._forkserver._forkserver_pid
 
 
-def _become_server(launcher_pid: int) -> None:
+def _become_server(launcher_pid: int, calls: list[str]) -> None:
     """In the server, before it imports anything heavy: die with the launcher, and leave
-    SIGTERM to the launcher and the workers (module docstring)."""
+    SIGTERM to the launcher and the workers (module docstring); then make the calls asked
+    for. A call that fails costs the workers only the work it would have saved them."""
+    import importlib
+
     from gridtrain.runtime.worker import die_with_parent
 
     die_with_parent(launcher_pid)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for call in calls:
+        module, _, function = call.partition(":")
+        try:
+            getattr(importlib.import_module(module), function)()
+        except Exception:  # noqa: BLE001 -- the worker will meet (and report) the same error itself
+            pass
 
 
 if os.environ.get(_SERVER_ENV):  # this process is the warm server, importing its preload list
-    _become_server(int(os.environ.pop(_SERVER_ENV)))
+    _become_server(int(os.environ.pop(_SERVER_ENV)), [c for c in os.environ.pop(_CALLS_ENV, "").split(",") if c])
