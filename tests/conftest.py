@@ -4,8 +4,9 @@ Tests that start processes (worker processes, ``gridtrain`` or ``torchrun`` in a
 subprocess) carry ``@pytest.mark.spawn``; in-process tests that take seconds (whole
 training runs, dry runs of 1,024-rank layouts) carry ``@pytest.mark.slow``. The rest is
 the fast tier: ``make test-fast`` (``pytest -m "not spawn and not slow"``) runs it in
-under a minute on 2 cores (45 s); ``make test`` runs everything. The spawn marking is
-enforced: a test without the mark that starts a process fails, naming it.
+under a minute on 2 cores (about 50 s); ``make test`` runs everything (about 20
+minutes). The spawn marking is enforced: a test without the mark that starts a process
+fails, naming it.
 """
 
 from __future__ import annotations

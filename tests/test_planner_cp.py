@@ -320,6 +320,7 @@ def _plan(capsys, argv: list[str]) -> list[dict]:
     return json.loads(capsys.readouterr().out)["layouts"]
 
 
+@pytest.mark.slow  # a search over 1,024 GPUs: about 2 s
 def test_cp_doubles_llama3_8b_at_131072_tokens_on_1024_h100s(capsys, no_process_may_start):
     """The job of the issue: with cp fixed to 1 the global batch of 64 leaves one
     sequence per dp rank and tp 8 x pp 2 x dp 64 (a pipeline of one micro-batch: half of

@@ -224,6 +224,7 @@ def _tiny(c: dict):
     return cfg, ProcessGrid.build(c["world"], tp=cfg.parallel.tp, pp=cfg.parallel.pp)
 
 
+@pytest.mark.slow  # a dry run each, about a second
 @pytest.mark.parametrize("case", sorted(DRY_RUNS))
 def test_the_dry_run_holds_the_memory_model(case):
     from gridtrain import dryrun
