@@ -157,18 +157,23 @@ def test_the_public_api_imports_from_the_package_without_torch_and_a_worker_with
     What a training worker imports of the package (the train command's worker, which the
     warm server preloads: gridtrain/runtime/warm.py) imports none of :data:`HEAVY`: each
     is imported where it is used. torch._dynamo is the exception the server preloads
-    besides: torch imports it when the first optimizer is built, which the last line
-    checks (were that to change, the preload could go)."""
+    besides: torch imports it when the first optimizer is built, which the third line
+    checks (were that to change, the preload could go). Nothing the server preloads asks
+    for CUDA (the fourth line): a CUDA driver initialised before a fork is unusable in the
+    forked workers, which bind their GPU themselves."""
     import subprocess
     import sys
 
     code = ("import sys, gridtrain; assert 'torch' not in sys.modules; "
             "from gridtrain import Datasets, load_model, pretrain; "
             "from gridtrain.data import Datasets as D; assert D is Datasets; print(pretrain.__name__); "
+            "import torch; asked = []; torch.cuda.is_available = lambda: asked.append(1) or False; "
+            "torch.cuda.device_count = lambda: asked.append(1) or 0; "
             "from gridtrain.runtime import warm; import importlib; "
             "[importlib.import_module(m) for m in warm.PRELOAD if m.startswith('gridtrain')]; "
             f"print([m for m in {HEAVY!r} if m in sys.modules]); "
-            "import torch; torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]); "
-            "print('torch._dynamo' in sys.modules, 'torch._dynamo' in warm.PRELOAD)")
+            "torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]); "
+            "print('torch._dynamo' in sys.modules, 'torch._dynamo' in warm.PRELOAD); "
+            "from gridtrain.data.corpora import builtin_bytes; import gridtrain.checkpoint.dcp_io; print(len(asked))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split("\n")[:3] == ["pretrain", "[]", "True True"], out.stdout
+    assert out.stdout.split("\n")[:4] == ["pretrain", "[]", "True True", "0"], out.stdout

@@ -24,6 +24,10 @@ that of the moment it started, not of the run:
   it (they save at the next step boundary); a server that died of it would kill the
   workers before they could.
 
+The server must never initialise CUDA (a driver initialised before a fork is unusable in
+the child): nothing it preloads asks for a GPU (tests/test_imports.py checks), and each
+worker binds its GPU after the fork (worker.py).
+
 ``GRIDTRAIN_START_METHOD=spawn`` starts cold workers, as before, e.g. to rule the server
 out when chasing a start-up problem; platforms without forkserver use spawn. torchrun
 launches are unaffected: torchrun starts its own workers.
