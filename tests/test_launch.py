@@ -226,7 +226,15 @@ def test_cold_spawned_workers_still_work_on_request(monkeypatch) -> None:
     assert [r["value"] for r in results] == ["spawn"] * 2
 
 
-def test_an_unknown_start_method_is_one_line(monkeypatch) -> None:
+def test_an_unknown_start_method_is_one_line_before_any_process(monkeypatch, capsys) -> None:
+    """Refused where run_workers starts, before its store or any process (the conftest
+    fixture fails this test if a process starts); on the command line, one line, exit 2."""
+    from gridtrain.cli.parser import main
+
     monkeypatch.setenv(warm.START_METHOD_ENV, "fork")
     with pytest.raises(ValueError, match=r"GRIDTRAIN_START_METHOD='fork' is not available here; use one of"):
         warm.start_method()
+    assert main(["train", "--model", "tiny", "--nproc", "2", "--steps", "1", "--global-batch-size", "4",
+                 "--micro-batch-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gridtrain: error: GRIDTRAIN_START_METHOD='fork'"), err

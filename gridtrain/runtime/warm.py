@@ -40,6 +40,8 @@ import os
 import signal
 import threading
 
+from gridtrain.config import ConfigError
+
 START_METHOD_ENV = "GRIDTRAIN_START_METHOD"
 _SERVER_ENV = "GRIDTRAIN_WARM_SERVER_OF"  # set only in the server's environment: the launcher's pid
 _CALLS_ENV = "GRIDTRAIN_WARM_SERVER_CALLS"  # and the "module:function" entries it calls
@@ -66,12 +68,13 @@ def preload(*entries: str) -> None:
 
 def start_method() -> str:
     """forkserver where the platform has it (Linux, macOS), else spawn; the environment's
-    ``GRIDTRAIN_START_METHOD`` (forkserver | spawn) decides where set."""
+    ``GRIDTRAIN_START_METHOD`` (forkserver | spawn) decides where set (another value is a
+    ConfigError: one line and exit status 2 from the command line, before any process)."""
     methods = mp.get_all_start_methods()
     requested = os.environ.get(START_METHOD_ENV, "").strip()
     if requested:
         if requested not in ("forkserver", "spawn") or requested not in methods:
-            raise ValueError(f"{START_METHOD_ENV}={requested!r} is not available here; "
+            raise ConfigError(f"{START_METHOD_ENV}={requested!r} is not available here; "
                              f"use one of {[m for m in ('forkserver', 'spawn') if m in methods]}")
         return requested
     return "forkserver" if "forkserver" in methods else "spawn"
