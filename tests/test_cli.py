@@ -106,7 +106,15 @@ def test_train_two_processes_then_generate(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "dp 2 x pp 1 x tp 1" in proc.stdout + proc.stderr
     assert "--- sample" in proc.stdout and "import " in proc.stdout
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # the start-up, once: from the launcher's start, with each worker's peak memory
+    assert ["startup" in r for r in rows] == [True, False, False, False]
+    up = rows[0]["startup"]
+    assert up["time_s"] > 0 and up["time_s"] == pytest.approx(sum(up["phases"].values()))
+    assert list(up["phases"])[:3] == ["launch", "imports", "process_group"] and up["phases"]["launch"] > 0
+    assert len(up["host_peak_bytes"]) == 2 and all(n > 0 for n in up["host_peak_bytes"])
+    assert proc.stdout.count("start-up: ") == 1 and "peak host memory: max " in proc.stdout
     gen = subprocess.run([sys.executable, "-m", "gridtrain", "generate", "--load", str(save),
                           "--prompt", "class ", "--max-new-tokens", "16"],
                          capture_output=True, text=True, timeout=120)
@@ -147,4 +155,7 @@ def test_under_torchrun_the_world_comes_from_the_environment(tmp_path):
     # printed by rank 0 only, from the whole model gathered over the launcher's group,
     # which the loop leaves to its caller
     assert proc.stdout.count("--- sample") == 1
-    assert len(metrics.read_text().splitlines()) == 2
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(rows) == 2 and "startup" not in rows[1]
+    up = rows[0]["startup"]  # from each worker's own start: no launch phase
+    assert up["time_s"] > 0 and list(up["phases"])[0] == "imports" and len(up["host_peak_bytes"]) == 2

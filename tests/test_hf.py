@@ -226,6 +226,22 @@ def test_grid_checkpoint_exports_the_same_tensors_as_one_process(tmp_path, prese
         assert relative_difference(grid[name], one[name]) <= 1e-9, name
 
 
+@pytest.mark.spawn
+def test_zero3_run_exports_and_loads_in_transformers_with_its_logits(tmp_path, monkeypatch):
+    """A ZeRO-3 dp 4 run (each rank holds a quarter of every parameter) saves, exports
+    tensor by tensor, and transformers computes the run's own logits from the export."""
+    keep_hf_rmsnorm_in_fp64(monkeypatch)
+    cfg = tiny_config(steps=2, save=str(tmp_path / "run"), global_batch_size=4, micro_batch_size=1)
+    cfg.model = dataclasses.replace(preset_config("llama-tiny").model, seq_len=32, n_kv_head=2, tie_embeddings=False)
+    cfg.parallel.dp, cfg.parallel.zero = 4, 3
+    train_layout(cfg, 4)
+    assert cli.main(["export-hf", "--load", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float64)
+    tokens = torch.randint(0, 257, (2, 32))
+    run = gridtrain.load_model(tmp_path / "run", dtype=torch.float64)
+    assert relative_difference(hf(input_ids=tokens).logits.detach(), run(tokens).detach()) <= 1e-9
+
+
 # ---- Llama: the same, through the Llama table ---------------------------------------------------
 
 LLAMA_SHAPES = {"gqa-untied": dict(num_key_value_heads=2, tie_word_embeddings=False),

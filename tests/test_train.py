@@ -36,6 +36,11 @@ def test_metrics_file_has_the_contract_keys(tmp_path):
     required = {"step", "loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s"}
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(required <= r.keys() for r in rows)
+    assert ["startup" in r for r in rows] == [True, False, False]  # the start-up, once, on the first step
+    up = rows[0]["startup"]
+    assert up["time_s"] > 0 and up["time_s"] == pytest.approx(sum(up["phases"].values()))
+    assert list(up["phases"])[-5:] == ["distributed", "model", "data", "optimizer", "loop"]
+    assert len(up["host_peak_bytes"]) == 1 and up["host_peak_bytes"][0] > 0 and up["device_peak_bytes"] is None
     tokens_per_step = cfg.training.global_batch_size * cfg.model.seq_len
     assert [r["tokens"] for r in rows] == [tokens_per_step * k for k in (1, 2, 3)]
 

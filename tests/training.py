@@ -30,6 +30,7 @@ def tiny_config(**fields) -> Config:
 
 def summarize(result: TrainResult) -> dict:
     """Picklable record of a run: per-step losses and grad norms, final weights in fp64."""
+    result.gather_weights()  # ZeRO-3's stay sharded otherwise
     state = {k: v.detach().double().cpu().numpy() for k, v in result.model.state_dict().items()}
     return {"losses": result.losses, "grad_norms": result.grad_norms,
             "valid_loss": result.valid_loss, "valid_by_source": result.valid_by_source, "state": state, "step_bytes": result.step_bytes,

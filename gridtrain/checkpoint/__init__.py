@@ -14,8 +14,9 @@
 * background.py: ``--save-async``: stage to host memory, write on a thread of its own;
 * reader.py: tensors by name, one at a time, from either format (export, generate,
   ``load_model``, ``gridtrain checkpoint info``);
-* whole.py: whole tensors by name (the end-of-run sample, ``--init-from``) and the reader
-  of format 1 (the whole-tensor checkpoints of earlier versions, and ``import-hf``'s).
+* materialise.py: a model built on the meta device takes its first values, each rank
+  only its own pieces (the initialisation, ``--init-from``);
+* whole.py: whole tensors by name (the end-of-run sample) and the reader of format 1 (the whole-tensor checkpoints of earlier versions, and ``import-hf``'s).
 
 This module is the entry point: :func:`save_checkpoint`, :func:`load_checkpoint`.
 """
@@ -35,7 +36,7 @@ from gridtrain.checkpoint.manifest import (DCP_METADATA, MANIFEST, META, is_shar
                                            weight_files, write_manifest)
 from gridtrain.checkpoint.sharded import SaveReport, load_sharded, meta_of, state_to_save, write_state  # noqa: F401
 from gridtrain.checkpoint.reader import weight_tensors  # noqa: F401
-from gridtrain.checkpoint.whole import copy_weights, gather_model, init_weights, load_whole  # noqa: F401
+from gridtrain.checkpoint.whole import copy_weights, gather_model, load_whole  # noqa: F401
 from gridtrain.config import Config, ModelConfig
 from gridtrain.optim.optimizer import as_optimizer
 

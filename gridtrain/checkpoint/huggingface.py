@@ -13,13 +13,15 @@ source converts each through its architecture's table in
   checkpoint without optimizer state (:func:`gridtrain.checkpoint.write_weights_checkpoint`),
   the tokenizer beside it;
 * ``export-hf`` walks the table the other way, shard by shard;
-* ``--init-from`` copies each rank's shards out of the source in
+* ``--init-from`` fills each rank's pieces from the source in
   :func:`gridtrain.training.trainer.build` (weights only, step 0, a fresh optimizer);
 * :func:`load_model` builds the whole model in one process.
 
 So no conversion holds two copies of a model: a tensor is read, converted and written
-(or copied into its parameter) before the next is read; :func:`load_model` holds the
-model it returns and one tensor besides.
+(or copied into its parameter) before the next is read; :func:`load_model` builds on the meta device and holds the
+model it returns and one tensor besides. ``--init-from`` reads, on each rank, only the
+pieces that rank owns (checkpoint/materialise.py): as slices of the stored tensors where
+a rule is a renaming or a transposition (:meth:`ConvertedTensors.box`).
 
 A Hugging Face directory is checked whole before anything is written or any process
 starts (:meth:`HFDirectory.check`): config, index, every tensor the table needs present
@@ -40,10 +42,11 @@ from typing import Any
 import torch
 
 from gridtrain import checkpoint
+from gridtrain.checkpoint.materialise import Stored, materialise
 from gridtrain.checkpoint.reader import weight_tensors
 from gridtrain.config import Config, ModelConfig
 from gridtrain.data import ByteTokenizer, load_tokenizer
-from gridtrain.models.hf_mapping import HFError, Rule, architecture_for, architecture_of, model_config_from_hf
+from gridtrain.models.hf_mapping import SAME, TRANSPOSE, HFError, Rule, architecture_for, architecture_of, model_config_from_hf
 from gridtrain.models.decoder import Decoder
 from gridtrain.checkpoint.tensor_files import StreamingWriter, TensorFiles, TensorSpec, nbytes, plan_of
 from gridtrain.parallel.tensor_parallel import TensorParallel
@@ -104,6 +107,18 @@ class ConvertedTensors(Mapping):
             return r.transform.part([self.directory.view(n) for n in r.theirs], self.directory.model,
                                     r.ours.index(name))
         return self.directory.convert(r)[r.ours.index(name)]
+
+    def box(self, name: str, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor | None:
+        """Only the elements of ``box`` (offsets, sizes) of gridtrain's tensor, read as a
+        slice of the stored one where the rule is a renaming or a transposition; None
+        where the tensor must be converted whole."""
+        r = self.rule_of[name]
+        if len(r.theirs) != 1 or r.transform not in (SAME, TRANSPOSE):
+            return None
+        stored = self.directory.stored_name(r.theirs[0])
+        if r.transform is SAME:
+            return self.directory.files.box(stored, box)
+        return self.directory.files.box(stored, (box[0][::-1], box[1][::-1])).t()
 
     def __contains__(self, name: object) -> bool:
         return name in self.rule_of
@@ -412,10 +427,11 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
     (and per-token losses given labels). ``dtype`` defaults to fp32, ``device`` to the CPU;
     dropout is off and attention is torch's fused kernel."""
     source = open_source(path, "load_model")
-    model = Decoder(dataclasses.replace(source.model, dropout=0.0, attention="sdpa"))
-    model.to(dtype=dtype or torch.float32)
-    checkpoint.copy_weights(source.tensors, model, TensorParallel(), source.where)
-    return model.to(device=device or "cpu").eval()
+    with torch.device("meta"):
+        model = Decoder(dataclasses.replace(source.model, dropout=0.0, attention="sdpa"))
+    materialise(model, Stored(source.tensors, source.where), device=device or "cpu", dtype=dtype or torch.float32,
+                tp=TensorParallel())
+    return model.eval()
 
 
 _SHAPE_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model", "seq_len": "--seq-len",

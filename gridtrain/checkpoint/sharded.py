@@ -89,7 +89,7 @@ def _rank(group=None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _source_name(name: str, param: torch.Tensor) -> str:
+def source_name(name: str, param: torch.Tensor) -> str:
     """A last stage's tied head is stored as the embedding it is a copy of."""
     return "embedding.word.weight" if getattr(param, "tied_copy", False) else name
 
@@ -152,19 +152,19 @@ def state_to_save(model: nn.Module, optimizer: Optimizer | None, ctx) -> dict[st
     for piece in weights if weights is not None and own_pieces else []:  # ZeRO-3: each its shard's pieces
         key = model_key(names[piece.param])
         if not getattr(piece.param, "tied_copy", False) and writes(key, piece.param, ctx, dp_copies=False):
-            state[key] = _piece_slab(piece, piece.tensors["model"], tp)
+            state[key] = piece_slab(piece, piece.tensors["model"], tp)
     for piece in optimizer.state_pieces() if optimizer is not None else []:
         if getattr(piece.param, "tied_copy", False) or (optimizer.shards_over_dp and not own_pieces):
             continue
         for what, flat in piece.tensors.items():
             key = optim_key(names[piece.param], what)
             if writes(key, piece.param, ctx, dp_copies=not optimizer.shards_over_dp):
-                state[key] = _piece_slab(piece, flat, tp)
+                state[key] = piece_slab(piece, flat, tp)
     state[rng_key(_rank())] = _rng_state(ctx)
     return state
 
 
-def _piece_slab(piece: StatePiece, flat: torch.Tensor, tp: TensorParallel) -> Slab:
+def piece_slab(piece: StatePiece, flat: torch.Tensor, tp: TensorParallel) -> Slab:
     return Slab.of_flat(flat, piece.lo, tuple(whole_shape(piece.param)), placement(piece.param, tp))
 
 
@@ -327,7 +327,7 @@ class _Request:
 
 @torch.no_grad()
 def load_sharded(path: Path, meta: dict[str, Any], model: nn.Module, optimizer: Optimizer | None = None, ctx=None, *,
-                 scaler=None, group=None) -> None:
+                 scaler=None, group=None, where: str | None = None) -> None:
     """Load a checked format-2 step directory into this rank's part of the model (and
     its optimizer, loss scaler and RNG state when given), in whatever layout; collective
     over ``group`` (default: the world).
@@ -338,7 +338,7 @@ def load_sharded(path: Path, meta: dict[str, Any], model: nn.Module, optimizer: 
     problem before the collective read; then each part takes what was read
     (:func:`_take_optimizer`, :func:`_take_rng`, the scaler).
     """
-    where = f"--load {path}"
+    where = where or f"--load {path}"
     stored = stored_index(path)
     request, second = _Request(stored, where), _Request(stored, where)
     saved_opt = (meta.get("optimizer") or None) if optimizer is not None else None
@@ -398,10 +398,10 @@ def _request_weights(request: _Request, model: nn.Module, tp: TensorParallel,
     rank's pieces of the parameter shard."""
     names = {p: name for name, p in model.named_parameters()}
     targets = [(p, Slab.of(p.detach(), placement(p, tp))) for p in names] if weights is None else \
-        [(q.param, _piece_slab(q, q.tensors["model"], tp)) for q in weights]
+        [(q.param, piece_slab(q, q.tensors["model"], tp)) for q in weights]
     for p, slab in targets:
         name = names[p]
-        src = _source_name(name, p)
+        src = source_name(name, p)
         from_master = request.has(optim_key(src, "master")) and p.dtype in (torch.float32, torch.float64)
         request.add(optim_key(src, "master") if from_master else model_key(src), slab, f"weights for {name}")
 
@@ -419,14 +419,14 @@ def _request_optimizer(request: _Request, second: _Request, model: nn.Module, op
     filled = []
     for piece in optimizer.load_targets():
         name = names[piece.param]
-        src = _source_name(name, piece.param)
+        src = source_name(name, piece.param)
         if "master" in piece.tensors:
             into, key = (request, optim_key(src, "master")) if masters_stored else (second, model_key(src))
-            into.add(key, _piece_slab(piece, piece.tensors["master"], tp), f"master weights for {name}")
+            into.add(key, piece_slab(piece, piece.tensors["master"], tp), f"master weights for {name}")
         if not (moments and request.has(optim_key(src, "exp_avg"))):
             continue
         for what in ("exp_avg", "exp_avg_sq"):
-            request.add(optim_key(src, what), _piece_slab(piece, piece.tensors[what], tp), f"{what} of {name}")
+            request.add(optim_key(src, what), piece_slab(piece, piece.tensors[what], tp), f"{what} of {name}")
         filled.append(piece)
     return filled
 

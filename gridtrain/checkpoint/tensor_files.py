@@ -21,6 +21,7 @@ header is padded with spaces to a multiple of 8 bytes, so tensors stay aligned.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterable
@@ -48,6 +49,7 @@ class TensorFiles:
     def __init__(self, where: dict[str, Path]):
         self.where = dict(where)
         self._open: dict[Path, object] = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}  # data start, header (for box reads)
 
     @classmethod
     def of_files(cls, files: Iterable[Path]) -> "TensorFiles":
@@ -82,7 +84,48 @@ class TensorFiles:
     def get(self, name: str) -> torch.Tensor:
         return self._file(name).get_tensor(name)
 
+    def box(self, name: str, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
+        """Only the elements of ``box`` (offsets, sizes) of a stored tensor, read with
+        ``pread`` (not through the memory map: the pages of a map count in the reading
+        process's resident memory, and each rank of a layout reads its own part): one
+        read per contiguous run of the box (the box whole when it spans whole rows)."""
+        dtype, shape = self.spec(name)
+        begin = self._data_start(name)
+        out = torch.empty(box[1], dtype=dtype)
+        with open(self.where[name], "rb") as f:
+            for start, view in _runs(shape, box, out):
+                data = os.pread(f.fileno(), view.numel() * dtype.itemsize, begin + start * dtype.itemsize)
+                view.copy_(torch.frombuffer(bytearray(data), dtype=dtype).view(view.shape))
+        return out
+
+    def _data_start(self, name: str) -> int:
+        """The byte where ``name``'s data begins in its file (from the header)."""
+        path = self.where[name]
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                self._headers[path] = (8 + length, json.loads(f.read(length)))
+        data, header = self._headers[path]
+        return data + header[name]["data_offsets"][0]
+
     __getitem__ = get  # a mapping by name, as checkpoint.copy_weights reads weights
+
+
+def _runs(shape: tuple[int, ...], box: tuple[tuple[int, ...], tuple[int, ...]], out: torch.Tensor):
+    """The contiguous runs of ``box`` in a row-major tensor of ``shape``: (flat index of
+    the run's first element, the view of ``out`` it fills). A box is one run when every
+    dimension after its last partial one is whole and every one before it is a single
+    index; otherwise it is cut into single indices along the first dimension that is not."""
+    offsets, sizes = box
+    partial = [d for d in range(len(shape)) if sizes[d] != shape[d]]
+    cut = next((d for d in range(partial[-1]) if sizes[d] > 1), None) if partial else None
+    if cut is None:
+        yield sum(o * math.prod(shape[d + 1:]) for d, o in enumerate(offsets)), out
+        return
+    for i in range(sizes[cut]):
+        sub = (tuple(o + i if d == cut else o for d, o in enumerate(offsets)),
+               tuple(1 if d == cut else n for d, n in enumerate(sizes)))
+        yield from _runs(shape, sub, out.narrow(cut, i, 1))
 
 
 def _handle(path: Path):

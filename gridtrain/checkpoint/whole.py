@@ -1,5 +1,5 @@
-"""Whole tensors by global name, whatever the layout: what one-process readers, the
-end-of-run sample and ``--init-from`` need, and the loader of format 1 (the whole-tensor
+"""Whole tensors by global name, whatever the layout: what the end-of-run sample needs,
+and the loader of format 1 (the whole-tensor
 checkpoints written before the sharded format, and by ``gridtrain import-hf``).
 
 Format 1 step directories hold ``model-pp<stage>.safetensors`` (each stage's whole
@@ -21,6 +21,7 @@ from torch import nn
 
 from gridtrain.checkpoint.errors import REDO, CheckpointError, first_line
 from gridtrain.checkpoint.manifest import is_trainer, is_weights, read_manifest
+from gridtrain.checkpoint.sharded import source_name
 from gridtrain.parallel.tensor_parallel import TensorParallel, shard, shard_spec, unshard
 from gridtrain.optim.interface import Optimizer
 
@@ -100,24 +101,19 @@ def _read_file(path: Path, name: str, read):
                               f"{first_line(exc)}); {REDO}") from None
 
 
-def _source_name(name: str, param: torch.Tensor) -> str:
-    """A last stage's tied head loads the embedding it is a copy of."""
-    return "embedding.word.weight" if getattr(param, "tied_copy", False) else name
-
-
 @torch.no_grad()
 def copy_weights(weights, model: nn.Module, tp: TensorParallel, where: str) -> dict[nn.Parameter, torch.Tensor]:
     """Copy this rank's shard of each parameter from ``weights`` (whole tensors by global
     name: a dict, or any mapping that makes each on demand, as a Hugging Face source
     does); returns each parameter's shard at the saved precision (master weights)."""
     params = dict(model.named_parameters())
-    missing = sorted(n for n, p in params.items() if _source_name(n, p) not in weights)
+    missing = sorted(n for n, p in params.items() if source_name(n, p) not in weights)
     if missing:
         raise CheckpointError(f"{where}: the checkpoint has no weights for {', '.join(missing[:3])}"
                               f"{' ...' if len(missing) > 3 else ''}; use the same model flags as the saved run")
     saved_local: dict[nn.Parameter, torch.Tensor] = {}
     for name, p in params.items():
-        saved = weights[_source_name(name, p)]
+        saved = weights[source_name(name, p)]
         local = _local(saved, p, tp)
         if local.shape != p.shape:
             raise CheckpointError(f"{where}: {name} has shape {tuple(saved.shape)}, "
@@ -125,16 +121,6 @@ def copy_weights(weights, model: nn.Module, tp: TensorParallel, where: str) -> d
         p.copy_(local)
         saved_local[p] = local
     return saved_local
-
-
-@torch.no_grad()
-def init_weights(weights, model: nn.Module, optimizer=None, ctx=None, *, where: str) -> None:
-    """Weights only (``--init-from``): this rank's shards from ``weights`` (see
-    :func:`copy_weights`); an optimizer that keeps master weights takes them at the
-    source's precision, not rounded to this run's dtype. Optimizer state stays fresh."""
-    saved_local = copy_weights(weights, model, _tp_of(ctx), where)
-    if optimizer is not None:
-        optimizer.load_state_by_param({p: {"master": local.to(p.device)} for p, local in saved_local.items()})
 
 
 @torch.no_grad()
@@ -167,7 +153,7 @@ def load_whole(path: Path, model: nn.Module, optimizer: Optimizer | None = None,
         states = {}
         for name, p in params.items():
             state = {k: _local(v, p, tp).to(p.device) if torch.is_tensor(v) and v.dim() else v
-                     for k, v in (state_by_name.get(_source_name(name, p)) or {}).items()}
+                     for k, v in (state_by_name.get(source_name(name, p)) or {}).items()}
             state.setdefault("master", saved_local[p].to(p.device))  # an fp32 run saved no masters
             states[p] = state
         optimizer.load_state_by_param(states)

@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from gridtrain import checkpoint
-from gridtrain.runtime import launch, warm
+from gridtrain.runtime import launch, startup, warm
 from gridtrain.config import Config, under_torchrun
 from gridtrain.data import load_tokenizer
 from gridtrain.parallel.distributed import shutdown
@@ -28,6 +28,7 @@ def train_worker(rank: int, world_size: int, cfg: Config) -> dict:
     """One rank's whole run; returns what the parent reports (picklable)."""
     result = pretrain(decoder_model_provider, text_datasets_provider, decoder_forward_step, cfg)
     if cfg.sample.sample_tokens > 0:
+        result.gather_weights()  # ZeRO-3: the whole stage on every rank, while it is gathered to rank 0
         weights = checkpoint.gather_model(result.model, result.ctx)  # whatever the layout
         if result.ctx.rank == 0:
             print_sample(whole_model(cfg, weights), cfg)
@@ -48,7 +49,8 @@ def train_command(cfg: Config) -> int:
     if data.path is None and data.tokenizer is None and not ckpt.init_from:  # the built-in corpus read once, not per rank
         warm.preload("gridtrain.data.corpora:builtin_bytes")
     launch.run_workers(train_worker, nproc, (cfg,), backend=backend_for(resolve_device_type(cfg.training.device), cfg.training.backend),
-                       collective_timeout_s=backstop_timeout_s(cfg.training.dist_timeout_s))
+                       collective_timeout_s=backstop_timeout_s(cfg.training.dist_timeout_s),
+                       env=startup.launch_environment())  # the workers time their start-up from this command's
     return 0
 
 

@@ -233,6 +233,21 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
     return {"parameters": n, **state}
 
 
+def expected_startup_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> int:
+    """A rank's peak while it starts (gridtrain.checkpoint.materialise): what it keeps
+    (:func:`expected_bytes`: its parameters, or under ZeRO-3 its parameter shard, its
+    gradient buffer or shard and its optimizer's state, all allocated before the first
+    step) and one whole tensor in fp32, the largest of its stage *before* any split (a
+    parameter is drawn whole, or read whole where a source cannot read slices, then
+    cut to the rank's pieces). Nothing else of the model is ever whole on the rank, so
+    start-up grows with the rank's share and with the largest single tensor (the token
+    table or the head), not with the model."""
+    state = expected_bytes(cfg, grid, rank)
+    holds = _holds(cfg, grid, rank)
+    whole = 4 * largest_parameter(cfg.model, 1, holds, moe_blocks_held(cfg, grid, rank))
+    return state["parameter_bytes"] + state["gradient_bytes"] + state["optimizer_bytes"] + whole
+
+
 def _largest_bucket(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool], moe_blocks: int,
                     dense: int) -> int | None:
     """The largest gradient bucket of a MoE model's rank under ZeRO-2/3 (its staging

@@ -49,7 +49,7 @@ from gridtrain.parallel.tensor_parallel import TensorParallel
 
 def causal_bias(seq_len: int) -> torch.Tensor:
     """Added to the scores of the op-by-op core: -inf above the diagonal (an add saves nothing)."""
-    return torch.full((seq_len, seq_len), float("-inf")).triu(1)
+    return torch.full((seq_len, seq_len), float("-inf"), device="cpu").triu(1)  # real in a meta-device build too
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: float, training: bool,

@@ -9,9 +9,11 @@ Two properties matter more than anything else here:
 * **Global parameter names.** Blocks live in a ``ModuleDict`` keyed by their global
   layer index, so ``blocks.7.attn.qkv.weight`` means the same tensor whichever stage
   holds layer 7. Checkpoints and the initialisation below key on these names.
-* **Layout-independent initialisation.** :func:`init_parameters` draws every parameter
+* **Layout-independent initialisation.** :func:`initial_tensor` draws every parameter
   whole from a generator seeded by (seed, name), as Megatron's CPU initialisation does,
-  so any split of the model over devices starts from the same numbers.
+  so any split of the model over devices starts from the same numbers. The model can be
+  built on the meta device (no memory; buffers, derived from the config, are computed
+  on the host even then) and each rank then materialises only its own pieces.
 """
 
 from __future__ import annotations
@@ -355,29 +357,39 @@ def _init_std(name: str, param: torch.Tensor, cfg: ModelConfig) -> float | None:
     return 0.02
 
 
+def initial_tensor(name: str, param: torch.Tensor, shape: tuple[int, ...], cfg: ModelConfig,
+                   seed: int) -> torch.Tensor:
+    """The whole tensor parameter ``name`` starts from (global ``shape``, no vocabulary
+    padding), in fp32 on the host: drawn from a generator of its own, seeded by (seed,
+    name), or constant (norms 1, biases 0). Every layout slices its shards from it."""
+    std = _init_std(name, param, cfg)
+    if std is None:
+        return torch.full(shape, 1.0 if name.endswith("weight") else 0.0)
+    gen = torch.Generator().manual_seed(parameter_seed(seed, canonical_name(name)))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
 @torch.no_grad()
 def init_parameters(model: Decoder, seed: int) -> None:
-    """Draw each parameter whole from its own generator, then copy in the local shard.
+    """Draw each parameter whole (:func:`initial_tensor`), then copy in the local shard:
+    the one-process reference of initialisation, for models built with memory. A
+    training run builds on the meta device and each rank reads only its own pieces of
+    the same tensors (gridtrain.checkpoint.materialise); tests hold the two equal.
 
     Values are drawn in fp32 on the CPU so every dtype, device and TP layout starts from
     the same numbers; vocabulary padding rows are zero (they never receive a gradient).
     """
     tp = model.tp
     for name, param in model.named_parameters():
-        std = _init_std(name, param, model.cfg)
-        if std is None:
-            param.fill_(1.0 if name.endswith("weight") else 0.0)
-            continue
         spec = shard_spec(param)
         full_shape = spec.full_shape(param.shape, tp.size) if spec else tuple(param.shape)
         rows = getattr(param, "vocab_rows", full_shape[0])
-        gen = torch.Generator().manual_seed(parameter_seed(seed, _canonical_name(name)))
         full = torch.zeros(full_shape)
-        full[:rows].normal_(0.0, std, generator=gen)
+        full[:rows] = initial_tensor(name, param, (rows, *full_shape[1:]), model.cfg, seed)
         param.copy_(shard(full, spec, tp.rank, tp.size) if spec else full)
 
 
-def _canonical_name(name: str) -> str:
+def canonical_name(name: str) -> str:
     """A last stage's copy of the tied table starts from the same numbers as the original."""
     return "embedding.word.weight" if name == "head" else name
 

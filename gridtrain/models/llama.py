@@ -195,8 +195,9 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float32), rope_frequencies(cfg))
-        angles = torch.cat([angles, angles], dim=-1)
+        with torch.device("cpu"):  # derived from the config: real even in a model built on the meta device
+            angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float32), rope_frequencies(cfg))
+            angles = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 

@@ -8,7 +8,9 @@ form the root unit) buckets of its own, so a unit's parameters are whole buckets
 parameter lies in one bucket. Rank r keeps its slices in the parameters' dtype (its
 *parameter shard*, ``padded / dp`` elements: 2 bytes per parameter over dp for bf16);
 the optimizer's fp32 master shard has the same positions and writes into it after each
-step (fp32 and fp64 runs share one tensor for both).
+step (fp32 and fp64 runs share one tensor for both). A model built on the meta device
+never holds its parameters whole: the shard is filled piece by piece from the values
+the run starts from (``fill``: gridtrain.checkpoint.materialise.fill_pieces).
 
 **Gather and free.** Between uses a parameter's ``.data`` is an empty tensor. A unit's
 forward pre-hook waits for its gather (launching it if no one has) and starts the next
@@ -78,7 +80,8 @@ class ParameterShards:
     parameters (the module docstring)."""
 
     def __init__(self, model: nn.Module, reducer: GradientReducer, units: list[Unit], dp: CommGroup, *,
-                 keep_gathered: bool = False, sequences: list[list[Unit]] | None = None):
+                 keep_gathered: bool = False, sequences: list[list[Unit]] | None = None,
+                 fill: Callable[[torch.Tensor, list], None] | None = None):
         self.model, self.reducer, self.units, self.dp = model, reducer, units, dp
         self.keep_gathered = keep_gathered
         self.dtype = reducer.params[0].dtype if reducer.params else torch.float32
@@ -94,9 +97,12 @@ class ParameterShards:
             for i, u in enumerate(run):
                 self._neighbours[id(u)] = (run[i - 1] if i > 0 else None, run[i + 1] if i + 1 < len(run) else None)
         self.shard = torch.zeros(reducer.shard_numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for q in reducer.pieces:
-                self.shard[q.at:q.end] = q.param.detach().reshape(-1)[q.lo:q.hi]
+        if fill is not None:  # parameters built on the meta device: only the shard gets values
+            fill(self.shard, reducer.pieces)
+        else:
+            with torch.no_grad():
+                for q in reducer.pieces:
+                    self.shard[q.at:q.end] = q.param.detach().reshape(-1)[q.lo:q.hi]
         self._deferred: dict[nn.Parameter, int] = {}  # gradients deferred to W, not yet come
         deferred_hook = weak_hook(self._grad_deferred)
         for p in reducer.params:

@@ -9,6 +9,8 @@
 * ``stops``: exit codes and why a run stopped (NaN, preemption, hang);
 * ``host_sync``: the named points where a step reads a device value on the host;
 * ``timing``: host and CUDA-event clocks;
+* ``startup``: the start-up's clock (the launch to the first step, by phase) and each
+  process's peak memory;
 * ``activation_meter``: the saved-tensor hooks that count (and, on a GPU, offload) the
   bytes autograd keeps for backward, per layer and stage.
 

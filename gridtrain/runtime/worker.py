@@ -13,8 +13,9 @@ then unpickles the work (whose function and arguments import torch and the rest 
 package); torch is imported inside the functions that need it. Keep it that way: the
 warm server imports this module before anything else.
 
-After that, the worker joins the parent's store, runs the function and sends back its
-result, its deliberate stop or its traceback (the parent side is launch.py).
+After that, the worker joins the parent's store (stamping the start-up's phases that end
+before the run: startup.py), runs the function and sends back its result, its deliberate
+stop or its traceback (the parent side is launch.py).
 """
 
 from __future__ import annotations
@@ -126,11 +127,14 @@ def worker_main(spec: WorkerSpec, results: Any) -> None:
     the root cause before the other ranks (blocked in a collective with this
     one) fail in turn.
     """
+    from gridtrain.runtime import startup
     from gridtrain.runtime.stops import RunStopped
 
     _set_worker_env(spec)
     try:
+        startup.stamp("imports")  # the start-up's phases until the run (startup.py)
         _init_worker_process_group(spec)
+        startup.stamp("process_group")
         value = spec.fn(spec.rank, spec.world_size, *spec.args)
         _destroy_process_group()
         payload = _pickle_result(value)

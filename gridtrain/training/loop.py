@@ -6,7 +6,8 @@ for each step set the learning rate, take this rank's micro-batches of the globa
 and run the schedule (forward, backward, gradient reduction, clipping, optimizer), stop
 on a non-finite number, validate and save when due, and save and stop when the job is
 being preempted (stops.py). What the run reports, and how, is reporting.py's business:
-the loop only hands it each step.
+the loop only hands it each step, and the start-up's stamps (runtime/startup.py): the
+providers are timed where build() calls them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from gridtrain.parallel.comm import CommGroup
 from gridtrain.config import Config
 from gridtrain.data import Datasets
 from gridtrain.training.report import RunReport, TrainResult
+from gridtrain.runtime.startup import StartupClock
 from gridtrain.runtime.stops import Health, Preempted, Preemption
 from gridtrain.parallel.distributed import launched_by_env, shutdown
 from gridtrain.training.trainer import ForwardStep, ModelProvider, Trainer, build
@@ -38,17 +40,23 @@ def pretrain(model_provider: ModelProvider, datasets_provider: Callable[[Config]
     launcher's environment (torchrun), outlives the loop: the caller may still gather or
     sample with it, and ends it (``distributed.shutdown``).
     """
+    clock = StartupClock.begin()
     validate(cfg, data=False)  # the CLI checked the built-in provider's data; others bring their own
     owns_group = not dist.is_initialized() and not launched_by_env()
     try:
-        return _train(cfg, build(cfg, model_provider, forward_step, datasets_provider))
+        # build() sets up the groups, then calls the model provider, then the datasets provider
+        model_provider = clock.timed(model_provider, before="distributed")
+        datasets_provider = clock.timed(datasets_provider, before="model", after="data")
+        trainer = build(cfg, model_provider, forward_step, datasets_provider)
+        clock.stamp("optimizer")
+        return _train(cfg, trainer, clock)
     finally:
         if owns_group:
             shutdown()
 
 
-def _train(cfg: Config, trainer: Trainer) -> TrainResult:
-    report = RunReport(trainer)
+def _train(cfg: Config, trainer: Trainer, clock: StartupClock) -> TrainResult:
+    report = RunReport(trainer, clock)
     t, c, validates = cfg.training, cfg.checkpoint, trainer.data.valid is not None
     health = Health(t.dtype, t.min_loss_scale)
     world = CommGroup.of("world", dist.group.WORLD, trainer.ctx.bytes, device=trainer.ctx.device)

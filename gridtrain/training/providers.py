@@ -13,18 +13,19 @@ from gridtrain.config import Config
 from gridtrain.data import Batch, ByteTokenizer, Datasets, load_tokenizer
 from gridtrain.data.mixture import MixtureDataset, build_sources
 from gridtrain.parallel.distributed import DistributedContext
-from gridtrain.models.decoder import Decoder, ChunkSpec, init_parameters, parameter_costs, profile_units
+from gridtrain.models.decoder import Decoder, ChunkSpec, parameter_costs, profile_units
 from gridtrain.memory.model import block_partition, chunks_of_stage
 from gridtrain.parallel.pipeline.partition import UnitCosts
 
 
 def decoder_model_provider(cfg: Config, ctx: DistributedContext) -> nn.Module:
-    """This rank's chunks of the Decoder of ``cfg.model``, split over TP and PP, initialised
-    layout-independently, on this rank's device."""
-    model = Decoder(cfg.model, tp=ctx.tp, chunks=stage_chunks(cfg, ctx), recompute=ctx.recompute, cp=ctx.cp,
-                    ep=ctx.ep)
-    init_parameters(model, cfg.training.seed)
-    return model.to(device=ctx.device, dtype=ctx.param_dtype)
+    """This rank's chunks of the Decoder of ``cfg.model``, split over TP and PP, built on
+    the meta device in the run's dtype: the trainer gives memory and values only to what
+    the rank owns (gridtrain.checkpoint.materialise: the same values on every layout)."""
+    with torch.device("meta"):
+        model = Decoder(cfg.model, tp=ctx.tp, chunks=stage_chunks(cfg, ctx), recompute=ctx.recompute, cp=ctx.cp,
+                        ep=ctx.ep)
+    return model.to(dtype=ctx.param_dtype)
 
 
 def stage_chunks(cfg: Config, ctx: DistributedContext) -> list[ChunkSpec]:

@@ -6,7 +6,9 @@ keeps the numbers (:class:`TrainResult`, returned to the caller), writes the per
 metrics (metrics.py: JSON lines, progress bar, TensorBoard), counts the payload bytes
 each step moved per process group, measures saved-activation memory on the first step
 (runtime/activation_meter.py; the memory report prints it beside the memory model's
-per-layer formula, memory/activations.py) and prints the closing summary. Only the
+per-layer formula, memory/activations.py), takes the start-up's time and every rank's
+peak memory when the first step begins (runtime/startup.py; in the first step's record
+and the summary) and prints the closing summary. Only the
 logging rank prints; every rank keeps its own numbers, and the end-of-run gathers (idle
 fractions, memory per stage) are collective over the pipeline group, so every rank
 calls :meth:`RunReport.finish`.
@@ -19,6 +21,7 @@ import math
 import contextlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from torch import nn
 from gridtrain import checkpoint
 from gridtrain.config import Config, ModelConfig
 from gridtrain.memory.activations import dropout_mask_bytes, expected_by_layer, layer_shape
+from gridtrain.parallel.comm import CommGroup
 from gridtrain.parallel.zero3 import whole_shape
 from gridtrain.parallel.distributed import DistributedContext
 from gridtrain.parallel.experts import LayerRouting
@@ -35,6 +39,7 @@ from gridtrain.training.metrics import MetricsLogger, RunStats, StepRecord, peak
 from gridtrain.models.decoder import training_flops_per_token
 from gridtrain.optim.schedules import resume_note, schedule_in_meta, schedule_of
 from gridtrain.runtime.activation_meter import ActivationMeter, saved_activations
+from gridtrain.runtime.startup import Startup, StartupClock, host_peak_bytes
 from gridtrain.training.trainer import StepOutput, Trainer
 
 
@@ -58,17 +63,21 @@ class TrainResult:
     trace_events: list[tuple[int, str, float, float]] = field(default_factory=list)  # (step, action, start, end)
     memory: list[StageMemory] = field(default_factory=list)  # every stage's, measured at step 1
     routing: list[dict[int, LayerRouting]] = field(default_factory=list)  # MoE layers' routing, per step
+    startup: Startup | None = None  # the launch to the first step, every rank's peak memory by then
+    # ZeRO-3's parameters stay sharded after the run: this makes them whole (Trainer.gather_weights)
+    gather_weights: Callable[[], None] = lambda: None
 
 
 class RunReport:
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, clock: StartupClock | None = None):
         self.trainer = trainer
+        self.clock = clock  # the start-up's stamps, closed when the first step begins
         cfg, ctx, t, r = trainer.cfg, trainer.ctx, trainer.cfg.training, trainer.cfg.metrics
         model = trainer.model
         self.log = MetricsLogger(ctx.is_logging_rank, r.metrics_file, t.steps, trainer.start_step, r.progress,
                                  tensorboard=r.tensorboard)
         self.stats = RunStats(flops_per_token=_flops_per_token(model), world_size=ctx.grid.world_size)
-        self.result = TrainResult(ctx=ctx, model=model)
+        self.result = TrainResult(ctx=ctx, model=model, gather_weights=trainer.gather_weights)
         self.step_tokens = trainer.step_tokens
         self.tokens_seen = trainer.start_step * self.step_tokens
         self.offload = cfg.activations.offload_activations and ctx.device.type == "cuda"
@@ -76,6 +85,7 @@ class RunReport:
         self._bytes_before: dict = {}  # the byte and call counters when the current step began ...
         self._calls_before: dict = {}
         self._elapsed = 0.0  # ... and the seconds it took
+        self._startup_pending = False  # the first step's record carries the start-up
         if cfg.activations.offload_activations and not self.offload:
             self.log.print("--offload-activations: activations already live in host memory on the CPU; "
                            "nothing to offload")
@@ -100,6 +110,8 @@ class RunReport:
         step (the counts repeat) the bytes saved for backward, per layer."""
         trainer = self.trainer
         counter = trainer.ctx.bytes
+        if first and self.clock is not None:  # before the step resets the device's peak
+            self.result.startup, self._startup_pending = _startup(self.clock, trainer.ctx), True
         began, self._bytes_before, self._calls_before = time.perf_counter(), dict(counter.bytes), dict(counter.calls)
         meter = ActivationMeter.for_model(trainer.model) if first or self.offload else None
         with saved_activations(meter, self.offload), _device_peak(trainer.ctx.device, first) as peak:
@@ -126,6 +138,8 @@ class RunReport:
         result.step_bytes.append(_since(self._bytes_before, trainer.ctx.bytes.bytes))
         result.step_calls.append(_since(self._calls_before, trainer.ctx.bytes.calls))
         extra = {"comm_bytes": bytes_by_group(result.step_bytes[-1])}
+        if self._startup_pending:
+            extra["startup"], self._startup_pending = result.startup.as_json(), False
         result.routing.append(out.routing)
         if out.routing:
             extra["moe"] = {str(layer): r.as_json() for layer, r in out.routing.items()}
@@ -187,6 +201,8 @@ class RunReport:
             f"MFU n/a (no known peak for {ctx.device.type}; pass --peak-tflops)"
         log.print(f"throughput: {stats.tokens_per_s():,.0f} tokens/s, {tflops:.4f} TFLOP/s per device "
                   f"({stats.flops_per_token / 1e6:.2f} MFLOP per token), {mfu}")
+        if result.startup is not None:
+            log.print(startup_line(result.startup))
         if ctx.grid.dp > 1 and len(result.overlap) > 1:
             steady = result.overlap[1:]
             log.print(f"data parallel: {100 * sum(steady) / len(steady):.0f}% of gradient all-reduce time "
@@ -288,6 +304,37 @@ def save_summary(saves, background: bool) -> str:
     return (f"checkpoints: {len(saves)} saved {how}; training blocked {blocked[len(blocked) // 2]:.3f} s per save "
             f"(median; max {blocked[-1]:.3f} s, in order: {', '.join(f'{s.blocked_s:.3f}' for s in saves[:8])}"
             f"{' ...' if len(saves) > 8 else ''}), writing took {written[len(written) // 2]:.3f} s (median)")
+
+
+# ---- start-up ------------------------------------------------------------------------------------
+
+def _startup(clock: StartupClock, ctx: DistributedContext) -> Startup:
+    """The start-up, as the first step begins: this rank's phases, and every rank's peak
+    host and device memory so far (gathered over the world: collective)."""
+    clock.stamp("loop")
+    phases = clock.phases()
+    host = host_peak_bytes()
+    device = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else -1
+    world = CommGroup.of("world", torch.distributed.group.WORLD, ctx.bytes, device=ctx.device)
+    mine = torch.tensor([[-1 if host is None else host, device]], dtype=torch.float64, device=ctx.device)
+    ranks = [[int(v) for v in row] for row in world.all_gather(mine, 0).tolist()]
+    return Startup(time_s=sum(phases.values()), phases=phases,
+                   host_peak_bytes=[h if h >= 0 else None for h, _ in ranks],
+                   device_peak_bytes=[d for _, d in ranks] if ctx.device.type == "cuda" else None)
+
+
+def startup_line(s: Startup) -> str:
+    """One line for the run summary: the start-up's time by phase and the ranks' peak memory."""
+    phases = ", ".join(f"{name.replace('_', ' ')} {seconds:.2f}" for name, seconds in s.phases.items())
+    line = f"start-up: {s.time_s:.2f} s from the launch to the first step ({phases} s)"
+    for what, peaks in (("host", s.host_peak_bytes), ("device", s.device_peak_bytes)):
+        known = sorted((n, rank) for rank, n in enumerate(peaks or []) if n is not None)
+        if not known:
+            continue
+        (low, low_rank), (high, high_rank) = known[0], known[-1]
+        line += (f"; peak {what} memory: max {format_bytes(high)} (rank {high_rank}), min {format_bytes(low)} "
+                 f"(rank {low_rank})" if len(peaks) > 1 else f"; peak {what} memory {format_bytes(high)}")
+    return line
 
 
 # ---- byte accounting ---------------------------------------------------------------------------
@@ -429,6 +476,8 @@ def _stage_memory(meter: ActivationMeter, device_peak: int | None, trainer: Trai
 
 
 def _gather_stage_memory(mine: StageMemory, ctx: DistributedContext) -> list[StageMemory]:
+    if ctx.pp.size == 1:  # one stage: no torch group to gather over (grid.py makes none for one rank)
+        return [mine]
     stages: list = [None] * ctx.grid.pp
     torch.distributed.all_gather_object(stages, mine, group=ctx.pp.group)
     return stages

@@ -4,14 +4,16 @@
 loop (train.py), the benchmarks and the tests share:
 
 1. the process groups, device and RNG streams of this rank (distributed.py);
-2. the model from the user's ``model_provider``, the same on every DP replica;
+2. the model from the user's ``model_provider``, the same on every DP replica: built on
+   the meta device, each rank gives memory and values only to what it owns
+   (checkpoint/materialise.py: the initialisation, or ``--init-from``'s weights);
 3. the data and the global-batch sampler (optional: benchmarks bring their own batches);
 4. this rank's pipeline stage running the schedule's action list (pipeline/runtime.py);
 5. the gradient reducer: flat buffer, buckets, hooks (data_parallel.py);
 6. the optimizer (AdamW, or flat master weights with ZeRO-1 / 16-bit parameters) and the
    fp16 loss scaler;
-7. the checkpoint to resume from, if any; else the weights of ``--init-from``, if given;
-   with ``--save-async``, the background checkpoint writer and its process group.
+7. the checkpoint to resume from, if any; ``--init-from``'s master weights at the
+   source's precision; with ``--save-async``, the background checkpoint writer and its process group.
 
 A :class:`Trainer` then runs one optimizer step (:meth:`Trainer.train_step`), a
 validation pass, or a save. The loss is defined once: the mean over every loss-bearing
@@ -42,6 +44,7 @@ from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
 from gridtrain.parallel.context_parallel import split_sequence
 from gridtrain.parallel.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.parallel.distributed import DistributedContext, setup_distributed
+from gridtrain.parallel.meta import is_meta, on_meta, stand_in
 from gridtrain.parallel.experts import LayerRouting, step_routing
 from gridtrain.parallel.fully_sharded import ShardedGradientReducer
 from gridtrain.parallel.zero3 import ParameterShards, attach_buckets, make_units
@@ -49,6 +52,7 @@ from gridtrain.optim.distributed_optimizer import DistributedOptimizer, LossScal
 from gridtrain.optim.grads import reduce_gradients, step_scalars, tied_parameter
 from gridtrain.optim.interface import Optimizer
 from gridtrain.checkpoint.huggingface import open_source
+from gridtrain.checkpoint.materialise import Start
 from gridtrain.models.decoder import IGNORE_INDEX, Block, compile_blocks
 from gridtrain.optim.optimizer import AdamW, build_optimizer, counts_towards_norm, lr_at, set_lr
 from gridtrain.parallel.pipeline.runtime import PipelineStage, StageStats
@@ -209,8 +213,15 @@ class Trainer:
     def parameters_ready(self) -> None:
         """Wait for ZeRO-1's parameter gathers still in flight after the last step (the
         next forward would wait for them itself; anything else reading the weights calls
-        this first); under ZeRO-3 gather every parameter whole, until the next step."""
+        this first). ZeRO-3's parameters stay sharded: evaluation and saves read them
+        block by block or from the shard; :meth:`gather_weights` makes them whole."""
         self.optimizer.parameters_ready()
+
+    def gather_weights(self) -> None:
+        """Every parameter of this rank's stage whole, until the next step (ZeRO-3: the
+        whole stage on every rank of its dp x cp group; a model that only fits sharded
+        cannot): for reading the weights after the run, e.g. the end-of-run sample."""
+        self.parameters_ready()
         if self.param_shards is not None:
             self.param_shards.gather_all()
 
@@ -242,16 +253,19 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     if t.compile and compile_blocks(model) == 0:
         raise ValueError("--compile compiles gridtrain's transformer blocks (model.Block), and this model has "
                          "none; drop --compile or torch.compile your model in its provider")
-    broadcast_parameters(model, ctx.dp_cp, ctx.expert_dp_cp)
+    source = resume_source(cfg)
+    init = open_source(cfg.checkpoint.init_from, "--init-from") if source is None and cfg.checkpoint.init_from else None
+    start_from = Start.of(cfg, model, source, init)  # where the first weights come from
+    place_parameters(model, start_from, cfg, ctx)
     data = datasets_provider(cfg) if datasets_provider is not None else None
     sampler = train_sampler(data, cfg, ctx) if data is not None else None
     micro_batches = t.global_batch_size // (t.micro_batch_size * ctx.grid.dp)
     pipeline = build_pipeline(model, cfg, ctx, forward_step, micro_batches)
-    reducer, param_shards = make_reducer(model, cfg, ctx, micro_batches)
+    reducer, param_shards = make_reducer(model, cfg, ctx, micro_batches, start_from)
     optimizer = make_optimizer(model, reducer, cfg, ctx, param_shards)
+    start_from.finish(model, optimizer, ctx)  # --init-from: the optimizer's masters at the source's precision
     gather_before_forwards(model, optimizer)
     scaler = LossScaler(t.loss_scale, t.loss_scale_window, t.min_loss_scale) if t.dtype == "fp16" else None
-    source = resume_source(cfg)
     # the scaler resumes too: a fresh loss scale would skip steps the saved run did not
     start, notes = 0, []
     if source is not None:
@@ -260,10 +274,6 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
         if sampler is not None:  # the data order continues from the checkpoint's per-source counts
             note = sampler.restore(checkpoint.read_meta(source).get("data"), start)
             notes += [note] if note else []
-    if source is None and cfg.checkpoint.init_from is not None:  # fine-tuning: weights only, step 0, fresh optimizer
-        init = open_source(cfg.checkpoint.init_from, "--init-from")
-        with whole_parameters(param_shards):
-            checkpoint.init_weights(init.tensors, model, optimizer, ctx, where=init.where)
     saver = BackgroundSaver() if cfg.checkpoint.save and cfg.checkpoint.save_async else None  # collective: its own process group
     return Trainer(cfg=cfg, ctx=ctx, model=model, pipeline=pipeline, reducer=reducer, optimizer=optimizer,
                    scaler=scaler, param_shards=param_shards, num_micro_batches=micro_batches, data=data, sampler=sampler,
@@ -325,11 +335,27 @@ def build_pipeline(model: nn.Module, cfg: Config, ctx: DistributedContext, forwa
                          trace=cfg.metrics.trace is not None, recompute=ctx.recompute)
 
 
-def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext,
-                 micro_batches: int) -> tuple[GradientReducer, ParameterShards | None]:
+def place_parameters(model: nn.Module, start_from: Start, cfg: Config, ctx: DistributedContext) -> None:
+    """Parameters on the meta device get memory for what this rank owns: their whole
+    local tensors, filled from ``start_from``; under ZeRO-3 stand-ins without memory
+    (the parameter shards take the values: :func:`make_reducer`). A model built with
+    memory starts from its first dp x cp rank's weights, or ``--init-from``'s."""
+    if not is_meta(model):
+        broadcast_parameters(model, ctx.dp_cp, ctx.expert_dp_cp)
+    if cfg.parallel.zero == 3:
+        for p in model.parameters():
+            if on_meta(p):
+                stand_in(p, device=ctx.device, dtype=ctx.param_dtype)
+        return
+    start_from.materialise(model, ctx)
+
+
+def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext, micro_batches: int,
+                 start_from: Start | None = None) -> tuple[GradientReducer, ParameterShards | None]:
     """The gradient reducer of the run's ZeRO stage: all-reduce into a whole buffer (0),
     reduce-scatter of it (1), gradient shards reduce-scattered per micro-batch (2); and
-    for ZeRO-3 the parameter shards, gathered block by block (a bucket per block)."""
+    for ZeRO-3 the parameter shards, gathered block by block (a bucket per block), each
+    rank's filled from ``start_from`` (default: the parameters' values)."""
     p = cfg.parallel
     alone = [q for q in [tied_parameter(model, ctx.embedding)] if q is not None]
     common = dict(accumulations=micro_batches, bucket_mb=p.bucket_mb, device=ctx.device, alone=alone)
@@ -352,7 +378,7 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext,
     sequences = None if chunks is None else \
         [[by_module[id(model.blocks[str(i)])] for i in c.layer_ids] for c in chunks]
     shards = ParameterShards(model, reducer, units, ctx.shard_group, keep_gathered=p.zero3_keep_gathered,
-                             sequences=sequences)
+                             sequences=sequences, fill=start_from.shard_filler(model, ctx) if start_from else None)
     reducer.after_grad = shards.after_grad
     return reducer, shards
 

@@ -56,6 +56,7 @@ from gridtrain.checkpoint.huggingface import HFError, check_init_from
 from gridtrain.runtime.launch import resolve_device_type
 from gridtrain.training.metrics import require_tensorboard
 from gridtrain.models.decoder import count_parameters
+from gridtrain.memory.model import expected_startup_bytes
 from gridtrain.optim.schedules import wsd_problem
 from gridtrain.parallel.pipeline.partition import METHODS, PartitionError, check_counts
 from gridtrain.parallel.pipeline.schedules import ORDERS, ScheduleError, check_sizes
@@ -389,10 +390,17 @@ def available_memory() -> int | None:
 
 
 def worker_memory(cfg: Config) -> int:
-    """A rough lower bound on one CPU worker's memory: the interpreter with torch, plus its
-    share of weights, gradients and two Adam moments in fp32 (16 bytes a parameter)."""
+    """A rough lower bound on one CPU worker's memory: the interpreter with torch, plus the
+    largest start-up peak of the layout's ranks (memory.model.expected_startup_bytes:
+    its weights, gradients and optimizer state as its ZeRO stage shards them, and one
+    whole tensor); where the layout cannot be laid out yet, 16 bytes a parameter over
+    tp x pp."""
     p = cfg.parallel
-    return WORKER_MEMORY + 16 * count_parameters(cfg.model) // (p.tp * p.pp)
+    try:
+        grid = ProcessGrid.build(p.nproc, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+        return WORKER_MEMORY + max(expected_startup_bytes(cfg, grid, r) for r in range(grid.world_size))
+    except (GridError, ValueError, ZeroDivisionError):
+        return WORKER_MEMORY + 16 * count_parameters(cfg.model) // (p.tp * p.pp)
 
 
 def _validate_host(cfg: Config) -> None:

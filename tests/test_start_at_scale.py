@@ -1,0 +1,107 @@
+"""A model that only fits sharded starts: under ``--zero 3 --nproc 8 --dtype bf16`` each
+worker holds its share of the model, never the model, while it starts, trains and
+exports (measured from outside the processes, through /proc: benchmarks/start_memory.py).
+
+The model (a Llama of 10 blocks 1024 wide, 0.74 GB in fp32) is small enough for two
+CPU cores, so the interpreter, torch and gloo (about 0.4 GB a worker) and the
+transients of a block (ZeRO-3's gathers and gradient staging, about 0.3 GB here) are a
+large part of what a worker holds: the blocks' cost is taken against the same model
+with four blocks. Before meta-device builds, each worker built its whole stage in fp32
+first (1.0 of the model and more); now each block costs a worker its ZeRO-3 share
+(18 bytes a parameter over 8 ranks: 0.56 of its fp32 size).
+Full-size figures (a 2.75 GB model, where torch is a small part) are in docs/results.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.start_memory import fp32_bytes, model_flags, train_argv, worker_peaks, write_hf_llama
+
+pytestmark = [pytest.mark.spawn, pytest.mark.slow]
+
+SHAPE = dict(n_layer=10, d_model=1024, vocab_size=8192)
+BASE_LAYERS = 4  # enough blocks that ZeRO-3's prefetch and staging hold block-sized buffers
+WHOLE = fp32_bytes(**SHAPE)
+
+
+def _startup_peaks(metrics: Path) -> list[int]:
+    first = json.loads(metrics.read_text().splitlines()[0])
+    return first["startup"]["host_peak_bytes"]
+
+
+def _run(argv: list[str], tmp: Path, name: str) -> tuple[list[int], list[int]]:
+    """(each worker's peak at its first step, from its own VmHWM; each worker's peak over the
+    whole run, sampled from outside)."""
+    metrics = tmp / f"{name}.jsonl"
+    peaks, done = worker_peaks(argv + ["--metrics-file", str(metrics)], timeout_s=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return _startup_peaks(metrics), peaks
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("scale")
+    hf = write_hf_llama(tmp / "hf", **SHAPE)
+    return {
+        "base": _run(train_argv(8, model_flags(BASE_LAYERS, SHAPE["d_model"], SHAPE["vocab_size"])), tmp, "base"),
+        "initialised": _run(train_argv(8, model_flags(**SHAPE), ["--save", str(tmp / "ckpt")]), tmp, "initialised"),
+        "init-from": _run(train_argv(8, ["--seq-len", "32"], ["--init-from", str(hf)]), tmp, "init-from"),
+        "tmp": tmp,
+    }
+
+
+@pytest.mark.parametrize("side", ["initialised", "init-from"])
+def test_each_block_costs_a_worker_its_share_not_the_block(runs, side):
+    """Against the same model with four blocks (same width, vocabulary and layout, so the
+    same interpreter, collectives' buffers and per-block transients), six more blocks
+    cost each worker their ZeRO-3 share, 18 bytes a parameter over 8 ranks (0.56 of
+    their fp32 size), at the first step and over the whole run (two steps, evaluation,
+    the save): not the blocks themselves (1.0 and more when each rank built its stage
+    whole)."""
+    (base_start, base_run), (start, run) = runs["base"], runs[side]
+    added = WHOLE - fp32_bytes(BASE_LAYERS, SHAPE["d_model"], SHAPE["vocab_size"])
+    at_start = [(s - b) / added for s, b in zip(start, base_start)]
+    whole_run = [(r - b) / added for r, b in zip(run, base_run)]
+    assert len(at_start) == len(whole_run) == 8
+    assert max(at_start) <= 0.85 and min(at_start) >= 0.4, [f"{x:.2f}" for x in at_start]
+    assert max(whole_run) <= 0.85, [f"{x:.2f}" for x in whole_run]
+
+
+def test_export_writes_tensor_by_tensor(runs):
+    """export-hf of the ZeRO-3 run's sharded checkpoint holds one tensor (and its
+    conversion) at a time: the writer's peak above a baseline export of the tiny model is
+    a few of the largest tensor (32 MiB in fp32), not the model's 0.37 GB of bf16."""
+    tmp = runs["tmp"]
+    tiny = tmp / "tiny-ckpt"
+    trained = _own_peak([sys.executable, "-m", "gridtrain", "train", *model_flags(1, 128, 512), "--steps", "1",
+                         "--no-progress", "--sample-tokens", "0", "--save", str(tiny)])[1]
+    assert trained.returncode == 0, trained.stdout[-2000:]
+    peaks = {}
+    for name, load in (("tiny", tiny), ("model", tmp / "ckpt")):
+        argv = [sys.executable, "-m", "gridtrain", "export-hf", "--load", str(load), "--out", str(tmp / f"{name}-hf")]
+        peaks[name], done = _own_peak(argv)
+        assert done.returncode == 0, done.stdout[-2000:]
+    largest = 4 * SHAPE["vocab_size"] * SHAPE["d_model"]
+    assert peaks["model"] - peaks["tiny"] <= 4 * largest, f"{(peaks['model'] - peaks['tiny']) / 2 ** 20:.0f} MiB"
+
+
+def _own_peak(argv: list[str]):
+    """The peak resident set of a one-process command, from its exit status (wait4's rusage)."""
+    import os
+    import resource
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        done = subprocess.CompletedProcess(argv, proc.returncode, out.read(), "")
+    assert resource  # ru_maxrss is in KiB on Linux
+    return usage.ru_maxrss * 1024, done
