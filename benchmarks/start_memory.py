@@ -4,9 +4,10 @@ trained two steps under ``--zero 3 --dtype bf16``, from its initialisation and f
 Hugging Face directory of the same model (``--init-from``).
 
 Each worker's peak resident set (``VmHWM``, kept by the kernel) is sampled from outside
-the process, through /proc, every 50 ms while the command runs; the table gives each
-side's largest and smallest worker peak, as bytes and as a fraction of the model's
-whole fp32 size. ``--before DIR`` runs the same commands from another checkout of
+the process, through /proc, every 50 ms while the command runs (*whole run*), and read
+from the run's own start-up record, each rank's VmHWM when its first step began (*at the
+first step*); the table gives each side's largest and smallest worker peak as a
+fraction of the model's whole fp32 size. ``--before DIR`` runs the same commands from another checkout of
 gridtrain (``PYTHONPATH=DIR``), e.g. one that built each rank's whole stage before
 sharding it.
 
@@ -144,6 +145,22 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def _ratio(peaks: list[int] | None, whole: int) -> str:
+    if not peaks:
+        return "n/a"
+    return f"{max(peaks) / whole:.2f}x / {min(peaks) / whole:.2f}x"
+
+
+def startup_peaks(metrics: Path) -> list[int] | None:
+    """Each rank's peak resident set when its first step began (its own VmHWM then: the
+    metrics file's ``startup`` record), or None from a gridtrain without it."""
+    import json
+
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    startup = json.loads(lines[0]).get("startup") if lines else None
+    return startup["host_peak_bytes"] if startup else None
+
+
 def main(argv=None) -> int:
     opts = parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -154,20 +171,23 @@ def main(argv=None) -> int:
         checkouts["--before"] = Path(opts.before).resolve()
     print(f"model: Llama, {opts.n_layer} layers x d_model {opts.d_model}, vocabulary {opts.vocab_size}: "
           f"{_gb(whole)} in fp32; --nproc {opts.nproc} --zero 3 --dtype bf16, 2 steps")
-    print(f"{'side':<40} {'largest worker peak':>22} {'smallest':>22}")
+    print(f"{'side':<52} {'at the first step':>26} {'whole run':>26}")
+    print(f"{'':<52} {'(largest / smallest worker)':>26} {'(largest / smallest)':>26}")
     with tempfile.TemporaryDirectory() as tmp:
         hf = write_hf_llama(Path(tmp) / "hf", opts.n_layer, opts.d_model, opts.vocab_size)
         runs = {"initialised": [], "--init-from a Hugging Face directory": ["--init-from", str(hf)]}
         for where, checkout in checkouts.items():
             env = {**os.environ, "PYTHONPATH": str(checkout)}
             for what, extra in runs.items():
+                metrics = Path(tmp) / "metrics.jsonl"
+                metrics.unlink(missing_ok=True)
                 argv = train_argv(opts.nproc, model if not extra else ["--seq-len", "32"], extra)
-                peaks, done = worker_peaks(argv, env=env, cwd=checkout)
+                peaks, done = worker_peaks(argv + ["--metrics-file", str(metrics)], env=env, cwd=checkout)
                 if done.returncode != 0:
                     print(f"{where}, {what}: exit {done.returncode}\n{done.stdout[-2000:]}")
                     continue
-                print(f"{where + ', ' + what:<40} {_gb(max(peaks)):>11} ({max(peaks) / whole:.2f}x) "
-                      f"{_gb(min(peaks)):>11} ({min(peaks) / whole:.2f}x)")
+                start = startup_peaks(metrics)
+                print(f"{where + ', ' + what:<52} {_ratio(start, whole):>26} {_ratio(peaks, whole):>26}")
     return 0
 
 

@@ -24,7 +24,11 @@ MemTracker itself is not used: its per-module statistics refuse a module that ru
 forward more than once per step, which every micro-batch after the first does. What
 these should be is the memory model's (gridtrain/memory/model.py: ``expected_bytes``,
 ``expected_activation_peak``); the tests and benchmarks/dryrun_memory.py hold the
-measurement to it.
+measurement to it. The same dispatch mode follows the rank's build: its start-up peak
+(the model materialised on the meta device's shapes, each rank only its own pieces, the
+gradient buffer and the optimizer), ``expected_startup_bytes``'s. It also counts the process groups the rank makes while it is built
+(:class:`Communicators`): at 1,024 ranks each is an NCCL communicator to set up, so the
+count per rank is a property of the layout worth seeing before a job starts.
 
 What it checks:
 
@@ -108,6 +112,43 @@ class RankMemory:
     sync_points: list[str] = field(default_factory=list)  # named host reads the step made
     seconds: float = 0.0
     cp: int = 0
+    communicators: dict[str, int] = field(default_factory=dict)  # Communicators of the build, as a dict
+    startup_peak_bytes: int = 0  # the peak while the rank was built (memory.model.expected_startup_bytes)
+
+
+@dataclass
+class Communicators:
+    """The process groups one rank asked torch for: ``created`` counts the group-making
+    calls (``new_group``, ``split_group``) made on the rank, ``member`` those that gave it
+    a group of more than one rank. On GPUs each group is a communicator to set up, and a
+    call a non-member must make too is a collective over the world."""
+
+    created: int = 0
+    member: int = 0
+
+
+@contextlib.contextmanager
+def counting_communicators():
+    """Count the group-making calls made inside the block (see :class:`Communicators`)."""
+    counts = Communicators()
+    makers = {name: getattr(dist, name) for name in ("new_group", "split_group") if hasattr(dist, name)}
+
+    def counted(make):
+        def call(*args, **kwargs):
+            group = make(*args, **kwargs)
+            counts.created += 1
+            counts.member += (group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER
+                              and dist.get_world_size(group) > 1)
+            return group
+        return call
+
+    for name, make in makers.items():
+        setattr(dist, name, counted(make))
+    try:
+        yield counts
+    finally:
+        for name, make in makers.items():
+            setattr(dist, name, make)
 
 
 # ---- which ranks ---------------------------------------------------------------------------------
@@ -365,15 +406,18 @@ def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankM
         # real inputs allowed: the RNG states that recomputation captures and replays
         # (torch.get_rng_state) are real host tensors, by design
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with _patched(fake, device_type), fake:
-            trainer = build(cfg, decoder_model_provider, decoder_forward_step)
+        with _patched(fake, device_type), fake, counting_communicators() as communicators:
+            with LiveBytes(device_type) as startup:  # the model materialised, the optimizer made
+                trainer = build(cfg, decoder_model_provider, decoder_forward_step)
             try:
                 result = measure_step(trainer, _fake_batches(cfg, trainer))
             except DataDependentOutputException as e:
                 raise UnnamedHostSync(f"rank {rank}: the step read device data on the host outside a named "
                                       f"sync point ({e}); at {_host_read_site(e)}") from e
-            result.seconds = time.perf_counter() - began
-            return result
+        result.seconds = time.perf_counter() - began
+        result.communicators = asdict(communicators)
+        result.startup_peak_bytes = startup.peak
+        return result
     finally:
         dist.destroy_process_group()
 
@@ -406,9 +450,13 @@ def dry_run(cfg: Config, world_size: int, ranks: str = "edges", report: str | No
 def table_lines(results: list[RankMemory]) -> list[str]:
     gib = lambda n: f"{n / 2**20:10.1f}"  # noqa: E731
     lines = [f"{'rank':>6} {'dp':>4} {'pp':>3} {'cp':>3} {'tp':>3} {'parameters':>13} {'params MiB':>10} {'grads MiB':>10} "
-             f"{'optim MiB':>10} {'act peak MiB':>12} {'peak MiB':>10} {'s':>6}  host syncs"]
+             f"{'optim MiB':>10} {'act peak MiB':>12} {'peak MiB':>10} {'startup MiB':>11} {'groups':>7} {'s':>6}  host syncs"]
     for r in results:
+        groups = f"{r.communicators.get('created', 0)}/{r.communicators.get('member', 0)}"
         lines.append(f"{r.rank:>6} {r.dp:>4} {r.pp:>3} {r.cp:>3} {r.tp:>3} {r.parameters:>13,} {gib(r.parameter_bytes):>10} "
                      f"{gib(r.gradient_bytes)} {gib(r.optimizer_bytes)} {gib(r.activation_peak_bytes):>12} "
-                     f"{gib(r.peak_bytes)} {r.seconds:6.1f}  {','.join(r.sync_points)}")
+                     f"{gib(r.peak_bytes)} {gib(r.startup_peak_bytes):>11} {groups:>7} {r.seconds:6.1f}  "
+                     f"{','.join(r.sync_points)}")
+    lines.append("groups: process-group creating calls the rank made (new_group, split_group) / those that "
+                 "gave it a group of more than one rank")
     return lines

@@ -15,7 +15,8 @@ decisions as data instead:
   ``torch.cuda.is_available`` / ``device_count`` / ``set_device`` and
   ``init_process_group`` replaced by recorders: no GPU and no process group needed;
 * that ``make train`` (4 processes) on a host with 1, 2 or 3 GPUs is refused before any
-  worker is spawned, with one line;
+  worker is spawned, with one line, while a launcher's process that sees one GPU (Slurm
+  ``--gpus-per-task=1``, one container per GPU) takes it whatever its LOCAL_RANK;
 * and, on two real gloo processes, that the single-tensor gather and reduce-scatter of
   comm.py return exactly what the list forms plus ``cat`` / ``chunk`` returned, with the
   same byte counts.
@@ -140,11 +141,13 @@ def test_each_local_rank_gets_the_gpu_of_its_index():
 
 
 @pytest.mark.parametrize("found", [1, 2, 3])
-def test_more_workers_than_gpus_is_refused_in_one_line(found):
-    """NCCL refuses two ranks on one GPU; ``rank % device_count`` used to put them there."""
+def test_more_nproc_workers_than_gpus_is_refused_in_one_line(found):
+    """NCCL refuses two ranks on one GPU; ``rank % device_count`` used to put them there.
+    ``--nproc``'s workers all see the same GPUs (``same_gpus``), so every one of them is
+    refused, one visible GPU included."""
     for rank in range(4):
         with pytest.raises(DeviceError) as err:
-            local_device_index(rank, 4, found, "--nproc 4")
+            local_device_index(rank, 4, found, "--nproc 4", same_gpus=True)
         message = str(err.value)
         assert "\n" not in message
         assert "--nproc 4 needs 4 CUDA devices" in message and f"found {found}" in message
@@ -164,9 +167,41 @@ def test_torchrun_maps_local_rank_not_global_rank():
     env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
     assert cuda_device_from_env(env, device_count=8) == torch.device("cuda", 1)
     assert [cuda_device_from_env({**env, "LOCAL_RANK": str(r)}, device_count=4).index for r in range(4)] == [0, 1, 2, 3]
-    with pytest.raises(DeviceError, match="LOCAL_WORLD_SIZE=4 .* found 2"):
-        cuda_device_from_env(env, device_count=2)
+    with pytest.raises(DeviceError, match="LOCAL_WORLD_SIZE=4 .*LOCAL_RANK=3 .* found 2"):
+        cuda_device_from_env({**env, "LOCAL_RANK": "3"}, device_count=2)
     assert cuda_device_from_env({}, device_count=1) == torch.device("cuda", 0)  # a plain process
+
+
+def test_one_visible_gpu_per_process_is_that_process_own():
+    """Slurm ``--gpus-per-task=1`` / ``--gpu-bind`` or one container per GPU: each of a
+    node's 8 processes sees exactly one GPU (cuda:0), its own. It used to be refused
+    ("LOCAL_WORLD_SIZE=8 needs 8 CUDA devices, found 1")."""
+    node = {"LOCAL_WORLD_SIZE": "8"}
+    assert [cuda_device_from_env({**node, "LOCAL_RANK": str(r)}, device_count=1) for r in range(8)] == \
+        [torch.device("cuda", 0)] * 8
+    assert [cuda_device_from_env({**node, "LOCAL_RANK": str(r)}, device_count=8).index for r in range(8)] == \
+        list(range(8))  # all 8 visible to every process: the one of its local rank
+    with pytest.raises(DeviceError) as err:
+        cuda_device_from_env({**node, "LOCAL_RANK": "5"}, device_count=4)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "LOCAL_RANK=5" in message and "found 4" in message and "LOCAL_WORLD_SIZE=8" in message
+    assert "at most 4 workers per node" in message and "--gpus-per-task=1" in message
+    assert cuda_device_from_env({**node, "LOCAL_RANK": "3"}, device_count=4) == torch.device("cuda", 3)
+
+
+def test_torchrun_with_one_gpu_per_process_passes_the_check_before_start(gpus, monkeypatch):
+    """Before start, a launcher's LOCAL_WORLD_SIZE=8 with one visible GPU is the binding
+    above, not a shortage; with 2 to 7 visible GPUs every worker sees the same ones, and
+    the node is short."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = _make_train_config()
+    gpus(1)
+    _validate_cuda(cfg.parallel, cfg.training)
+    gpus(2)
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE=8 .* found 2"):
+        _validate_cuda(cfg.parallel, cfg.training)
 
 
 def test_nproc_workers_bind_their_gpu_and_pass_device_id(gpus, monkeypatch):
@@ -190,11 +225,12 @@ def test_nproc_workers_bind_their_gpu_and_pass_device_id(gpus, monkeypatch):
     worker._set_worker_env(gloo)
     worker._init_worker_process_group(gloo)
     assert "device_id" not in inits[-1][1] and len(chosen) == 4
-    gpus(3)
-    spec = worker.WorkerSpec(print, (), 3, 4, 1, "nccl", 1.0)
-    worker._set_worker_env(spec)
-    with pytest.raises(DeviceError, match="found 3"):
-        worker._init_worker_process_group(spec)
+    for found in (3, 1):  # the workers all see the same GPUs: rank 0 is refused too, one GPU included
+        gpus(found)
+        spec = worker.WorkerSpec(print, (), 0, 4, 1, "nccl", 1.0)
+        worker._set_worker_env(spec)
+        with pytest.raises(DeviceError, match=f"needs 4 CUDA devices.*found {found}"):
+            worker._init_worker_process_group(spec)
 
 
 def test_init_from_env_binds_local_rank_and_passes_device_id(gpus, monkeypatch):
@@ -227,11 +263,13 @@ def test_gloo_ranks_may_share_a_gpu(gpus):
     assert [local_device_index(r, 4, 2, shared=True) for r in range(4)] == [0, 1, 0, 1]
     with pytest.raises(DeviceError, match="no CUDA device is visible"):
         local_device_index(0, 2, 0, shared=True)
-    gpus(1)
+    gpus(2)
     env = {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}
-    assert distributed.rank_device("cuda", env, backend="gloo") == torch.device("cuda", 0)
-    with pytest.raises(DeviceError, match="found 1"):
+    assert distributed.rank_device("cuda", env, backend="gloo") == torch.device("cuda", 1)
+    with pytest.raises(DeviceError, match="found 2"):
         distributed.rank_device("cuda", env, backend="nccl")
+    gpus(1)
+    assert distributed.rank_device("cuda", env, backend="gloo") == torch.device("cuda", 0)
     cfg = _make_train_config()  # --nproc 4
     set_fields(cfg, device="cuda", backend="gloo")
     _validate_cuda(cfg.parallel, cfg.training)  # four gloo ranks on one GPU: allowed

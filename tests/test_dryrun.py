@@ -10,13 +10,14 @@ collective is caught, and the command line writes the report.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from gridtrain import dryrun
-from gridtrain.memory.model import expected_activation_peak, expected_bytes
+from gridtrain.memory.model import expected_activation_peak, expected_bytes, expected_startup_bytes
 from gridtrain.runtime import host_sync
 from gridtrain.config import ConfigError, preset_config, set_fields
 from gridtrain.parallel.grid import ProcessGrid
@@ -170,11 +171,56 @@ def test_command_line_writes_the_report(tmp_path, capsys):
     assert report["world_size"] == 16
     assert [(r["rank"], r["pp"]) for r in report["ranks"]] == [(0, 0), (8, 1)]
     keys = {"rank", "dp", "pp", "tp", "parameters", "parameter_bytes", "gradient_bytes", "optimizer_bytes",
-            "activation_peak_bytes", "peak_bytes"}
+            "activation_peak_bytes", "peak_bytes", "communicators"}
     assert keys <= set(report["ranks"][0])
-    assert "dry run: 16 ranks" in capsys.readouterr().out
+    # tp, dp, pp and mp; the embedding group is the pipeline (pp 2) and shares it
+    assert [r["communicators"] for r in report["ranks"]] == [{"created": 4, "member": 4}] * 2
+    printed = capsys.readouterr().out
+    assert "dry run: 16 ranks" in printed and "    4/4 " in printed
     assert main(["train", "--world-size", "4"]) == 2
     assert main(["train", "--dry-run"]) == 2
+
+
+# ---- process groups at scale ------------------------------------------------------------------------
+
+LAYOUTS_1024 = {  # 1,024 ranks, dp fills the rest: (flags, every group of every kind, docs/dryrun.md's "before")
+    "tp8-pp4-cp2-dp16": (dict(tp=8, pp=4, cp=2, global_batch_size=64), 1280),
+    "tp8-dp128": (dict(tp=8, pp=1, cp=1, global_batch_size=128), 2312),  # pp, cp 1: their groups are one rank
+    "pp2-dp512": (dict(tp=1, pp=2, cp=1, global_batch_size=1024), 2562),  # tp 1; the embedding group = pipeline
+}
+
+
+def _distinct_groups(grid: ProcessGrid, rank: int) -> set[tuple[int, ...]]:
+    """The distinct groups of more than one rank that hold ``rank``, from the grid's
+    arithmetic: its tp, dp, pp, model-parallel group, its cp ring and dp x cp group when
+    cp splits, and the embedding group on the first and last stage."""
+    kinds = [grid.tp_group, grid.dp_group, grid.pp_group, grid.model_parallel_group]
+    if grid.cp > 1:
+        kinds += [grid.cp_group, grid.dp_cp_group]
+    if grid.is_first_stage(rank) or grid.is_last_stage(rank):
+        kinds.append(grid.embedding_group)
+    return {g for g in (tuple(kind(rank)) for kind in kinds) if len(g) > 1}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_1024)
+def test_a_rank_makes_one_communicator_per_distinct_group_at_1024_ranks(layout):
+    """Each edge rank (first, middle, last stage) asks torch for exactly one group per
+    distinct group of more than one rank that holds it (a middle stage for one more, of its
+    own, where the others make the embedding group); before, every rank asked for every
+    group of every kind, most of them other ranks' (LAYOUTS_1024)."""
+    from gridtrain.parallel.grid import _group_kinds
+
+    flags, every_group = LAYOUTS_1024[layout]
+    cfg = _cfg(n_head=8, n_layer=4, micro_batch_size=1, **flags)
+    grid = ProcessGrid.build(1024, **{k: v for k, v in flags.items() if k in ("tp", "pp", "cp")})
+    report = dryrun.dry_run(cfg, 1024, "edges", out=lambda line: None)
+    assert [r["rank"] for r in report["ranks"]] == dryrun.choose_ranks(grid, "edges")
+    for row in report["ranks"]:
+        mine = len(_distinct_groups(grid, row["rank"]))
+        middle = row["rank"] not in grid.embedding_group(row["rank"])  # makes one group of its own, unused
+        assert row["communicators"] == {"created": mine + middle, "member": mine}, (layout, row["rank"])
+        assert mine + middle <= len(_group_kinds(grid))
+    assert sum(len(groups) for _, groups in _group_kinds(grid)) == every_group  # what every rank made before
 
 
 # ---- against a real run ---------------------------------------------------------------------------
@@ -221,3 +267,38 @@ def test_moving_a_fake_model_to_cuda_moves_it_and_keeps_the_parameters_marks():
         assert layer.weight.device == torch.device("cuda", 0) and layer.weight.dtype == torch.bfloat16
         assert layer.weight.tp_spec == "marked"
         assert torch.cuda.device_count() >= 1  # this rank's cuda:0, GPU or not
+
+
+STARTS = {  # 8 ranks each: a Llama 256 wide with an 2048-token vocabulary (its largest tensor)
+    "zero3 dp8 bf16": dict(zero=3, dp=8, dtype="bf16"),
+    "tp2 pp2 dp2 fp32": dict(zero=0, tp=2, pp=2, dp=2, dtype="fp32"),
+    "zero1 tp2 dp4 bf16": dict(zero=1, dp=4, tp=2, dtype="bf16"),
+    "zero2 dp8 bf16": dict(zero=2, dp=8, dtype="bf16"),
+    "zero3 tp2 pp2 dp2 bf16": dict(zero=3, dp=2, tp=2, pp=2, dtype="bf16"),
+    "moe zero3 dp8 ep4 bf16": dict(zero=3, dp=8, ep=4, dtype="bf16", n_experts=8, moe_ffn_hidden=128),
+}
+
+
+@pytest.mark.parametrize("name", STARTS)
+def test_startup_peak_is_the_memory_models(name):
+    """The dry run follows each rank's build: its start-up peak (each rank materialising
+    only its own pieces, one whole tensor at a time) is expected_startup_bytes' within
+    1% (the rotary tables are the difference)."""
+    cfg = set_fields(preset_config("tiny"), arch="llama", n_layer=4, d_model=256, n_head=2, n_kv_head=2,
+                     ffn_hidden=1024, vocab_size=2048, seq_len=32, global_batch_size=8, micro_batch_size=1,
+                     tie_embeddings=False, device="cpu", **STARTS[name])
+    p = cfg.parallel
+    grid = ProcessGrid.build(8, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
+    for rank in (0, 7):
+        measured = dryrun.run_rank(cfg, 8, rank, "cpu").startup_peak_bytes
+        expected = expected_startup_bytes(cfg, grid, rank)
+        assert abs(measured - expected) <= 0.01 * expected, (rank, measured, expected)
+    # the whole model is never on a rank: 4 bytes a parameter in fp32 is far above any rank's start
+    whole = 4 * sum(math.prod(t) for t in _shapes(cfg))
+    assert expected < 0.75 * whole or p.zero < 3
+
+
+def _shapes(cfg):
+    with torch.device("meta"):
+        from gridtrain.models.decoder import Decoder
+        return [tuple(q.shape) for q in Decoder(cfg.model).parameters()]

@@ -260,6 +260,52 @@ def test_the_cp_groups_are_made_only_when_cp_splits():
     assert kinds["dp_cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
+PLANS = [  # (layout, options, the kind whose torch groups serve each kind: None = every group is one rank)
+    (dict(world_size=16, tp=2, pp=4), {}, dict(tp="tp", dp="dp", pp="pp", mp="mp", embedding="embedding")),
+    (dict(world_size=16, tp=2, pp=2), {}, dict(tp="tp", dp="dp", pp="pp", mp="mp", embedding="pp")),
+    (dict(world_size=8, tp=2), {}, dict(tp="tp", dp="dp", pp=None, mp="tp", embedding=None)),
+    (dict(world_size=8, pp=2, cp=2), {},
+     dict(tp=None, dp="dp", pp="pp", mp="pp", embedding="pp", cp="cp", dp_cp="dp_cp")),
+    (dict(world_size=8, tp=2, cp=4), {}, dict(tp="tp", dp=None, pp=None, mp="tp", embedding=None, cp="cp",
+                                               dp_cp="cp")),
+    (dict(world_size=16, tp=2, cp=2, dp=4), dict(zero_shard_size=1, ep=8),
+     dict(tp="tp", dp="dp", pp=None, mp="tp", embedding=None, cp="cp", dp_cp="dp_cp", zero_shard=None,
+          zero_replica="dp_cp", ep="dp_cp", expert_dp=None)),
+    (dict(world_size=16, tp=2, cp=2, dp=4), dict(zero_shard_size=4, ep=4),
+     dict(tp="tp", dp="dp", pp=None, mp="tp", embedding=None, cp="cp", dp_cp="dp_cp", zero_shard="zero_shard",
+          zero_replica="zero_replica", ep="zero_shard", expert_dp="zero_replica")),
+]
+
+
+@pytest.mark.parametrize("layout, options, made_as", PLANS)
+def test_the_plan_makes_no_group_of_one_rank_and_shares_equal_kinds(layout, options, made_as):
+    """No torch group for a group of one rank (pp and the embedding when pp is 1, ...);
+    a kind with the same groups as an earlier one shares its groups (mp is tp when pp is
+    1, the embedding group is the pipeline when pp is 2, dp x cp is cp when dp is 1)."""
+    from gridtrain.parallel.grid import _group_kinds, group_plan
+
+    grid = ProcessGrid.build(**layout)
+    plan = group_plan(grid, **options)
+    assert {k.name: k.made_as for k in plan} == made_as
+    assert [k.name for k in plan] == [name for name, _ in _group_kinds(grid, **options)]  # the same order
+    kinds = {k.name: k for k in plan}
+    for kind in plan:
+        if kind.made_as is None:
+            assert all(len(g) == 1 for g in kind.groups)
+        else:
+            assert set(kinds[kind.made_as].groups) == set(kind.groups)
+            assert kinds[kind.made_as].made_as == kind.made_as  # shares a kind that is made itself
+    assert all(kinds["tp"].group_of(r) == tuple(grid.tp_group(r)) for r in range(grid.world_size))
+
+
+def test_a_middle_stage_has_no_embedding_group():
+    from gridtrain.parallel.grid import group_plan
+
+    embedding = {k.name: k for k in group_plan(ProcessGrid.build(16, tp=2, pp=4))}["embedding"]
+    assert embedding.group_of(0) == (0, 12) and embedding.group_of(13) == (1, 13)
+    assert embedding.group_of(4) is None and embedding.group_of(9) is None  # stages 1 and 2
+
+
 def test_hybrid_sharding_groups_cut_dp_x_cp_into_consecutive_runs():
     """16 ranks, tp 2 x cp 2 x dp 4, ZeRO sharded over 4: each dp x cp group (8 ranks,
     tp-strided) cut into two runs of 4 consecutive members, and the replica groups pair

@@ -29,50 +29,86 @@ from gridtrain.runtime.launch import (
 from gridtrain.runtime import warm
 from tests.harness import run_on_ranks
 
-GROUP_KINDS = {  # ProcessGroups attribute -> ProcessGrid method giving its ranks
+GROUP_KINDS = {  # kind -> ProcessGrid method giving a rank's group of that kind
     "tp": "tp_group",
     "dp": "dp_group",
     "pp": "pp_group",
     "mp": "model_parallel_group",
     "embedding": "embedding_group",
+    "cp": "cp_group",
+    "dp_cp": "dp_cp_group",
 }
+LAYOUTS_8 = [  # (layout, the kinds a rank has, the kinds sharing one group), made in turn in one world
+    (dict(tp=2, pp=4), ["tp", "dp", "pp", "mp", "embedding"], []),  # middle stages: no embedding group
+    (dict(tp=2, pp=2), ["tp", "dp", "pp", "mp", "embedding"], [("embedding", "pp")]),  # pp 2: embedding = pp
+    (dict(tp=2, cp=2), ["tp", "dp", "pp", "mp", "embedding", "cp", "dp_cp"], [("mp", "tp")]),  # pp 1: alone
+]
 
 
-def _all_reduce_every_group(rank: int, world_size: int, tp: int, pp: int) -> dict:
-    """Sum the rank over each of this rank's groups; report sums, env and group facts.
+def _all_reduce_every_group(rank: int, world_size: int) -> dict:
+    """For each layout of LAYOUTS_8 in turn, in one world: sum the rank over each of this
+    rank's groups (a rank alone in its group keeps its own value); report the sums, the
+    group objects shared between kinds, the new_group calls made, env and threads.
 
     Higher ranks return first, so that an ordering by arrival would be caught.
     """
-    grid = ProcessGrid.build(world_size, tp=tp, pp=pp)
-    groups = create_process_groups(grid, rank)
-    sums = {}
-    for kind in GROUP_KINDS:
-        value = torch.tensor([float(rank)], dtype=torch.float64)
-        dist.all_reduce(value, group=getattr(groups, kind))
-        sums[kind] = value.item()
-    sizes = {kind: dist.get_world_size(getattr(groups, kind)) for kind in GROUP_KINDS}
+    calls = []
+    new_group = dist.new_group
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("ranks"))
+        return new_group(*args, **kwargs)
+
+    dist.new_group = counted
+    layouts = []
+    for layout, _, _ in LAYOUTS_8:
+        calls.clear()
+        groups = create_process_groups(ProcessGrid.build(world_size, **layout), rank)
+        sums, sizes = {}, {}
+        for kind in groups.members:
+            value = torch.tensor([float(rank)], dtype=torch.float64)
+            group = groups.group(kind)
+            if group is not None:
+                dist.all_reduce(value, group=group)
+            sums[kind], sizes[kind] = value.item(), 1 if group is None else dist.get_world_size(group)
+        shared = sorted((a, b) for a in groups.live for b in groups.live if a < b and groups.live[a] is groups.live[b])
+        layouts.append({"sums": sums, "sizes": sizes, "shared": shared, "calls": list(calls),
+                        "coord": tuple(groups.coord)})
+    dist.new_group = new_group
     time.sleep(0.05 * (world_size - rank))
     return {
         "rank": rank,
-        "sums": sums,
-        "sizes": sizes,
-        "coord": tuple(groups.coord),
+        "layouts": layouts,
         "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")},
         "threads": torch.get_num_threads(),
     }
 
 
 @pytest.mark.spawn
-def test_all_reduce_over_every_group_kind_of_8_rank_grid() -> None:
-    grid = ProcessGrid.build(8, tp=2, pp=2)
-    results = run_on_ranks(_all_reduce_every_group, 8, 2, 2)
+def test_all_reduce_over_every_group_kind_of_8_rank_grids() -> None:
+    """Every kind's group sums what the grid says it holds; no group of one rank is made
+    and kinds with the same groups share them, so a rank calls new_group once per distinct
+    group of more than one rank that holds it, and a middle stage once more for a group of
+    its own in place of the embedding group (so that all ranks make as many groups: torch
+    names them by that count, and a later layout in the same world must still meet)."""
+    results = run_on_ranks(_all_reduce_every_group, 8)
     assert [r["rank"] for r in results] == list(range(8))  # ordered by rank, not arrival
+    for index, (layout, kinds, shared) in enumerate(LAYOUTS_8):
+        grid = ProcessGrid.build(8, **layout)
+        for rank, result in enumerate(results):
+            got = result["layouts"][index]
+            middle = rank not in grid.embedding_group(rank)  # a middle stage holds no embedding
+            mine = [kind for kind in kinds if not (middle and kind == "embedding")]
+            assert sorted(got["sums"]) == sorted(mine), (layout, rank)
+            for kind in mine:
+                ranks = getattr(grid, GROUP_KINDS[kind])(rank)
+                assert got["sums"][kind] == sum(ranks) and got["sizes"][kind] == len(ranks), (layout, rank, kind)
+            assert got["shared"] == shared, (layout, rank)
+            distinct = {tuple(getattr(grid, GROUP_KINDS[kind])(rank)) for kind in mine}
+            own = [(rank,)] if middle else []
+            assert sorted(map(tuple, got["calls"])) == sorted([g for g in distinct if len(g) > 1] + own), (layout, rank)
+            assert got["coord"] == tuple(grid.coords(rank))
     for rank, result in enumerate(results):
-        for kind, method in GROUP_KINDS.items():
-            ranks = getattr(grid, method)(rank)
-            assert result["sums"][kind] == sum(ranks), (rank, kind)
-            assert result["sizes"][kind] == len(ranks), (rank, kind)
-        assert result["coord"] == tuple(grid.coords(rank))
         assert result["env"] == {
             "RANK": str(rank), "WORLD_SIZE": "8", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "8",
         }
@@ -80,12 +116,10 @@ def test_all_reduce_over_every_group_kind_of_8_rank_grid() -> None:
 
 
 def _single_rank_world(rank: int, world_size: int) -> dict:
-    """A 1-rank grid still gets real (single-member) groups; a wrong grid is refused;
+    """A 1-rank grid makes no groups (the rank is alone in each); a wrong grid is refused;
     init_from_env joins a torchrun-style environment (here: a fresh 1-rank job)."""
     groups = create_process_groups(ProcessGrid.build(1), rank)
-    value = torch.tensor([3.0])
-    for kind in GROUP_KINDS:
-        dist.all_reduce(value, group=getattr(groups, kind))
+    alone = {kind: (groups.members[kind], groups.group(kind)) for kind in groups.members}
     try:
         create_process_groups(ProcessGrid.build(2, tp=2), rank)
     except GridError as exc:
@@ -96,17 +130,50 @@ def _single_rank_world(rank: int, world_size: int) -> dict:
     fresh = init_from_env(collective_timeout_s=30)
     total = torch.tensor([5.0])
     dist.all_reduce(total)
-    return {"value": value.item(), "refusal": refusal, "already": already,
+    return {"alone": alone, "refusal": refusal, "already": already,
             "fresh": fresh, "backend": dist.get_backend(), "total": total.item()}
 
 
 @pytest.mark.spawn
 def test_single_rank_world_groups_and_init_from_env() -> None:
     [result] = run_on_ranks(_single_rank_world, 1)
-    assert result["value"] == 3.0
+    assert result["alone"] == {kind: ((0,), None) for kind in ("tp", "dp", "pp", "mp", "embedding")}
     assert "has 1 ranks but the grid" in result["refusal"] and "needs 2" in result["refusal"]
     assert result["already"] == result["fresh"] == (0, 1, 0)
     assert result["backend"] == "gloo" and result["total"] == 5.0
+
+
+def test_nccl_splits_the_world_once_per_kind(monkeypatch) -> None:
+    """With a device-bound NCCL world (as every launch path binds it) each kind's groups
+    come from one ``split_group`` call on every rank, with all of the kind's groups (and
+    the ranks in none, alone), in the plan's order; new_group is not called. Here the world is torch's fake one (one
+    rank of 16 in this process) and split_group a recorder; the predicate is checked apart."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from gridtrain.parallel import grid as grid_module
+
+    grid = ProcessGrid.build(16, tp=2, pp=4)
+    splits = []
+
+    def split_group(split_ranks, timeout=None, group_desc=None):
+        splits.append((group_desc, split_ranks))
+        return f"{group_desc} group"  # what this rank would get: its group of the kind
+
+    monkeypatch.setattr(dist, "split_group", split_group)
+    monkeypatch.setattr(dist, "new_group", lambda *a, **k: pytest.fail("new_group called on the split path"))
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=16)
+    try:
+        assert not grid_module.splits_communicators()  # the fake backend cannot split
+        monkeypatch.setattr(grid_module, "splits_communicators", lambda backend=None: True)
+        groups = create_process_groups(grid, 5)
+    finally:
+        dist.destroy_process_group()
+    middle = [(r,) for r in range(4, 12)]  # stages 1 and 2 split off alone for the embedding kind
+    assert [(kind, [tuple(g) for g in ranks]) for kind, ranks in splits] == [
+        (kind.name, list(kind.groups) + (middle if kind.name == "embedding" else []))
+        for kind in grid_module.group_plan(grid)]
+    assert {kind: groups.group(kind) for kind in groups.members} == {k: f"{k} group" for k in ("tp", "dp", "pp", "mp")}
+    assert "embedding" not in groups.members  # rank 5 is on stage 1 of 4
 
 
 def test_init_from_env_without_launcher_env_names_missing_variables(monkeypatch) -> None:

@@ -14,13 +14,12 @@ Full-size figures (a 2.75 GB model, where torch is a small part) are in docs/res
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.start_memory import fp32_bytes, model_flags, train_argv, worker_peaks, write_hf_llama
+from benchmarks.start_memory import fp32_bytes, model_flags, startup_peaks, train_argv, worker_peaks, write_hf_llama
 
 pytestmark = [pytest.mark.spawn, pytest.mark.slow]
 
@@ -29,18 +28,13 @@ BASE_LAYERS = 4  # enough blocks that ZeRO-3's prefetch and staging hold block-s
 WHOLE = fp32_bytes(**SHAPE)
 
 
-def _startup_peaks(metrics: Path) -> list[int]:
-    first = json.loads(metrics.read_text().splitlines()[0])
-    return first["startup"]["host_peak_bytes"]
-
-
 def _run(argv: list[str], tmp: Path, name: str) -> tuple[list[int], list[int]]:
     """(each worker's peak at its first step, from its own VmHWM; each worker's peak over the
     whole run, sampled from outside)."""
     metrics = tmp / f"{name}.jsonl"
     peaks, done = worker_peaks(argv + ["--metrics-file", str(metrics)], timeout_s=600)
     assert done.returncode == 0, done.stdout[-3000:]
-    return _startup_peaks(metrics), peaks
+    return startup_peaks(metrics), peaks
 
 
 @pytest.fixture(scope="module")

@@ -66,9 +66,12 @@ class _LastWhole:
 
     def get(self, key: str, make) -> torch.Tensor:
         if key != self.key:
-            self.key, self.tensor = None, None  # the old one goes before the new one is made
+            self.clear()  # the old one goes before the new one is made
             self.tensor, self.key = make(), key
         return self.tensor
+
+    def clear(self) -> None:
+        self.key, self.tensor = None, None
 
 
 class Drawn:
@@ -81,6 +84,10 @@ class Drawn:
     def read(self, name: str, param: torch.Tensor, shape: tuple[int, ...], box: Box) -> torch.Tensor:
         whole = self._last.get(canonical_name(name), lambda: initial_tensor(name, param, shape, self.cfg, self.seed))
         return _cut(whole, box)
+
+    def release(self) -> None:
+        """Drop the last whole tensor (filling is done)."""
+        self._last.clear()
 
 
 class Stored:
@@ -109,6 +116,11 @@ class Stored:
             raise CheckpointError(f"{self.where}: {src} does not fit this model (a {tuple(box[1])} piece of "
                                   f"{tuple(shape)} read as {tuple(out.shape)}); use the same model flags as the saved run")
         return out
+
+
+    def release(self) -> None:
+        """Drop the last whole tensor (filling is done)."""
+        self._last.clear()
 
 
 class Zeros:
@@ -140,6 +152,7 @@ def materialise(model: nn.Module, values: Values, *, device: torch.device | str,
             set_storage(p, local)
         elif overwrite:
             fill(Slab.of(p.data, placement(p, tp)), name, p, values)
+    _release(values)
     for module in model.modules():
         for key, buffer in module._buffers.items():
             if buffer is not None and buffer.device != torch.device(device):
@@ -156,6 +169,15 @@ def fill_pieces(flat: torch.Tensor, pieces: Iterable, model: nn.Module, values: 
     names = {p: name for name, p in model.named_parameters()}
     for q in pieces:
         fill(piece_slab(q, flat[q.at:q.end], tp), names[q.param], q.param, values)
+    _release(values)
+
+
+def _release(values: Values) -> None:
+    """The source's last whole tensor goes once the pieces are filled, before the rest of
+    the rank's state (gradients, optimizer) is allocated."""
+    release = getattr(values, "release", None)
+    if release is not None:
+        release()
 
 
 @dataclass
@@ -210,4 +232,5 @@ class Start:
         for piece in optimizer.load_targets():
             if "master" in piece.tensors:
                 fill(piece_slab(piece, piece.tensors["master"], ctx.tp), names[piece.param], piece.param, self.values)
+        _release(self.values)
         optimizer.loaded(None, [])

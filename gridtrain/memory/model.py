@@ -234,18 +234,27 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
 
 
 def expected_startup_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> int:
-    """A rank's peak while it starts (gridtrain.checkpoint.materialise): what it keeps
-    (:func:`expected_bytes`: its parameters, or under ZeRO-3 its parameter shard, its
-    gradient buffer or shard and its optimizer's state, all allocated before the first
-    step) and one whole tensor in fp32, the largest of its stage *before* any split (a
-    parameter is drawn whole, or read whole where a source cannot read slices, then
-    cut to the rank's pieces). Nothing else of the model is ever whole on the rank, so
-    start-up grows with the rank's share and with the largest single tensor (the token
-    table or the head), not with the model."""
+    """A rank's peak while it starts, in the order the trainer builds it
+    (gridtrain.checkpoint.materialise): its parameters (under ZeRO-3, after its gradient
+    shard, its parameter shard) filled piece by piece, beside one whole tensor in fp32 at
+    a time, the largest of its stage *before* any split (a parameter is drawn whole, or
+    read whole where a source cannot read slices, then cut to the rank's pieces), which
+    goes before the gradient buffer and the optimizer's state are allocated (torch's
+    AdamW, fp32 and fp64 without ZeRO, allocates its state at the first step, not here).
+    Nothing else of the model is ever whole on the rank, so start-up grows with the
+    rank's share and with the largest single tensor (the token table or the head), not
+    with the model. Host memory on the CPU; on a GPU the whole tensor is on the host."""
     state = expected_bytes(cfg, grid, rank)
     holds = _holds(cfg, grid, rank)
     whole = 4 * largest_parameter(cfg.model, 1, holds, moe_blocks_held(cfg, grid, rank))
-    return state["parameter_bytes"] + state["gradient_bytes"] + state["optimizer_bytes"] + whole
+    params, grads = state["parameter_bytes"], state["gradient_bytes"]
+    # the flat optimizer allocates its state when built; torch's AdamW (fp32/fp64 without
+    # ZeRO) at its first step
+    flat = cfg.parallel.zero > 0 or cfg.training.dtype not in ("fp32", "fp64")
+    optim = state["optimizer_bytes"] if flat else 0
+    if cfg.parallel.zero == 3:  # the gradient shard, then the parameter shard filled, then the optimizer
+        return params + grads + max(whole, optim)
+    return params + max(whole, grads + optim)  # the parameters filled, then gradients and optimizer
 
 
 def _largest_bucket(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool], moe_blocks: int,

@@ -13,8 +13,8 @@
 * ``pipeline/``: schedules as action lists, their validation, simulation, pictures,
   partitioning, and the runtime that executes them.
 
-A new parallel axis starts here: its coordinate in ``grid``, its groups in
-``create_process_groups``, its handle on :class:`distributed.DistributedContext`, and the
+A new parallel axis starts here: its coordinate in ``grid``, its kind of group in
+``grid._group_kinds`` (made by ``create_process_groups``), its handle on :class:`distributed.DistributedContext`, and the
 layer that splits the work. This package knows no model, no optimizer and no training
 loop; it may import ``runtime`` (clocks, the watchdog's flight recorder), ``memory``,
 ``data`` (the batch type) and ``config``.

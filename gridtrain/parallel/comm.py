@@ -110,7 +110,19 @@ class CommGroup:
                    tuple(dist.get_process_group_ranks(group)),
                    torch.device(device) if device is not None else None)
 
+    @classmethod
+    def alone(cls, name: str, rank: int, counter: ByteCounter, recorder: FlightRecorder | None = None,
+              device: torch.device | str | None = None) -> "CommGroup":
+        """Global rank ``rank``'s group of one, for which no torch group is made (at scale a
+        communicator each would cost every rank a collective split, grid.py): every
+        collective is the identity; the rank and device are kept for reports and for code
+        that allocates on the group's device."""
+        return cls(name, None, 1, 0, counter, recorder if recorder is not None else process_recorder(), (rank,),
+                   torch.device(device) if device is not None else None)
+
     def global_rank(self, index: int) -> int:
+        if self.group is None:  # one rank: itself
+            return self.ranks[index] if self.ranks else index
         return dist.get_global_rank(self.group, index)
 
     def check_device(self, kind: str, tensor: torch.Tensor) -> None:

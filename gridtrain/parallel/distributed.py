@@ -149,57 +149,50 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     counter = ByteCounter()
     recorder = watchdog.process_recorder()
     watchdog.start_watchdog(recorder, rank, world, timeout_s, device)
-    # Every group knows the rank's device: its collectives refuse a tensor elsewhere, and
-    # code with no tensor of its own (a stage without parameters) allocates there.
     # zero-bubble schedules split each backward: the layers queue their weight gradients
     # in this store for the schedule's W actions (PipelineStage gets the same store)
     weight_grads = WeightGradStore() if uses_split_backward(p.schedule) else None
-    tp = TensorParallel(CommGroup.of("tp", groups.tp, counter, device=device),
-                        sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng, weight_grads=weight_grads)
-    dp = CommGroup.of("dp", groups.dp, counter, device=device)
-    dp_x_cp = CommGroup.of("dp_cp", groups.dp_cp, counter, device=device) if groups.dp_cp is not None else None
+
+    def comm(kind: str) -> CommGroup | None:
+        # Every group knows the rank's device: its collectives refuse a tensor elsewhere, and
+        # code with no tensor of its own (a stage without parameters) allocates there.
+        return _comm(groups, kind, counter, device)
+
+    tp = TensorParallel(comm("tp"), sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng,
+                        weight_grads=weight_grads)
+    dp, dp_x_cp, cp = comm("dp"), comm("dp_cp"), comm("cp")
     return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
                               dtype=cfg.training.dtype, tp=tp,
                               recompute=Recomputation(policy_from(cfg.activations), rng),
-                              dp=dp,
-                              mp=CommGroup.of("mp", groups.mp, counter, device=device),
-                              pp=CommGroup.of("pp", groups.pp, counter, device=device),
-                              embedding=_embedding_group(grid, rank, groups, counter, device), bytes=counter,
-                              recorder=recorder, cp=_context_parallel(groups, p.cp_comm, counter, device),
-                              dp_x_cp=dp_x_cp,
-                              zero_shard=CommGroup.of("zero_shard", groups.zero_shard, counter, device=device)
-                              if groups.zero_shard is not None else None,
-                              zero_replica=CommGroup.of("zero_replica", groups.zero_replica, counter, device=device)
-                              if groups.zero_replica is not None else None,
-                              ep=_expert_parallel(groups, tp, dp_x_cp or dp, counter, device, coords),
-                              expert_dp=CommGroup.of("expert_dp", groups.expert_dp, counter, device=device)
-                              if groups.expert_dp is not None else None)
+                              dp=dp, mp=comm("mp"), pp=comm("pp"),
+                              embedding=comm("embedding") if grid.pp > 1 else None,  # None on middle stages too
+                              bytes=counter, recorder=recorder,
+                              cp=ContextParallel(cp, p.cp_comm) if cp is not None else ContextParallel(mode=p.cp_comm),
+                              dp_x_cp=dp_x_cp, zero_shard=comm("zero_shard"), zero_replica=comm("zero_replica"),
+                              ep=_expert_parallel(comm("ep") or single("ep"), tp, dp_x_cp or dp, coords, grid.cp),
+                              expert_dp=comm("expert_dp"))
 
 
-def _expert_parallel(groups: ProcessGroups, tp: TensorParallel, dp_cp: CommGroup, counter: ByteCounter,
-                     device: torch.device, coords) -> ExpertParallel:
+def _comm(groups: ProcessGroups, kind: str, counter: ByteCounter, device: torch.device) -> CommGroup | None:
+    """This rank's group of ``kind`` for collectives: on its torch group, or the rank alone
+    where the group is this one rank (no torch group is made for it, grid.py); None where
+    the run has no such group (cp when cp is 1, a middle stage's embedding group)."""
+    if kind not in groups.members:
+        return None
+    group = groups.group(kind)
+    if group is None:
+        return CommGroup.alone(kind, groups.rank, counter, device=device)
+    return CommGroup.of(kind, group, counter, device=device)
+
+
+def _expert_parallel(comm: CommGroup, tp: TensorParallel, dp_cp: CommGroup, coords, cp_size: int) -> ExpertParallel:
     """The ep group (one rank when --ep is 1), the groups a global micro-batch's tokens
     are spread over (dp x cp, and tp under sequence parallelism: without it the tp ranks
     hold the same tokens) and where this rank's tokens sit in it."""
-    comm = CommGroup.of("ep", groups.ep, counter, device=device) if groups.ep is not None else single("ep")
     spread = (dp_cp, tp.comm) if tp.sequence_parallel else (dp_cp,)
     sp = tp.sequence_parallel
-    return ExpertParallel(comm, spread, dp_rank=coords.dp, cp_size=groups.grid.cp, cp_rank=coords.cp,
+    return ExpertParallel(comm, spread, dp_rank=coords.dp, cp_size=cp_size, cp_rank=coords.cp,
                           sp_size=tp.size if sp else 1, sp_rank=tp.rank if sp else 0)
-
-
-def _context_parallel(groups: ProcessGroups, mode: str, counter: ByteCounter,
-                      device: torch.device) -> ContextParallel:
-    if groups.cp is None:
-        return ContextParallel(mode=mode)
-    return ContextParallel(CommGroup.of("cp", groups.cp, counter, device=device), mode)
-
-
-def _embedding_group(grid: ProcessGrid, rank: int, groups: ProcessGroups,
-                     counter: ByteCounter, device: torch.device) -> CommGroup | None:
-    if grid.pp == 1 or not (grid.is_first_stage(rank) or grid.is_last_stage(rank)):
-        return None
-    return CommGroup.of("embedding", groups.embedding, counter, device=device)
 
 
 def shutdown() -> None:

@@ -5,11 +5,11 @@ The first half of this module is pure rank arithmetic. It never touches
 starting a process, and a bad layout is rejected with one clear line before any
 collective is started.
 
-The second half (``ProcessGroups`` / ``create_process_groups``) turns the
-arithmetic into live ``torch.distributed`` groups. ``new_group`` is collective
-over the whole world, so every rank must create every group in the same order;
-the ``all_*_groups`` methods give that order and ``create_process_groups``
-walks it.
+The second half turns the arithmetic into live ``torch.distributed`` groups:
+:func:`group_plan` (still pure) says which kinds of group a run uses and which of them
+need communicators of their own (none for a group of one rank; one set for kinds with
+the same groups), and :func:`create_process_groups` makes them, one call per kind, in
+the plan's order on every rank.
 
 Layout (Megatron's order): TP varies fastest, then CP (context parallel: ranks that
 split a sequence), then DP, then PP::
@@ -301,36 +301,38 @@ class ProcessGrid:
         return f"{self.world_size} ranks = dp {self.dp} x pp {self.pp}{cp} x tp {self.tp}"
 
 
-# ---- live process groups ---------------------------------------------------
+# ---- which groups a run makes (pure) --------------------------------------
 
 
-@dataclass
-class ProcessGroups:
-    """This rank's live ``torch.distributed`` groups, one per kind, and its coordinate."""
+@dataclass(frozen=True)
+class GroupKind:
+    """One kind of group (tp, dp, ...): all of its groups, and which communicators serve it.
 
-    grid: ProcessGrid
-    rank: int
-    coord: GridCoord
-    tp: ProcessGroup
-    dp: ProcessGroup
-    pp: ProcessGroup
-    mp: ProcessGroup
-    embedding: ProcessGroup | None  # None on middle pipeline stages: they hold no embedding
-    cp: ProcessGroup | None = None  # the cp ring and dp x cp (dense gradients): made only when cp > 1
-    dp_cp: ProcessGroup | None = None
-    zero_shard: ProcessGroup | None = None  # hybrid sharding (--zero-shard-size): made only then
-    zero_replica: ProcessGroup | None = None
-    ep: ProcessGroup | None = None  # expert parallelism (--ep > 1): made only then
-    expert_dp: ProcessGroup | None = None
+    ``made_as`` is the kind whose torch groups this kind uses: the kind itself; an earlier
+    kind with exactly the same groups (mp is tp when pp is 1, the embedding group is the
+    pipeline when pp is 2, dp x cp is cp when dp is 1), whose groups are shared; or None
+    when every group of the kind is one rank, for which no torch group is made at all.
+    Groups of one kind are translates of each other on the grid, so two kinds share
+    either all their groups or none, and comparing whole kinds finds every shared group.
+    """
+
+    name: str
+    groups: tuple[tuple[int, ...], ...]
+    made_as: str | None
+
+    def group_of(self, rank: int) -> tuple[int, ...] | None:
+        """The group of this kind that holds ``rank`` (None: a middle pipeline stage has no
+        embedding group)."""
+        return next((g for g in self.groups if rank in g), None)
 
 
 def _group_kinds(grid: ProcessGrid, zero_shard_size: int | None = None,
                  ep: int = 1) -> list[tuple[str, list[list[int]]]]:
     """Every kind of group with all of its rank lists, in the one order all ranks use.
     The cp and dp x cp groups exist only when cp > 1 (with cp 1 the dp group is the
-    dp x cp group, and a run makes exactly the groups it made before cp existed); the
-    hybrid-sharding groups only when ``zero_shard_size`` cuts dp x cp; the expert groups
-    only when ``ep`` > 1 (with ep 1 experts are reduced over dp x cp, as dense weights)."""
+    dp x cp group); the hybrid-sharding groups only when ``zero_shard_size`` cuts dp x cp;
+    the expert groups only when ``ep`` > 1 (with ep 1 experts are reduced over dp x cp,
+    as dense weights)."""
     kinds = [
         ("tp", grid.all_tp_groups()),
         ("dp", grid.all_dp_groups()),
@@ -346,6 +348,47 @@ def _group_kinds(grid: ProcessGrid, zero_shard_size: int | None = None,
     if ep > 1:
         kinds += [("ep", grid.all_ep_groups(ep)), ("expert_dp", grid.all_expert_dp_groups(ep))]
     return kinds
+
+
+def group_plan(grid: ProcessGrid, zero_shard_size: int | None = None, ep: int = 1) -> list[GroupKind]:
+    """Every kind of group the run uses, in the one order all ranks walk, each marked with
+    the kind whose torch groups serve it (:class:`GroupKind`): one-rank groups are not
+    made, and a kind with the same groups as an earlier one shares them."""
+    plan: list[GroupKind] = []
+    made: dict[frozenset, str] = {}  # the groups of each kind that is made -> its name
+    for name, rank_lists in _group_kinds(grid, zero_shard_size, ep):
+        groups = tuple(tuple(sorted(g)) for g in rank_lists)
+        if all(len(g) == 1 for g in groups):
+            plan.append(GroupKind(name, groups, None))
+            continue
+        made_as = made.setdefault(frozenset(groups), name)
+        plan.append(GroupKind(name, groups, made_as))
+    return plan
+
+
+# ---- live process groups ---------------------------------------------------
+
+
+@dataclass
+class ProcessGroups:
+    """This rank's live ``torch.distributed`` groups and its coordinate.
+
+    ``members`` holds this rank's group of every kind the run uses, one-rank groups
+    included; ``live`` the torch group of each kind where the rank is not alone (kinds
+    with the same groups share one object). :meth:`group` is None where the rank is alone
+    in its group, and collectives there are identities
+    (:meth:`gridtrain.parallel.comm.CommGroup.alone`)."""
+
+    grid: ProcessGrid
+    rank: int
+    coord: GridCoord
+    members: dict[str, tuple[int, ...]]
+    live: dict[str, ProcessGroup]
+
+    def group(self, kind: str) -> ProcessGroup | None:
+        """The torch group of this rank's ``kind`` group; None where the rank is alone in it
+        or the run has no such kind (a middle stage's embedding group, cp when cp is 1)."""
+        return self.live.get(kind)
 
 
 def _check_world(grid: ProcessGrid, rank: int) -> None:
@@ -371,6 +414,52 @@ def _check_world(grid: ProcessGrid, rank: int) -> None:
         )
 
 
+def splits_communicators(backend: str | None = None) -> bool:
+    """Whether a kind's groups are made by splitting the world's communicator
+    (``torch.distributed.split_group``, one collective call per kind on every rank): NCCL
+    with the default group bound to a device (``init_process_group(device_id=...)``, as
+    every launch path here does), asked for the world's own backend. ``split_group``
+    supports no other backend (gloo, the dry run's fake one); there each rank creates its
+    own groups (``new_group`` with ``use_local_synchronization``).
+
+    Not ``new_group`` on every rank for every group: on a bound NCCL group each such call
+    is an ``ncclCommSplit`` over the whole world, non-members included (thousands at
+    1,024 ranks). Nor ``new_group(use_local_synchronization=True)`` there: its members
+    would split the world's communicator without the others, and wait for them forever.
+    """
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    device = getattr(world, "bound_device_id", None)
+    if device is None or backend not in (None, dist.get_backend()) or not hasattr(dist, "split_group"):
+        return False
+    try:
+        return bool(world._get_backend(device).supports_splitting)  # what split_group itself asks
+    except RuntimeError:  # no backend for the device
+        return False
+
+
+def _make(kind: GroupKind, rank: int, world_size: int, split: bool, timeout: timedelta | None,
+          backend: str | None) -> ProcessGroup:
+    """This rank's group of ``kind``, made with one call on every rank: a split of the world,
+    or ``new_group`` of the rank's own group.
+
+    A rank in no group of the kind (a middle stage: the embedding kind) gets a group of its
+    own, never used. torch names a group from its ranks and the number of groups the
+    process already has (``_hash_ranks_to_str``), and members of a group must agree on its
+    name (gloo's members meet under it in the store: a mismatch hangs the next layout made
+    in the same world), so every rank must make the same number of groups, in order."""
+    import torch.distributed as dist
+
+    if split:
+        covered = {r for g in kind.groups for r in g}
+        split_ranks = [list(g) for g in kind.groups] + [[r] for r in range(world_size) if r not in covered]
+        return dist.split_group(split_ranks=split_ranks, timeout=timeout, group_desc=kind.name)
+    mine = kind.group_of(rank) or (rank,)
+    return dist.new_group(ranks=list(mine), timeout=timeout, backend=backend, use_local_synchronization=True,
+                          group_desc=kind.name)
+
+
 def create_process_groups(
     grid: ProcessGrid,
     rank: int,
@@ -379,27 +468,25 @@ def create_process_groups(
     zero_shard_size: int | None = None,
     ep: int = 1,
 ) -> ProcessGroups:
-    """Create every group of every kind on every rank and keep the ones holding ``rank``.
+    """Make this rank's groups of every kind of :func:`group_plan` and return them.
 
-    ``new_group`` is collective over the whole world: all ranks must call it for
-    every group, in the same order, even for groups they are not in; otherwise
-    the ranks deadlock or pair up the wrong groups. Single-rank groups (e.g. TP
-    groups when tp == 1) are created too, so callers can always pass a real
-    group to a collective instead of special-casing size 1.
+    One call per kind whose groups are made, on every rank, in the plan's order, so that
+    ranks agree which call makes which group (:func:`splits_communicators`: a split of the
+    world, or ``new_group`` of the rank's own group only, :func:`_make`). No group of one
+    rank is made (the rank is alone: its collectives are identities), and a kind with the
+    same groups as an earlier one shares them, so a rank makes one communicator per
+    distinct group of more than one rank it is in (and a middle pipeline stage one of its
+    own for the embedding kind), instead of every group of every kind.
 
     ``timeout`` is every group's backend timeout. ``None`` means torch's default for
     the backend (10 minutes for NCCL and gloo, much longer than most users' --timeout),
     so callers should pass one: setup_distributed gives the backstop of watchdog.py,
     ``--timeout`` plus a margin, so that the watchdog's hang report comes first.
     """
-    import torch.distributed as dist
-
     _check_world(grid, rank)
-    mine: dict[str, ProcessGroup] = {}
-    for kind, rank_lists in _group_kinds(grid, zero_shard_size, ep):
-        for ranks in rank_lists:
-            group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
-            if rank in ranks:
-                mine[kind] = group
-    mine.setdefault("embedding", None)
-    return ProcessGroups(grid=grid, rank=rank, coord=grid.coords(rank), **mine)
+    plan = group_plan(grid, zero_shard_size, ep)
+    split = splits_communicators(backend)
+    made = {k.name: _make(k, rank, grid.world_size, split, timeout, backend) for k in plan if k.made_as == k.name}
+    members = {k.name: mine for k in plan if (mine := k.group_of(rank)) is not None}
+    live = {k.name: made[k.made_as] for k in plan if k.made_as is not None and k.name in members}
+    return ProcessGroups(grid=grid, rank=rank, coord=grid.coords(rank), members=members, live=live)

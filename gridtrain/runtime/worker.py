@@ -79,7 +79,7 @@ def _init_worker_process_group(spec: WorkerSpec) -> None:
     from gridtrain.runtime.devices import process_group_device
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
-    device_id = process_group_device(spec.backend)
+    device_id = process_group_device(spec.backend, same_gpus=True)  # all workers see the same GPUs
     timeout = timedelta(seconds=spec.collective_timeout_s)
     store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False, timeout=timeout)
     extra = {"device_id": device_id} if device_id is not None else {}

@@ -427,31 +427,33 @@ def _validate_host(cfg: Config) -> None:
                           f"lower --nproc to at most {limit}, or launch across hosts with torchrun")
 
 
-def local_workers(p: ParallelConfig) -> tuple[int, str]:
-    """How many workers of this run share this node's GPUs, and where that number comes
-    from (for the message): torchrun's LOCAL_WORLD_SIZE (``--nproc-per-node``), else
-    ``--nproc``, else one process."""
+def local_workers(p: ParallelConfig) -> tuple[int, str, bool]:
+    """How many workers of this run are on this node, where that number comes from (for
+    the message): the launcher's LOCAL_WORLD_SIZE (torchrun's ``--nproc-per-node``), else
+    ``--nproc``, else one process; and whether they are known to see the same GPUs
+    (``--nproc``'s workers do; a launcher's may each see one GPU of their own)."""
     if under_torchrun() or (p.nproc is None and "LOCAL_WORLD_SIZE" in os.environ):
         n = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        return n, f"LOCAL_WORLD_SIZE={n} (torchrun --nproc-per-node)"
+        return n, f"LOCAL_WORLD_SIZE={n} (torchrun --nproc-per-node)", False
     if p.nproc is not None:
-        return p.nproc, f"--nproc {p.nproc}"
-    return 1, "one process"
+        return p.nproc, f"--nproc {p.nproc}", True
+    return 1, "one process", True
 
 
 def _validate_cuda(p: ParallelConfig, t: TrainingConfig) -> None:
     """A run on cuda -- asked for, or the default where a GPU is visible -- needs one GPU
     per worker on this node (NCCL refuses two ranks on one GPU); refused here, before any
     worker is spawned, with the rule the workers themselves apply
-    (:func:`gridtrain.runtime.devices.gpu_shortage`)."""
+    (:func:`gridtrain.runtime.devices.gpu_shortage`): ``--nproc N`` needs N visible GPUs; a
+    launcher's workers that each see one GPU have one each."""
     if resolve_device_type(t.device) != "cuda":
         _require(t.backend != "nccl", "--backend nccl needs --device cuda; use --backend gloo (the default on cpu)")
         return
     _require(torch.cuda.is_available(), "--device cuda: no CUDA device is available; use --device cpu")
     if shares_gpus(t.backend):  # gloo: ranks may share a GPU
         return
-    workers, source = local_workers(p)
-    problem = gpu_shortage(workers, torch.cuda.device_count(), source)
+    workers, source, same_gpus = local_workers(p)
+    problem = gpu_shortage(workers, torch.cuda.device_count(), source, same_gpus)
     _require(problem is None, problem or "")
 
 
