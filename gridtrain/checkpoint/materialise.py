@@ -117,7 +117,6 @@ class Stored:
                                   f"{tuple(shape)} read as {tuple(out.shape)}); use the same model flags as the saved run")
         return out
 
-
     def release(self) -> None:
         """Drop the last whole tensor (filling is done)."""
         self._last.clear()
