@@ -73,7 +73,7 @@ def _hwm(pid: int) -> int | None:
 
 
 def worker_peaks(argv: list[str], *, env: dict[str, str] | None = None, cwd: Path = ROOT,
-                 interval_s: float = 0.05, timeout_s: float = 900) -> tuple[list[int], subprocess.CompletedProcess]:
+                 interval_s: float = 0.02, timeout_s: float = 900) -> tuple[list[int], subprocess.CompletedProcess]:
     """Run ``argv`` (a ``gridtrain train --nproc`` command) and sample its workers' peak
     resident sets until it exits; returns them (one per worker, in start order) and the
     finished process (its output in ``stdout``)."""

@@ -286,9 +286,10 @@ class TrainingConfig:
     device: str | None = option(None, choices=DEVICES, metavar="cpu|cuda",
                                 help="cpu | cuda (default: cuda when available)",
                                 doc="default: cuda when available, else cpu (gloo on cpu, nccl on cuda); on cuda "
-                                    "(given or the default) each node needs one GPU per worker: `--nproc N` (or "
+                                    "(given or the default) each worker needs a GPU of its own: `--nproc N` (or "
                                     "torchrun `--nproc-per-node N`) with fewer GPUs is refused before start, in "
-                                    "one line")
+                                    "one line; a worker that sees one GPU (Slurm `--gpus-per-task=1`, one "
+                                    "container per GPU) takes it, whatever its LOCAL_RANK")
     backend: str | None = option(None, choices=BACKENDS, metavar="nccl|gloo",
                                  help="collective backend (default: nccl on cuda, gloo on cpu)",
                                  doc="default: nccl on cuda, gloo on cpu. `--backend gloo --device cuda` lets "
