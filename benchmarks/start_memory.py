@@ -171,6 +171,7 @@ def main(argv=None) -> int:
         checkouts["--before"] = Path(opts.before).resolve()
     print(f"model: Llama, {opts.n_layer} layers x d_model {opts.d_model}, vocabulary {opts.vocab_size}: "
           f"{_gb(whole)} in fp32; --nproc {opts.nproc} --zero 3 --dtype bf16, 2 steps")
+    print("command:", " ".join(train_argv(opts.nproc, model)[2:]))
     print(f"{'side':<52} {'at the first step':>26} {'whole run':>26}")
     print(f"{'':<52} {'(largest / smallest worker)':>26} {'(largest / smallest)':>26}")
     with tempfile.TemporaryDirectory() as tmp:
