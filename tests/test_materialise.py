@@ -18,7 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.start_memory import write_hf_llama
+from gridtrain.checkpoint.errors import CheckpointError
 from gridtrain.checkpoint.huggingface import apply_init_from, import_hf
+from gridtrain.checkpoint.materialise import Stored
 from gridtrain.checkpoint.tensor_files import TensorFiles
 
 from gridtrain.config import Config, preset_config, set_fields
@@ -182,3 +184,17 @@ def test_a_zero3_stand_in_holds_no_memory_but_takes_hooks():
     p.data = torch.ones(1000, 1000, dtype=torch.bfloat16)
     (p * 2).sum().backward()
     assert fired == [(1000, 1000)]
+
+
+def test_a_source_without_a_weight_or_of_another_shape_is_one_line():
+    """Stored's own checks (behind the pre-start ones): a missing tensor, or one that does
+    not fit the model, is a CheckpointError naming it, before anything is copied."""
+    with torch.device("meta"):
+        p = torch.nn.Parameter(torch.empty(4, 3))
+    box = ((0, 0), (4, 3))
+    with pytest.raises(CheckpointError, match="no weights for w"):
+        Stored({}, "--init-from X").read("w", p, (4, 3), box)
+    with pytest.raises(CheckpointError, match=r"w has shape \(5, 3\)"):
+        Stored({"w": torch.zeros(5, 3)}, "--init-from X").read("w", p, (4, 3), box)
+    assert torch.equal(Stored({"w": torch.ones(4, 3)}, "--init-from X").read("w", p, (4, 3), ((1, 0), (2, 3))),
+                       torch.ones(2, 3))

@@ -31,10 +31,14 @@ def test_vm_hwm_is_read_in_bytes():
     assert vm_hwm_bytes("Name:\tpython\n") is None
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
 def test_this_process_started_before_now_and_holds_memory():
+    """From /proc on Linux (CI); where there is none, no start time (a run then counts
+    from its own call) rather than a wrong one."""
     started = startup.process_start_time()
-    assert started is not None and time.time() - 24 * 3600 < started <= time.time()
+    if os.path.exists("/proc/self/stat"):
+        assert started is not None and time.time() - 24 * 3600 < started <= time.time()
+    else:
+        assert started is None
     assert startup.host_peak_bytes() > 10 * 2**20  # the interpreter and pytest alone
 
 

@@ -74,30 +74,38 @@ class _LastWhole:
         self.key, self.tensor = None, None
 
 
-class Drawn:
-    """The initialisation of ``cfg`` with ``seed``: each tensor drawn whole, then cut."""
+class _FromWhole:
+    """A source that makes each tensor whole and cuts boxes from it, keeping the last one
+    made while its pieces are filled (:class:`_LastWhole`)."""
 
-    def __init__(self, cfg: ModelConfig, seed: int):
-        self.cfg, self.seed = cfg, seed
+    def __init__(self):
         self._last = _LastWhole()
-
-    def read(self, name: str, param: torch.Tensor, shape: tuple[int, ...], box: Box) -> torch.Tensor:
-        whole = self._last.get(canonical_name(name), lambda: initial_tensor(name, param, shape, self.cfg, self.seed))
-        return _cut(whole, box)
 
     def release(self) -> None:
         """Drop the last whole tensor (filling is done)."""
         self._last.clear()
 
 
-class Stored:
+class Drawn(_FromWhole):
+    """The initialisation of ``cfg`` with ``seed``: each tensor drawn whole, then cut."""
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        super().__init__()
+        self.cfg, self.seed = cfg, seed
+
+    def read(self, name: str, param: torch.Tensor, shape: tuple[int, ...], box: Box) -> torch.Tensor:
+        whole = self._last.get(canonical_name(name), lambda: initial_tensor(name, param, shape, self.cfg, self.seed))
+        return _cut(whole, box)
+
+
+class Stored(_FromWhole):
     """Whole tensors by global name from a source (a Hugging Face directory converted on
     demand, a checkpoint's files): boxes read as slices where the source can
     (``box(name, box)``, None where it cannot), else cut from the whole tensor."""
 
     def __init__(self, tensors, where: str):
+        super().__init__()
         self.tensors, self.where = tensors, where
-        self._last = _LastWhole()
 
     def read(self, name: str, param: torch.Tensor, shape: tuple[int, ...], box: Box) -> torch.Tensor:
         src = source_name(name, param)
@@ -116,10 +124,6 @@ class Stored:
             raise CheckpointError(f"{self.where}: {src} does not fit this model (a {tuple(box[1])} piece of "
                                   f"{tuple(shape)} read as {tuple(out.shape)}); use the same model flags as the saved run")
         return out
-
-    def release(self) -> None:
-        """Drop the last whole tensor (filling is done)."""
-        self._last.clear()
 
 
 class Zeros:
