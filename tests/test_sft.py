@@ -338,3 +338,33 @@ def test_prompt_tokens_never_contribute_to_the_loss_or_its_gradient():
     noisy = torch.where(ignored.unsqueeze(-1), logits.detach() + torch.randn_like(logits), logits.detach())
     assert torch.equal(vocab_parallel_cross_entropy(noisy, labels, cfg.vocab_size, model.tp).sum(),
                        losses.detach().sum())
+
+
+def test_loss_tokens_are_counted_on_the_host_through_every_wrapper(tmp_path: Path):
+    """What the trainer divides the loss by, without reading a sample: each sample's
+    loss-bearing labels (truncated examples too), through the views the data builder
+    puts around a dataset; None where a dataset cannot say."""
+    from gridtrain.data import TokenWindows, WindowSubset, count_loss_tokens
+    from gridtrain.data.datasets import HeldOut
+    from gridtrain.data.mixture import MixtureDataset, WithoutDocuments
+
+    rng = np.random.default_rng(1)
+    examples = [{"prompt": "p" * int(rng.integers(0, 12)), "completion": "c" * int(rng.integers(0, 12))}
+                for _ in range(60)]
+    dataset = SFTDataset(examples, BYTE, 10)
+    assert dataset.truncated > 0
+
+    def labels(d, ids):
+        return sum(int((d[int(i)]["labels"] != IGNORE_INDEX).sum()) for i in ids)
+
+    everything = np.arange(len(dataset))
+    assert count_loss_tokens(dataset, everything) == labels(dataset, everything) == dataset.loss_tokens
+    windows = TokenWindows(np.arange(100) % 7, 9)
+    views = [WindowSubset(dataset, np.array([3, 1, 4, 1, 5])), HeldOut(dataset, 4, True), HeldOut(dataset, 4, False),
+             WithoutDocuments(dataset), MixtureDataset([dataset, windows], ["ft", "text"], [0.5, 0.5])]
+    for view in views:
+        ids = rng.integers(0, len(view), 12)
+        assert count_loss_tokens(view, ids) == labels(view, ids), type(view).__name__
+    assert count_loss_tokens(torch.utils.data.TensorDataset(torch.zeros(3)), [0, 1]) is None
+    assert count_loss_tokens(MixtureDataset([dataset, torch.utils.data.TensorDataset(torch.zeros(3))], ["a", "b"],
+                                            [0.5, 0.5]), np.array([0, len(dataset)])) is None

@@ -26,7 +26,7 @@ from __future__ import annotations
 from gridtrain.data.corpora import (EXCLUDED_DIRS, JSONL_SUFFIX, builtin_corpus_files, builtin_corpus_root,
                                     check_enough_tokens, corpus_files, count_tokens, load_tokens)
 from gridtrain.data.datasets import (Batch, Datasets, TokenWindows, WindowSubset, build_datasets, collate,
-                                     split_windows, unigram_entropy)
+                                     count_loss_tokens, split_windows, unigram_entropy)
 from gridtrain.data.errors import DataError
 from gridtrain.data.prepare import prepare
 from gridtrain.data.sampler import GlobalBatchSampler
@@ -41,7 +41,7 @@ __all__ = [
     "EOT_CANDIDATES", "EXCLUDED_DIRS", "JSONL_SUFFIX", "TOKEN_FILE_FORMAT", "TOKEN_FILE_VERSION",
     "Batch", "ByteTokenizer", "DataError", "Datasets", "GlobalBatchSampler", "HFTokenizer", "TokenWindows",
     "Tokenizer", "WindowSubset", "build_datasets", "builtin_corpus_files", "builtin_corpus_root",
-    "check_enough_tokens", "collate", "corpus_files", "count_tokens", "find_token_header", "load_tokenizer",
+    "check_enough_tokens", "collate", "corpus_files", "count_loss_tokens", "count_tokens", "find_token_header", "load_tokenizer",
     "load_tokens", "open_token_file", "prepare", "read_document_index", "read_token_file", "split_windows", "token_dtype",
     "unigram_entropy", "write_token_file",
     "ChatTemplate", "SFTDataset", "encode_example", "encode_examples", "is_sft_jsonl", "load_chat_template",

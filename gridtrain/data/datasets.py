@@ -92,6 +92,10 @@ class TokenWindows(torch.utils.data.Dataset):
             item["documents"] = torch.from_numpy(self._documents(raw[:-1], start))
         return item
 
+    def count_loss_tokens(self, ids: np.ndarray) -> int:
+        """Every label of a window carries a loss."""
+        return len(ids) * self.seq_len
+
     def _documents(self, inputs: np.ndarray, start: int) -> np.ndarray:
         if self.eot is not None:
             opened = np.cumsum(inputs == self.eot)
@@ -112,6 +116,9 @@ class WindowSubset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return self.dataset[self.ids[int(i)]]
+
+    def count_loss_tokens(self, ids: np.ndarray) -> int | None:
+        return count_loss_tokens(self.dataset, self.ids[np.asarray(ids, dtype=np.int64)])
 
 
 class HeldOut(torch.utils.data.Dataset):
@@ -134,8 +141,14 @@ class HeldOut(torch.utils.data.Dataset):
         i = int(i)
         if not 0 <= i < self.length:
             raise IndexError(f"item {i} out of range [0, {self.length})")
+        return self.dataset[int(self._inner(np.int64(i)))]
+
+    def _inner(self, ids: np.ndarray) -> np.ndarray:
         every = self.valid_every
-        return self.dataset[i * every + every - 1 if self.held else i + i // (every - 1)]
+        return ids * every + every - 1 if self.held else ids + ids // (every - 1)
+
+    def count_loss_tokens(self, ids: np.ndarray) -> int | None:
+        return count_loss_tokens(self.dataset, self._inner(np.asarray(ids, dtype=np.int64)))
 
 
 def split_windows(num_windows: int, valid_every: int = 100) -> tuple[np.ndarray, np.ndarray]:
@@ -185,6 +198,18 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
             raise DataError(f"token id {len(piece_counts) - 1} is outside vocab {vocab_size}")
         counts += piece_counts
     return entropy_from_counts(counts)
+
+
+def count_loss_tokens(dataset, ids: Sequence[int] | np.ndarray) -> int | None:
+    """The labels that carry a loss in samples ``ids`` of ``dataset``, counted on the host
+    without reading the samples, or None where the dataset cannot say (it has no
+    ``count_loss_tokens(ids)``, as a user's dataset may not).
+
+    Every rank knows every step's global batch (the sampler is a function of the seed),
+    so with these counts the trainer knows the step's loss-bearing tokens before the
+    step with no collective and no read of device memory (trainer.py)."""
+    count = getattr(dataset, "count_loss_tokens", None)
+    return None if count is None else count(np.asarray(ids, dtype=np.int64))
 
 
 def collate(dataset: torch.utils.data.Dataset, ids: Sequence[int]) -> Batch:

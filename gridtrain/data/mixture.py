@@ -23,7 +23,7 @@ import torch
 from gridtrain.config import WEIGHTED_SOURCE as _WEIGHTED
 from gridtrain.data import sft, token_files  # sft: fine-tuning records (prompt/completion or messages)
 from gridtrain.data.corpora import check_enough_tokens, load_tokens
-from gridtrain.data.datasets import HeldOut, TokenWindows, WindowSubset, split_windows, unigram_entropy
+from gridtrain.data.datasets import HeldOut, TokenWindows, WindowSubset, count_loss_tokens, split_windows, unigram_entropy
 from gridtrain.data.errors import DataError
 
 
@@ -88,6 +88,16 @@ class MixtureDataset(torch.utils.data.Dataset):
         i = int(i)
         source = int(np.searchsorted(self.offsets, i, side="right")) - 1
         return self.parts[source][i - int(self.offsets[source])]
+
+    def count_loss_tokens(self, ids: np.ndarray) -> int | None:
+        sources = np.searchsorted(self.offsets, ids, side="right") - 1
+        total = 0
+        for s in np.unique(sources).tolist():
+            count = count_loss_tokens(self.parts[s], ids[sources == s] - self.offsets[s])
+            if count is None:
+                return None
+            total += count
+        return total
 
 
 
@@ -171,6 +181,9 @@ class WithoutDocuments(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.dataset[i].items() if k != "documents"}
+
+    def count_loss_tokens(self, ids: np.ndarray) -> int | None:
+        return count_loss_tokens(self.dataset, ids)
 
 
 def _header_entropy(path) -> float | None:

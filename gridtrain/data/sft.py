@@ -444,6 +444,11 @@ class SFTDataset(torch.utils.data.Dataset):
                 fill = 0
             fill += n
         self.sample_examples = np.array(starts + [self.num_examples], dtype=np.int64)
+        # each sample's loss-bearing labels: the targets after its first token (labels are
+        # the inputs shifted by one), known on the host for every sample (count_loss_tokens)
+        ends = np.concatenate([[0], np.cumsum(self.loss_mask, dtype=np.int64)])
+        first = self.offsets[self.sample_examples]
+        self.sample_loss_tokens = ends[first[1:]] - ends[np.minimum(first[:-1] + 1, first[1:])]
 
     def __len__(self) -> int:
         return len(self.sample_examples) - 1
@@ -464,6 +469,11 @@ class SFTDataset(torch.utils.data.Dataset):
         labels = np.where(target[1:], tokens[1:], IGNORE_INDEX)
         return {"tokens": torch.from_numpy(tokens[:-1]), "labels": torch.from_numpy(labels),
                 "documents": torch.from_numpy(documents[:-1])}
+
+    def count_loss_tokens(self, ids: np.ndarray) -> int:
+        """The labels that carry a loss in samples ``ids``, from the host's counts (no
+        sample is read): what the trainer divides the step's loss by."""
+        return int(self.sample_loss_tokens[np.asarray(ids, dtype=np.int64)].sum())
 
     def summary(self) -> str:
         """One line for the run's report."""

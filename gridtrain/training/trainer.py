@@ -40,7 +40,7 @@ from gridtrain.runtime import host_sync
 from gridtrain.checkpoint.background import BackgroundSaver
 from gridtrain.checkpoint.sharded import SaveReport
 from gridtrain.config import Config
-from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate
+from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate, count_loss_tokens
 from gridtrain.parallel.context_parallel import split_sequence
 from gridtrain.parallel.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.parallel.distributed import DistributedContext, setup_distributed
@@ -113,7 +113,8 @@ class Trainer:
 
     def read_batches(self, step: int) -> list[Batch] | None:
         """This rank's micro-batches of the global batch of ``step``."""
-        return read_micro_batches(self.data.train, self.sampler, step, self.ctx, batch_shapes(self.cfg))
+        return read_micro_batches(self.data.train, self.sampler, step, self.ctx, batch_shapes(self.cfg),
+                                  count_tokens=not self.data.every_label_counts)
 
     def train_step(self, batches: list[Batch] | None) -> StepOutput:
         """One optimizer step: the stage's schedule (forward, backward and gradient
@@ -420,14 +421,28 @@ def batch_shapes(cfg: Config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return shapes
 
 
+class StepBatches(list):
+    """A rank's micro-batches of one step, and the loss-bearing tokens of the whole global
+    batch where the data could count them on the host (``loss_tokens``; None: counted
+    in the step, :func:`_global_token_count`)."""
+
+    def __init__(self, batches: list[Batch], loss_tokens: int | None = None):
+        super().__init__(batches)
+        self.loss_tokens = loss_tokens
+
+
 def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int, ctx: DistributedContext,
-                       shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> list[Batch] | None:
+                       shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None, *,
+                       count_tokens: bool = False) -> list[Batch] | None:
     """This rank's micro-batches of ``step``, on the stages that embed tokens or compute
     the loss (None elsewhere; on every stage with documents, whose attention each stage
     masks): read by the TP group's first rank and broadcast (``shapes``: see
     :func:`batch_shapes`; None: they are broadcast too), then cut to this cp rank's
     chunks (:func:`own_chunks`). Documents a dataset gives without ``--document-mask``
-    (``shapes`` without them) are dropped: the flag decides, the same on every layout."""
+    (``shapes`` without them) are dropped: the flag decides, the same on every layout.
+    ``count_tokens`` (the last stage, where not every label counts): the global batch's
+    loss-bearing tokens from the dataset's host-side counts (data.datasets.count_loss_tokens),
+    so the step needs no collective for them."""
     documents = shapes is not None and "documents" in shapes
     if not (documents or ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
         return None
@@ -439,7 +454,9 @@ def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int, ctx: Dis
         if documents and "documents" not in batches[0]:
             raise ValueError("--document-mask: the datasets provider's samples have no \"documents\" key (each "
                              "token's document index); give them one or drop --document-mask")
-    return own_chunks(broadcast_batches(batches, len(ids), ctx.tp, ctx.device, shapes), ctx)
+    batches = own_chunks(broadcast_batches(batches, len(ids), ctx.tp, ctx.device, shapes), ctx)
+    counted = count_tokens and ctx.grid.is_last_stage(ctx.rank)
+    return StepBatches(batches, count_loss_tokens(dataset, sampler.global_batch(step)) if counted else None)
 
 
 def own_chunks(batches: list[Batch], ctx: DistributedContext) -> list[Batch]:
@@ -455,10 +472,22 @@ def own_chunks(batches: list[Batch], ctx: DistributedContext) -> list[Batch]:
 def _global_token_count(batches: list[Batch], ctx: DistributedContext, every_label_counts: bool = False) -> int:
     """Loss-bearing tokens in the whole global batch (all DP ranks and cp chunks), known
     before backward: every label when the datasets say so (``Datasets.every_label_counts``:
-    no collective, no host read), else counted and summed over DP x CP."""
+    no collective, no host read); else as the data counted them on the host
+    (:class:`StepBatches`: again no collective); else counted and summed over DP x CP.
+
+    The last is the one collective a step would issue before its first forward: under
+    ZeRO-1/2 it would queue on the dp x cp communicator behind the parameter gathers the
+    last step left in flight, so the host would wait for all of them before the forward
+    (the gathers are meant to hide behind it). The data's own counts avoid it; only a
+    dataset that cannot count (a user's, without ``count_loss_tokens``) pays it."""
     every_label = ctx.dp_cp.size * sum(b["labels"].numel() for b in batches)  # also the dry run's stand-in
     if every_label_counts:
         return every_label
+    known = getattr(batches, "loss_tokens", None)
+    if known is not None:
+        if known == 0:
+            raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
+        return known
     # summed on the device: one host read for the whole step, not one per micro-batch
     local = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
     count = local.reshape(1).to(device=ctx.device, dtype=torch.int64)
