@@ -42,6 +42,7 @@ RUNS: dict[str, tuple[int, dict]] = {
     "z3-dp2-tp2-sp": (4, dict(dp=2, tp=2, sequence_parallel=True, zero=3)),
     "z3-dp2-pp2-1f1b": (4, dict(dp=2, pp=2, zero=3, schedule="1f1b")),
     "z3-dp2-pp2-zbh1": (4, dict(dp=2, pp=2, zero=3, schedule="zb-h1")),
+    "z3-dp2-pp2-full-early": (4, dict(dp=2, pp=2, zero=3, schedule="1f1b", recompute="full", recompute_early=True)),
     "z3-dp2-pp2-zbh1-keep": (4, dict(dp=2, pp=2, zero=3, schedule="zb-h1", zero3_keep_gathered=True)),
     "z2-dp2-pp2-zbh1": (4, dict(dp=2, pp=2, zero=2, schedule="zb-h1")),
     "z3-dp2-pp2-interleaved": (4, dict(dp=2, pp=2, vpp=2, zero=3, schedule="interleaved-1f1b", n_layer=4,
@@ -167,6 +168,16 @@ def test_gathers_and_reduce_scatters_per_step_are_the_closed_form():
     assert _calls("z3-dp2", "reduce_scatter") == {2 * 3}
     assert _calls("z2-dp2", "reduce_scatter") == {2}
     assert _calls("z2-dp2", "all_gather") == {1}
+
+
+@pytest.mark.spawn
+def test_early_recomputation_gathers_a_unit_once():
+    """pp 2 (a block and the root per stage), full recomputation rebuilt ahead of
+    backward on the first stage: the rebuilt block stays gathered from its early forward
+    to its backward, so every rank gathers as often as without recomputation (8 a step),
+    not 10 (a third gather of the first stage's block per micro-batch)."""
+    assert sum(r["rebuilt_early"] for r in run("z3-dp2-pp2-full-early")) > 0
+    assert _calls("z3-dp2-pp2-full-early", "all_gather") == _calls("z3-dp2-pp2-1f1b", "all_gather") == {8}
 
 
 @pytest.mark.spawn

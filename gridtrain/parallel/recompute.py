@@ -40,6 +40,15 @@ from gridtrain.runtime import activation_meter as memory
 from gridtrain.parallel.rng import RNGState, RNGStatesTracker, replaying
 
 
+_ahead = 0  # > 0 while regions are rebuilt ahead of their backward (Recomputation.rebuild)
+
+
+def rebuilding_ahead() -> bool:
+    """Whether the forward running now is a region rebuilt ahead of its backward (early
+    recomputation): outside autograd's backward, yet its backward comes next."""
+    return _ahead > 0
+
+
 # ---- one recomputed region ------------------------------------------------------------------------
 
 class _Region:
@@ -140,6 +149,11 @@ class Recomputation:
         self.pending: dict[Hashable, list[_Region]] = defaultdict(list)
         self.recomputed = 0  # regions rebuilt so far (counts for tests and reports) ...
         self.rebuilt_early = 0  # ... of which ahead of their backward
+        # regions of a micro-batch rebuilt ahead (None: all). ZeRO-3 sets 1: a region
+        # rebuilt ahead keeps its parameters gathered until its backward (gathering them
+        # again there would double the step's gathers), so only the first one backward
+        # needs is, as the prefetch would have gathered it anyway.
+        self.early_limit: int | None = None
 
     @property
     def full(self) -> bool:
@@ -175,10 +189,20 @@ class Recomputation:
         return _Checkpoint.apply(region, anchor, *inputs)
 
     def rebuild(self, key: Hashable) -> None:
-        """Recompute every region of micro-batch ``key`` now, ahead of its backward."""
-        for region in self.pending.pop(key, []):
-            region.rebuild()
-            self.rebuilt_early += 1
+        """Recompute the regions of micro-batch ``key`` now, ahead of its backward: every
+        one, or with :attr:`early_limit` only that many of the last (the first that
+        backward needs); the others rebuild in backward as usual."""
+        global _ahead
+        regions = self.pending.pop(key, [])
+        if self.early_limit is not None:
+            regions = regions[len(regions) - self.early_limit:] if self.early_limit else []
+        _ahead += 1
+        try:
+            for region in regions:
+                region.rebuild()
+                self.rebuilt_early += 1
+        finally:
+            _ahead -= 1
 
     def forget(self, key: Hashable) -> None:
         self.pending.pop(key, None)

@@ -34,7 +34,11 @@ backward, gathered by then.
 
 **Recomputation.** A recomputed block (``--recompute full``) runs its forward again
 inside backward: it finds its unit gathered by the backward hook (or gathers it) and is
-not freed after that forward: its gradients are next.
+not freed after that forward: its gradients are next. Rebuilt ahead of its backward
+(``--recompute-early``, outside autograd's backward) it is treated the same: kept
+gathered, no prefetch of the block after it, so backward finds it ready and the unit is
+gathered once; the trainer lets only the region backward needs first be rebuilt ahead
+(recompute.Recomputation.early_limit), so no more than that region stays gathered.
 
 **Zero-bubble.** A deferred weight gradient (ZB-H1's W) needs no parameter, only the
 layer's input and output gradient: it goes straight to the reducer (split_backward.py
@@ -53,6 +57,7 @@ from torch import nn
 
 from gridtrain.parallel.comm import CommGroup, Pending
 from gridtrain.parallel.data_parallel import Bucket, GradientReducer, weak_hook
+from gridtrain.parallel.recompute import rebuilding_ahead
 from gridtrain.runtime import activation_meter
 
 
@@ -172,7 +177,7 @@ class ParameterShards:
         def pre_forward(_module, _args):
             self._ready(u)
             after = self._next(u, 1)
-            if after is not None and torch._C._current_graph_task_id() == -1:  # not a recomputation
+            if after is not None and not _recomputing():
                 self._gather(after)  # prefetch: it travels while this block computes
             if u.root:
                 self._enter_packing()
@@ -188,8 +193,7 @@ class ParameterShards:
                 backward_next = u.root  # the root's backward follows its forward at once
             else:
                 backward_next = False
-            in_backward = torch._C._current_graph_task_id() != -1  # a recomputation: its gradients are next
-            keep = self.pinned or in_backward or backward_next or (self.keep_gathered and module.training)
+            keep = self.pinned or _recomputing() or backward_next or (self.keep_gathered and module.training)
             if not keep:
                 self._free(u)
             return output
@@ -283,6 +287,12 @@ class ParameterShards:
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [self.shard]
+
+
+def _recomputing() -> bool:
+    """A block's forward that runs again for its backward (inside autograd's backward, or
+    rebuilt ahead of it): its gradients are next."""
+    return torch._C._current_graph_task_id() != -1 or rebuilding_ahead()
 
 
 @dataclass(frozen=True)

@@ -381,6 +381,7 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext, micro_b
     shards = ParameterShards(model, reducer, units, ctx.shard_group, keep_gathered=p.zero3_keep_gathered,
                              sequences=sequences, fill=start_from.shard_filler(model, ctx) if start_from else None)
     reducer.after_grad = shards.after_grad
+    ctx.recompute.early_limit = 1  # a region rebuilt ahead stays gathered until its backward (zero3.py)
     return reducer, shards
 
 
