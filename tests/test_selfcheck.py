@@ -101,7 +101,7 @@ def test_the_report_is_complete_after_every_step_and_lists_what_did_not_run(tmp_
     report.add(StepResult("environment", "versions", "pass", 1.0, data={"environment": {"gpu": "NVIDIA H100"}}))
     rows = [throughput_row("gpt2", False, "plain PyTorch", 0.05, 16384, 854e6, 989.0),
             throughput_row("gpt2", False, "gridtrain train", 0.04, 16384, 854e6, 989.0)]
-    rows[1]["vs_plain"] = 0.05 / 0.04
+    rows[1].update(vs_plain=0.05 / 0.04, baseline="plain PyTorch", vs=0.05 / 0.04)
     report.add(StepResult("throughput-gpt2", "speed", "fail", 30.0, "exit code 1", "the last line",
                           data={"throughput": rows,
                                 "memory": [{"run": "gpt2", "measured_gib": 18.0, "predicted_gib": 17.0,
@@ -115,7 +115,7 @@ def test_the_report_is_complete_after_every_step_and_lists_what_did_not_run(tmp_
     assert data["throughput"] == rows and data["memory"][0]["ratio"] == pytest.approx(18 / 17)
     md = (tmp_path / "report.md").read_text()
     assert md.startswith("# gridtrain self-check: NVIDIA H100")
-    assert "| gpt2 | False | gridtrain train | 16,384 | 40.0 | 409,600 | 349.8 | 35.4% | 1.250x |" in md
+    assert "| gpt2 | False | gridtrain train | 16,384 | 40.0 | 409,600 | 349.8 | 35.4% | plain PyTorch | 1.250x |" in md
     assert "| gpt2 | 18.00 | 17.00 | 1.059 | 20.00 |" in md
     assert "| gpt2 | h100-sxm | 45.0 | 40.0 | 0.889 |" in md
     assert "### throughput-gpt2 (fail)" in md and "the last line" in md
@@ -126,7 +126,8 @@ def test_the_report_is_complete_after_every_step_and_lists_what_did_not_run(tmp_
 
 def test_the_gpu_plan_covers_what_the_check_promises(tmp_path):
     steps = {s.name: s for s in plan_steps("cuda", tmp_path, tiny=False, peak_tflops=None)}
-    assert list(steps)[:2] == ["environment", "gpu-tests"]
+    assert list(steps)[:4] == ["environment", "document-mask", "moe", "gpu-tests"]  # the newest paths first
+    assert "--model moe" in " ".join(steps["moe"].commands[0])
     commands = {name: " ".join(" ".join(c) for c in s.commands) for name, s in steps.items()}
     assert "tests/test_gpu.py" in commands["gpu-tests"]
     assert "--nproc 1 --device cuda" in commands["one-rank"] and "--backend" not in commands["one-rank"]  # NCCL

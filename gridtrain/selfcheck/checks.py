@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -35,8 +36,13 @@ WATCHDOG_TIMEOUT_S = 10
 # The throughput runs: preset, micro-batch size (one micro-batch per step), steps, warm-up
 # steps left out of the median. GPT-2 124M at seq 1024 and TinyLlama 1.1B at seq 2048 (a
 # ~1B Llama) on one GPU; their tiny stand-ins for the CPU rehearsal.
-RUNS = {"gpt2": ("gpt2", 16, 14, 4), "llama": ("tinyllama-1.1b", 4, 12, 4)}
-TINY_RUNS = {"gpt2": ("tiny", 4, 6, 2), "llama": ("llama-tiny", 4, 6, 2)}
+RUNS = {"gpt2": ("gpt2", 16, 14, 4), "llama": ("tinyllama-1.1b", 4, 12, 4), "moe": ("qwen3-30b-a3b", 2, 12, 4)}
+TINY_RUNS = {"gpt2": ("tiny", 4, 6, 2), "llama": ("llama-tiny", 4, 6, 2), "moe": ("moe-tiny", 4, 6, 2)}
+# Qwen3-30B-A3B's layers (128 experts, top 8, 128-wide heads, q/k norms) cut to two, so that
+# the model and both loops' optimizer states fit one 80 GB GPU: a small Qwen3-MoE.
+MODEL_FIELDS = {"moe": dict(n_layer=2)}
+# --document-mask against the causal run of the same length: TinyLlama at 8K tokens
+DOCUMENT_RUN, TINY_DOCUMENT_RUN = ("tinyllama-1.1b", 1, 8192, 10, 3), ("llama-tiny", 4, 64, 6, 2)
 ROUNDS = 2  # plain, gridtrain, plain, gridtrain
 
 
@@ -208,13 +214,50 @@ def predicted_peak_bytes(cfg, device_type: str) -> int:
     return run_rank(cfg, 1, 0, device_type).peak_bytes
 
 
+def _run_config(args, preset: str, mbs: int, steps: int, **fields):
+    """One micro-batch per step of ``preset`` on the check's device, nothing but the steps."""
+    return set_fields(preset_config(preset), dtype=args.dtype, device=args.device, micro_batch_size=mbs,
+                      global_batch_size=mbs, steps=steps, warmup_steps=1, eval_interval=0, eval_iters=1,
+                      sample_tokens=0, progress=False, compile=args.compile, dropout=0.0,
+                      peak_tflops=args.peak_tflops, **fields)
+
+
+def _device(args) -> torch.device:
+    return torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+
+
+def _memory_row(result: Result, label: str, cfg, device: torch.device, peaks: list[int], **extra) -> int:
+    """The measured device peak beside the dry run's for the same layout; 1 if the dry run
+    failed (reported, and the step fails), else 0. Nothing to compare off CUDA."""
+    if device.type != "cuda":
+        return 0
+    measured, failed = max(peaks), 0
+    try:
+        predicted = predicted_peak_bytes(cfg, device.type) if not cfg.training.compile else None
+    except Exception as e:  # noqa: BLE001 -- reported, and the step fails
+        predicted, failed = None, 1
+        print(f"the dry run failed: {traceback.format_exc()}")
+        result.add("errors", {"run": label, "what": "dry run", "error": str(e).splitlines()[0][:300]})
+    result.add("memory", {"run": label, "measured_gib": measured / GIB,
+                          "predicted_gib": predicted / GIB if predicted else None,
+                          "ratio": measured / predicted if predicted else None, **extra})
+    return failed
+
+
+def _planner_row(result: Result, label: str, cfg, device: torch.device, measured_s: float) -> None:
+    hardware = _hardware_key(device)
+    if hardware:
+        expected = predicted_step_s(cfg.model, cfg.training.micro_batch_size, cfg.training.dtype, hardware)
+        result.add("planner", {"run": label, "hardware": hardware, "predicted_ms": expected * 1e3,
+                               "measured_ms": measured_s * 1e3, "ratio": measured_s / expected})
+
+
 def throughput(args, result: Result) -> int:
-    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    device = _device(args)
     preset, mbs, steps, warmup = (TINY_RUNS if args.tiny else RUNS)[args.model]
-    cfg = set_fields(preset_config(preset), dtype=args.dtype, device=args.device, micro_batch_size=mbs,
-                     global_batch_size=mbs, steps=steps, warmup_steps=1, eval_interval=0, eval_iters=1,
-                     sample_tokens=0, progress=False, compile=args.compile, dropout=0.0,
-                     peak_tflops=args.peak_tflops)
+    cfg = _run_config(args, preset, mbs, steps)
+    if not args.tiny and args.model in MODEL_FIELDS:
+        cfg.model = dataclasses.replace(cfg.model, **MODEL_FIELDS[args.model])
     m = cfg.model
     label = f"{args.model}{' compile' if args.compile else ''}"
     tokens_per_step = mbs * m.seq_len
@@ -239,29 +282,14 @@ def throughput(args, result: Result) -> int:
     theirs = median_after([t for ts in plain_times for t in ts[warmup:]], 0)
     plain_row = throughput_row(args.model, args.compile, "plain PyTorch", theirs, tokens_per_step, flops, peak)
     our_row = throughput_row(args.model, args.compile, "gridtrain train", ours, tokens_per_step, flops, peak)
-    our_row["vs_plain"] = theirs / ours
+    our_row.update(vs_plain=theirs / ours, baseline="plain PyTorch", vs=theirs / ours)
     result.add("throughput", plain_row)
     result.add("throughput", our_row)
     print(f"{label}: gridtrain {our_row['tokens_per_s']:,.0f} tokens/s, plain {plain_row['tokens_per_s']:,.0f} "
           f"tokens/s, ratio {our_row['vs_plain']:.3f}")
     # the predictions come after the measurement: one that fails costs its own row only
-    failed = 0
-    if device.type == "cuda":
-        measured = max(peaks)
-        try:
-            predicted = predicted_peak_bytes(cfg, device.type) if not args.compile else None
-        except Exception as e:  # noqa: BLE001 -- reported, and the step fails
-            predicted, failed = None, failed + 1
-            print(f"the dry run failed: {traceback.format_exc()}")
-            result.add("errors", {"run": label, "what": "dry run", "error": str(e).splitlines()[0][:300]})
-        result.add("memory", {"run": label, "measured_gib": measured / GIB,
-                              "predicted_gib": predicted / GIB if predicted else None,
-                              "ratio": measured / predicted if predicted else None, "plain_gib": max(plain_peaks) / GIB})
-    hardware = _hardware_key(device)
-    if hardware:
-        expected = predicted_step_s(m, mbs, args.dtype, hardware)
-        result.add("planner", {"run": label, "hardware": hardware, "predicted_ms": expected * 1e3,
-                               "measured_ms": ours * 1e3, "ratio": ours / expected})
+    failed = _memory_row(result, label, cfg, device, peaks, plain_gib=max(plain_peaks) / GIB if plain_peaks else 0)
+    _planner_row(result, label, cfg, device, ours)
     if args.profile:
         profile_both(cfg, device, args.dtype, warmup + 2)
     return 1 if failed else 0
@@ -286,7 +314,50 @@ def profile_both(cfg, device: torch.device, dtype: str, steps: int) -> None:
             print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
 
 
-CHECKS = {"environment": environment, "parity": parity, "watchdog": watchdog}
+# ---- the new axes at speed: document masks (and below, cp attention blocks) -----------------------
+
+def document_mask(args, result: Result) -> int:
+    """``gridtrain train --document-mask`` against the causal run of the same length and
+    model, interleaved: tokens/s of each and their ratio (a window of several documents
+    is less attention work than a causal one: it should not be slower), the masked run's
+    memory against the dry run's (which masks four documents a sequence), and the
+    planner's step time for both."""
+    device = _device(args)
+    preset, mbs, seq, steps, warmup = TINY_DOCUMENT_RUN if args.tiny else DOCUMENT_RUN
+    runs = {"causal": _run_config(args, preset, mbs, steps, seq_len=seq),
+            "document mask": _run_config(args, preset, mbs, steps, seq_len=seq, document_mask=True)}
+    for cfg in runs.values():
+        if cfg.model.max_positions is not None:
+            cfg.model = dataclasses.replace(cfg.model, max_positions=max(cfg.model.max_positions, seq))
+    m = runs["causal"].model
+    flops, peak = training_flops_per_token(m), peak_tflops(device, args.peak_tflops)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    peaks: dict[str, list[int]] = {k: [] for k in runs}
+    print(f"document-mask: {preset} at {seq} tokens, {mbs} sequence(s) per step, interleaved x {ROUNDS}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(ROUNDS):
+            for label, cfg in runs.items():
+                step_times, used = _gridtrain_run(cfg, device, Path(tmp), f"{label.replace(' ', '-')}-{r}")
+                times[label] += step_times[warmup:]
+                peaks[label].append(used)
+                _free(device)
+    medians = {k: median_after(v, 0) for k, v in times.items()}
+    for label, cfg in runs.items():
+        row = throughput_row(preset, False, label, medians[label], mbs * seq, flops, peak)
+        if label != "causal":
+            row.update(baseline="causal", vs=medians["causal"] / medians[label])
+        result.add("throughput", row)
+        print(f"{label}: {row['tokens_per_s']:,.0f} tokens/s ({medians['causal'] / medians[label]:.3f}x the "
+              "causal run)")
+    failed = 0
+    for label, cfg in runs.items():
+        failed += _memory_row(result, f"{preset} {label}", cfg, device, peaks[label])
+        _planner_row(result, f"{preset} {label}", cfg, device, medians[label])
+    return 1 if failed else 0
+
+
+CHECKS = {"environment": environment, "parity": parity, "watchdog": watchdog, "document-mask": document_mask,
+          "moe": throughput}
 for _name in ("gpt2", "llama"):
     CHECKS[f"throughput-{_name}"] = throughput
     CHECKS[f"throughput-{_name}-compile"] = throughput

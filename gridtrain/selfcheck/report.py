@@ -102,10 +102,11 @@ class Report:
                         [("model", "model", "{}"), ("compile", "compile", "{}"), ("loop", "loop", "{}"),
                          ("tokens/step", "tokens_per_step", "{:,}"), ("step ms", "step_ms", "{:.1f}"),
                          ("tokens/s", "tokens_per_s", "{:,.0f}"), ("model TFLOP/s", "tflops", "{:.1f}"),
-                         ("MFU", "mfu", "{:.1%}"), ("vs plain PyTorch", "vs_plain", "{:.3f}x")],
+                         ("MFU", "mfu", "{:.1%}"), ("against", "baseline", "{}"), ("speed vs it", "vs", "{:.3f}x")],
                         "Median step after the warm-up steps, rounds interleaved (plain, gridtrain, plain, "
-                        "gridtrain); model FLOPs per token by the Narayanan et al. formula, the same for both "
-                        "loops; MFU against the device's dense bf16 peak.")
+                        "gridtrain; causal, masked, causal, masked); model FLOPs per token by the Narayanan et "
+                        "al. formula, the same for both loops (and for a masked run, which does less attention "
+                        "work); MFU against the device's dense bf16 peak.")
         lines += _table("Peak memory: measured vs the dry run", d["memory"],
                         [("run", "run", "{}"), ("measured GiB", "measured_gib", "{:.2f}"),
                          ("dry run GiB", "predicted_gib", "{:.2f}"), ("measured / predicted", "ratio", "{:.3f}"),

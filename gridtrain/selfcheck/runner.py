@@ -141,6 +141,11 @@ def plan_steps(device: str, out: Path, *, tiny: bool, peak_tflops: float | None)
         steps.append(Step(name, what, timeout_s, [command], result))
 
     check("environment", "versions of the GPU, driver, torch, CUDA, NCCL", 60)
+    # the newest paths first: a short GPU lease measures them before anything else
+    check("document-mask", "gridtrain train --document-mask vs the causal run of the same length (TinyLlama, "
+          "8K tokens), interleaved; memory vs the dry run; step time vs the planner", 240)
+    check("moe", "gridtrain train vs a plain PyTorch loop of the same small Qwen3-MoE (grouped-GEMM experts), "
+          "interleaved; memory vs the dry run; step time vs the planner", 240, "--model", "moe")
     tests = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TEST_FILES]
     steps.append(Step("gpu-tests", f"the CUDA tests ({', '.join(GPU_TEST_FILES)})", 150, [tests]))
     check("parity", f"tiny model, fp32 and bf16 on {device} against fp64 on the CPU (loss curves)", 90)
