@@ -23,8 +23,9 @@ from gridtrain.data import Datasets
 from gridtrain.models.attention import Documents
 from gridtrain.models.decoder import Decoder, init_parameters
 from gridtrain.parallel import context_parallel
-from gridtrain.parallel.context_parallel import (_backward_blocks, _forward_blocks, attend, local_positions,
-                                                 pair_masks, ring_source, split_sequence, visible_pairs)
+from gridtrain.parallel.attention_blocks import document_spans
+from gridtrain.parallel.context_parallel import (_backward_blocks, _forward_blocks, attend, document_blocks,
+                                                 local_positions, ring_source, split_sequence, visible_pairs)
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.parallel.recompute import Recomputation, RecomputePolicy
 from gridtrain.training.validate import validate
@@ -130,6 +131,24 @@ def test_a_recomputed_micro_batch_masks_with_its_own_documents(recompute):
         _assert_close(p.grad, expected[name], what=name)
 
 
+def test_attention_dropout_with_documents_runs_per_document():
+    """With attention dropout the fused core calls scaled_dot_product_attention per
+    document (its own dropout): a training step runs forward and backward, and in eval
+    mode (no dropout) the losses equal the dropout-free model's."""
+    tokens, labels, documents = _batch()
+    plain = _model("llama", "sdpa")
+    cfg = preset_config("llama-tiny").model
+    cfg.attention, cfg.dropout = "sdpa", 0.1
+    model = Decoder(cfg, recompute=Recomputation(RecomputePolicy("none")))
+    init_parameters(model, 0)
+    model.double().train()
+    model(tokens, labels, documents=documents).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    model.eval()
+    _assert_close(model(tokens, labels, documents=documents).detach(),
+                  plain(tokens, labels, documents=documents).detach())
+
+
 def test_generation_with_a_cache_takes_no_documents():
     model = _model("gpt2", "sdpa")
     tokens, _, documents = _batch()
@@ -152,20 +171,26 @@ def _cp_attention_of_every_rank(q, k, v, documents, cp: int, w):
     chunk-pair kernels the cp attention runs (ring order), in one process: the
     gradients of each rank's keys and values summed over the ranks that read them."""
     scale = 1.0 / math.sqrt(q.shape[-1])
+    wide = torch.promote_types(q.dtype, torch.float32)  # accumulators, as the cp attention keeps them
     kv = [torch.stack([split_sequence(k, cp, r, dim=2), split_sequence(v, cp, r, dim=2)]) for r in range(cp)]
-    outs, dqs, dkv = [], [], [torch.zeros_like(b) for b in kv]
+    outs, dqs, dkv = [], [], [torch.zeros(b.shape, dtype=wide, device=b.device) for b in kv]
+    spans = None if documents is None else document_spans(documents)  # None: causal
+
+    def blocks(r: int, src: int):
+        return None if spans is None else document_blocks(spans, cp, r, src)
+
     for r in range(cp):
         qh = split_sequence(q, cp, r, dim=2).chunk(2, dim=2)
         acc = [None, None]
         for step in range(cp):
             src = ring_source(cp, r, step)
-            _forward_blocks(qh, kv[src], visible_pairs(cp, r, src), acc, scale, pair_masks(documents, cp, r, src))
-        out = torch.cat([a[0] for a in acc], dim=2)
+            _forward_blocks(qh, kv[src], visible_pairs(cp, r, src), acc, scale, blocks(r, src))
+        out = torch.cat([a[0] for a in acc], dim=2).to(q.dtype)
         doh = split_sequence(w, cp, r, dim=2).chunk(2, dim=2)
-        dqh = [torch.zeros_like(h) for h in qh]
+        dqh = [torch.zeros(h.shape, dtype=wide, device=h.device) for h in qh]
         for src in range(cp):
             dkv[src] += _backward_blocks(qh, doh, out.chunk(2, dim=2), [acc[0][1], acc[1][1]], kv[src],
-                                         visible_pairs(cp, r, src), dqh, scale, pair_masks(documents, cp, r, src))
+                                         visible_pairs(cp, r, src), dqh, scale, blocks(r, src))
         outs.append(out)
         dqs.append(torch.cat(dqh, dim=2))
     return outs, dqs, [d[0] for d in dkv], [d[1] for d in dkv]
@@ -205,7 +230,7 @@ def test_attend_with_documents_sees_only_the_querys_document():
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=Documents(documents).visible())
     assert torch.allclose(out, expected, rtol=0, atol=1e-12) and torch.isfinite(lse).all()
     positions = local_positions(16, 2, 1)
-    assert pair_masks(documents, 2, 1, 0)[(0, 0)].shape == (1, 4, 4) and len(positions) == 8
+    assert len(positions) == 8
 
 
 def test_compile_with_document_mask_is_refused_in_one_line():

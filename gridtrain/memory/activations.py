@@ -16,6 +16,10 @@ holds, so every per-token term is the same with ``seq`` the local length, and th
 attention core is the cp core of gridtrain/parallel/context_parallel.py: blockwise, it
 keeps its inputs, its output and a log-sum-exp per query (nothing of ``seq x seq``), with
 the gathered keys and values under ``--cp-comm allgather`` (:mod:`gridtrain.memory.cp`).
+With documents it keeps the same (each chunk pair is a union of per-document blocks of the
+same fused kernel); a block's transient memory is the fused kernel's own (on CUDA flash
+or memory-efficient attention, parallel/attention_blocks.py), plus its output and
+log-sum-exp merged in the accumulation dtype.
 """
 
 from __future__ import annotations
@@ -63,7 +67,13 @@ def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int
     shared kv heads in place), its output (a tensor of its own: the projection keeps
     the copy that joins the heads) and one fp32 log-sum-exp per (head, query); dropout
     is drawn again from the RNG state in backward. That assumes torch runs a fused
-    kernel (flash or memory-efficient) for the shapes at hand.
+    kernel (flash or memory-efficient) for the shapes at hand. ``--document-mask`` keeps
+    the same: the fused core then runs one fused causal block per document
+    (parallel/attention_blocks.document_attention), keeping the inputs, one output (laid
+    out as the fused kernel's, so the projection's input is a view of it) and one
+    log-sum-exp per (head, query); no mask. (The op-by-op core with documents keeps its
+    ``s x s`` scores as without them; its boolean ``[b, 1, s, s]`` mask is one tensor
+    per micro-batch, shared by the layers, and not counted here.)
 
     ``selective`` drops the attention-score terms (they are recomputed); ``full`` keeps
     only the layer input, ``e sbh`` (``/ t`` under sequence parallelism). The norms'

@@ -19,8 +19,16 @@ end to end; :class:`Documents` (made once per micro-batch from the data's docume
 gives each token its position within its document, and the core then lets a query see
 only the keys of its own document at or before it ("same document and key position <=
 query position"; within a document the true order and the document's order agree). The
-sdpa core takes it as a boolean ``attn_mask`` (torch then runs a kernel that reads a
-mask: no flash kernel on GPUs), the op-by-op core as -inf outside it.
+visible pairs are block-diagonal by documents, so the sdpa core runs plain causal
+attention on each document's span, one fused block each
+(parallel/attention_blocks.document_attention: torch's fused kernel with its log-sum-exp,
+no ``s x s`` mask, shared key/value heads read in place where the kernel can): a window
+of several documents does less work than a causal one, and keeps what the fused causal
+kernel keeps. The spans are read on the host once per micro-batch (:meth:`Documents.spans`).
+With attention dropout the sdpa core calls ``scaled_dot_product_attention`` per document
+instead (its dropout, autograd's backward). The op-by-op core, which materialises its
+``s x s`` scores anyway (it is the reference the activation formula counts), masks them
+with -inf outside a dense ``[b, 1, s, s]`` mask (:meth:`Documents.visible`).
 
 For generation, a :class:`KVCache` keeps every layer's keys and values of the tokens seen
 so far, so that each new token's queries attend over them without recomputing them
@@ -40,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.config import ModelConfig
-from gridtrain.parallel import context_parallel
+from gridtrain.parallel import attention_blocks, context_parallel
 from gridtrain.parallel.context_parallel import ContextParallel
 from gridtrain.parallel.recompute import Recomputation
 from gridtrain.parallel.rng import RNGStatesTracker
@@ -54,14 +62,14 @@ def causal_bias(seq_len: int) -> torch.Tensor:
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: float, training: bool,
                    rng: RNGStatesTracker, bias: torch.Tensor | None,
-                   visible: torch.Tensor | None = None) -> torch.Tensor:
+                   documents: Documents | None = None) -> torch.Tensor:
     """Causal attention of ``q`` ``[b, heads, s, d]`` over ``k``, ``v`` ``[b, kv_heads, t, d]``
     (``heads`` a multiple of ``kv_heads``: query head i reads key/value head
     ``i // (heads / kv_heads)``; ``t >= s``: the queries are the last ``s`` of the ``t``
     positions, as when decoding with a :class:`KVCache`); dropout ``dropout`` on the
     probabilities while ``training``. ``bias`` (from :func:`causal_bias`) selects the
-    op-by-op form. ``visible`` (``[b, 1, s, s]`` booleans, :meth:`Documents.visible`): which
-    keys each query sees, in place of the causal mask (document masking; no cache)."""
+    op-by-op form. ``documents`` (:class:`Documents`; no cache): each query sees only its
+    own document's keys, in place of the causal mask (module docstring)."""
     p = dropout if training else 0.0
     group = q.shape[1] // k.shape[1]
     s, t = q.shape[-2], k.shape[-2]
@@ -69,20 +77,36 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout
     # also keeps a compiled block in one graph)
     with rng.fork() if p > 0 else contextlib.nullcontext():
         if bias is None:
+            if documents is not None:
+                return _per_document(q, k, v, documents.spans(), p)
             # torch's is_causal aligns the mask top-left: after cached positions, say which keys each query sees
-            mask = visible if visible is not None else \
-                None if s == t else torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+            mask = None if s == t else torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p,
                                                   enable_gqa=group > 1)
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-        if visible is not None:  # -inf outside the mask (adding 0 inside it changes nothing)
-            scores = scores.masked_fill(~visible, float("-inf"))
+        if documents is not None:  # -inf outside the mask (adding 0 inside it changes nothing)
+            scores = scores.masked_fill(~documents.visible(), float("-inf"))
         else:
             scores = scores + bias[t - s:t, :t].to(scores.dtype)
         probs = torch.softmax(scores, dim=-1)
         return torch.matmul(F.dropout(probs, p, training), v)
+
+
+def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans, dropout: float) -> torch.Tensor:
+    """Causal attention within each document's span (``spans``: :meth:`Documents.spans`):
+    the fused block kernel without dropout, else ``scaled_dot_product_attention`` per
+    document (in the caller's RNG fork) joined along the sequence."""
+    if dropout == 0:
+        return attention_blocks.document_attention(q, k, v, spans)
+    gqa = q.shape[1] != k.shape[1]
+    rows = []
+    for sel, row in attention_blocks.row_groups(spans):
+        rows.append(torch.cat([F.scaled_dot_product_attention(q[sel, :, a:e], k[sel, :, a:e], v[sel, :, a:e],
+                                                              is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+                               for a, e in row], dim=2))
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
 class Documents:
@@ -91,14 +115,14 @@ class Documents:
     (non-decreasing along each sequence: a document starts where the id changes).
 
     ``ids`` and ``positions`` cover the whole sequence whatever the layout: a cp rank
-    needs every token's document to mask its chunk pairs, and cuts out its own
+    needs every token's document to choose its chunk pairs' blocks, and cuts out its own
     positions (:meth:`local_positions`). ``positions`` restart at 0 at each document's
     first token (the index minus the index of that token), so learned and rotary
-    positions see each document as if it began the sequence. The attention mask
-    (:meth:`visible`) is made on first use and kept here, so every layer of the chunk
-    shares one tensor, and a recomputed region, which holds this object (bound into the
-    function it replays), masks with its own micro-batch's documents even when later
-    micro-batches ran forward in between (1F1B).
+    positions see each document as if it began the sequence. The documents' spans
+    (:meth:`spans`, read on the host) are made on first use and kept here, so every layer
+    of the chunk shares them, and a recomputed region, which holds this object (bound
+    into the function it replays), masks with its own micro-batch's documents even when
+    later micro-batches ran forward in between (1F1B).
     """
 
     def __init__(self, ids: torch.Tensor):
@@ -110,10 +134,19 @@ class Documents:
         starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
         first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
         self.positions = index - first  # [b, s]: the position within the token's document
+        self._spans: tuple | None = None
         self._visible: torch.Tensor | None = None
 
+    def spans(self) -> tuple[attention_blocks.Spans, ...]:
+        """Per row, its documents' ``(start, end)`` token spans (host integers; one named
+        host read of the ids, ``document_spans``, on first use)."""
+        if self._spans is None:
+            self._spans = attention_blocks.document_spans(self.ids)
+        return self._spans
+
     def visible(self) -> torch.Tensor:
-        """``[b, 1, s, s]``: True where query i sees key j (same document, ``j <= i``)."""
+        """``[b, 1, s, s]``: True where query i sees key j (same document, ``j <= i``): the
+        op-by-op core's mask (and the tests' reference); the fused cores never make it."""
         if self._visible is None:
             s = self.ids.shape[1]
             causal = torch.ones(s, s, dtype=torch.bool, device=self.ids.device).tril()
@@ -160,7 +193,7 @@ class SelfAttention(nn.Module):
                 raise ValueError("a key/value cache holds one sequence: generation takes no documents")
             y = self.core(*cache.append(q, k, v))
         elif self.cp.size > 1:
-            y = context_parallel.attention(q, k, v, self.cp, None if documents is None else documents.ids)
+            y = context_parallel.attention(q, k, v, self.cp, None if documents is None else documents.spans())
         elif self.recompute.selective:
             core = self.core if documents is None else functools.partial(self.core, documents=documents)
             y = self.recompute.checkpoint(core, q, k, v)
@@ -175,7 +208,7 @@ class SelfAttention(nn.Module):
         with ``documents``, the document mask in place of the causal one."""
         return core_attention(q, k, v, dropout=self.dropout, training=self.training, rng=self.tp.rng,
                               bias=self.causal_bias if self.math else None,
-                              visible=None if documents is None else documents.visible())
+                              documents=documents)
 
 
 class KVCache:

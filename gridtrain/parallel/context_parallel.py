@@ -21,13 +21,24 @@ log-sum-exp ``l_i`` of its scores, the whole is ``o = (e^{l1} o1 + e^{l2} o2) /
 nothing overflows). A block with no visible key (above the causal diagonal) has
 ``l = -inf`` and contributes nothing, so it may be skipped (:func:`merge`).
 
-**Documents** (``--document-mask``): with the whole sequence's document ids (every cp rank
-holds them all), a query sees a key when both lie in the same document and the key's
-true position is at or before the query's. Chunk pairs wholly above the diagonal are
-still skipped; every other pair is masked by documents and true positions, with the
-matrix-product block kernel (torch's fused CPU kernel takes no mask). A query row that
-sees no key of a pair has ``l = -inf`` there, and the merge drops it; every query sees
-at least itself, so the merged result is always defined.
+**Documents** (``--document-mask``): with the whole sequence's document spans (every
+cp rank holds them all: :func:`attention_blocks.document_spans`, read on the host once
+per micro-batch), a query sees a key when both lie in the same document and the key's
+true position is at or before the query's. A chunk pair's visible region is then a
+union of per-document rectangles (:func:`document_blocks`): where the key chunk precedes
+the query chunk, a document's queries in the query chunk see all of its keys in the key
+chunk; on the diagonal, each document's causal square. Each rectangle is one block of
+the fused kernel, merged into its query rows as any other block; a pair with no
+rectangle is skipped (wholly above the diagonal, or no document spans both chunks). No
+``s x s`` (or ``n x n``) mask exists anywhere, and a window of several documents does
+less work than a causal one. Every query sees at least itself, so the merged result is
+always defined.
+
+**The kernels** (:mod:`gridtrain.parallel.attention_blocks`): torch's fused CPU flash
+kernel on CPU; on CUDA flash for bf16/fp16 and the memory-efficient kernel for fp32;
+matrix products in the wide dtype for fp64 on CUDA and on other devices. The CUDA
+kernels have not run on a GPU here: their shapes are checked on fake tensors, their
+numbers by ``make gpu-check``.
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ from functools import lru_cache
 
 import torch
 
+from gridtrain.parallel import attention_blocks
+from gridtrain.parallel.attention_blocks import Spans
 from gridtrain.parallel.comm import CommGroup, OnGroup, single
 from gridtrain.parallel.split_backward import outside_compiled_graphs
 
@@ -210,16 +223,17 @@ def _positions(seq_len: int, cp: int, rank: int, device: torch.device) -> torch.
 # ``D = sum(dO * O)`` are the whole attention's: ``dV = p^T dO``, ``dS = p * (dO V^T -
 # D)``, ``dQ = dS K``, ``dK = dS^T Q`` (scaled), summed over the pairs.
 #
-# The block kernel: on CPU, torch's fused flash-attention kernel (the one
-# ``scaled_dot_product_attention`` runs there; its forward returns the log-sum-exp and its
-# backward takes it), in the tensors' own dtype with fp32 (fp64) statistics. Elsewhere, a
-# kernel of matrix products in fp32 (fp64 for fp64), exact on any device; there the
-# ``g = heads / kv_heads`` query heads that read one key/value head are folded into its
-# rows (``[b, kv_heads, g n, d]``), so one product serves them and the key/value
-# gradients sum over them in it. Either way only the ``kv_heads`` heads travel.
-
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+# The block kernel (gridtrain/parallel/attention_blocks.py, ``block_kernel``): on CPU
+# torch's fused CPU flash kernel; on CUDA the flash kernel for bf16/fp16 (sm80 and later),
+# else the memory-efficient kernel (fp32 too, fp32 arithmetic); fp64 on CUDA and other
+# devices, a kernel of matrix products in the wide dtype. Each returns a log-sum-exp per
+# query, and its backward takes the whole attention's output and log-sum-exp. A diagonal
+# pair runs as the kernel's causal variant; pairs wholly above the diagonal are never
+# formed. Only the ``kv_heads`` heads travel, and the kernels read them in place where
+# they can (flash): the memory-efficient kernel gets a repeated copy per block.
+#
+# With documents, a pair is the union of per-document rectangles (``document_blocks``),
+# each one fused block, merged into its query rows; a pair without any is skipped.
 
 
 def visible_pairs(cp: int, q_rank: int, k_rank: int) -> list[tuple[int, int, bool]]:
@@ -234,133 +248,94 @@ def visible_pairs(cp: int, q_rank: int, k_rank: int) -> list[tuple[int, int, boo
     return pairs
 
 
+# (rows, q_start, q_end, k_start, k_end, causal) within a pair's two halves
+Block = tuple[slice, int, int, int, int, bool]
+
+
+@lru_cache(maxsize=256)
+def document_blocks(spans: tuple[Spans, ...], cp: int, q_rank: int,
+                    k_rank: int) -> dict[tuple[int, int], list[Block]]:
+    """For the chunk pairs of ``q_rank``'s queries and ``k_rank``'s keys: the blocks each
+    pair's documents leave visible (:func:`attention_blocks.pair_blocks`, per group of
+    batch rows with the same documents), from the whole sequence's document ``spans``
+    (:func:`attention_blocks.document_spans`). Pairs that see nothing are left out (the
+    ring skips them)."""
+    n = _chunk_len(sum(e - a for a, e in spans[0]), cp)
+    q_chunks, k_chunks = chunk_ids(cp, q_rank), chunk_ids(cp, k_rank)
+    out: dict[tuple[int, int], list[Block]] = {}
+    for qi, ki, _ in visible_pairs(cp, q_rank, k_rank):
+        blocks = [(rows, *block) for rows, row in attention_blocks.row_groups(spans)
+                  for block in attention_blocks.pair_blocks(row, n, q_chunks[qi], k_chunks[ki])]
+        if blocks:
+            out[qi, ki] = blocks
+    return out
+
+
+_wide = attention_blocks.wide
+
+
 def _fused(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu" and _FLASH_CPU is not None and _FLASH_CPU_BACKWARD is not None
+    """Whether a fused kernel serves ``q``'s device and dtype (tests turn it off to run
+    the matrix-product kernel on CPU)."""
+    return attention_blocks.kernel_for(q) != "matmul"
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _every_head(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Key/value heads repeated for the query heads that read them (none to repeat: ``x``)."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
-
-
-def _per_kv_head(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The inverse of :func:`_every_head` for gradients: summed over the query heads."""
-    return grad if grad.shape[1] == kv_heads else grad.unflatten(1, (kv_heads, -1)).sum(2)
-
-
-def _fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``[b, heads, n, d]`` -> ``[b, kv_heads, g n, d]`` in the wide dtype."""
-    b, heads, n, d = x.shape
-    return x.unflatten(1, (kv_heads, heads // kv_heads)).to(_wide(x.dtype)).reshape(b, kv_heads, -1, d)
-
-
-def _unfold(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """The inverse of :func:`_fold` (any trailing shape after the rows)."""
-    b, kv_heads, rows = x.shape[:3]
-    g = heads // kv_heads
-    return x.reshape(b, kv_heads, g, rows // g, *x.shape[3:]).flatten(1, 2)
-
-
-@lru_cache(maxsize=16)
-def _above_diagonal(n: int, g: int, device: torch.device) -> torch.Tensor:
-    """``[g * n, n]``: True where key j lies after query row i's position (``i mod n``)."""
-    i = torch.arange(n, device=device)
-    return (i[None, :] > i[:, None]).repeat(g, 1)
-
-
-def pair_masks(documents: torch.Tensor, cp: int, q_rank: int, k_rank: int) -> dict[tuple[int, int], torch.Tensor]:
-    """For the visible chunk pairs of ``q_rank``'s queries and ``k_rank``'s keys: which
-    (query, key) pairs are seen, ``[b, n, n]``, from the whole sequence's document ids
-    ``documents`` ``[b, seq_len]`` and the tokens' true positions."""
-    seq_len = documents.shape[1]
-    q_pos = local_positions(seq_len, cp, q_rank, documents.device).chunk(2)
-    k_pos = local_positions(seq_len, cp, k_rank, documents.device).chunk(2)
-    q_doc = split_sequence(documents, cp, q_rank).chunk(2, dim=1)
-    k_doc = split_sequence(documents, cp, k_rank).chunk(2, dim=1)
-    return {(qi, ki): (k_pos[ki][None, None, :] <= q_pos[qi][None, :, None])
-            & (k_doc[ki][:, None, :] == q_doc[qi][:, :, None])
-            for qi, ki, _ in visible_pairs(cp, q_rank, k_rank)}
-
-
-def _scores(qf: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
-            visible: torch.Tensor | None = None) -> torch.Tensor:
-    s = torch.matmul(qf, k.transpose(-1, -2)) * scale
-    if visible is not None:  # [b, n, n] for each of the g query heads folded into the rows
-        return s.masked_fill(~visible.repeat(1, qf.shape[-2] // k.shape[-2], 1)[:, None], float("-inf"))
-    if causal:
-        n = k.shape[-2]
-        s = s.masked_fill(_above_diagonal(n, qf.shape[-2] // n, qf.device), float("-inf"))
-    return s
-
-
-def _pair_forward(q, k, v, causal: bool, scale: float,
-                  visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries ``q`` ``[b, heads, n, d]`` over one chunk's keys and values ``[b, kv_heads,
-    n, d]``: (output, log-sum-exp) in the wide dtype. ``visible`` (``[b, n, n]``, document
-    masking): which keys each query sees, in place of ``causal``; a query that sees none
-    gets a zero output and ``-inf``."""
-    wide = _wide(q.dtype)
-    if visible is None and _fused(q):
-        out, lse = _FLASH_CPU(q, _every_head(k, q.shape[1]), _every_head(v, q.shape[1]), 0.0, causal, scale=scale)
-        return out.to(wide), lse.to(wide)
-    s = _scores(_fold(q, k.shape[1]), k.to(wide), causal, scale, visible)
-    lse = torch.logsumexp(s, dim=-1)
-    safe = lse if visible is None else lse.masked_fill(torch.isinf(lse), 0.0)  # rows with no key: exp(-inf) = 0
-    out = torch.matmul(torch.exp(s - safe[..., None]), v.to(wide))
-    return _unfold(out, q.shape[1]), _unfold(lse, q.shape[1])
-
-
-def _pair_backward(dout, q, k, v, out, lse, causal: bool, scale: float, visible: torch.Tensor | None = None):
-    """Gradients of one pair (queries, keys, values; the keys' and values' per kv head)
-    given the whole attention's output ``out`` and log-sum-exp ``lse`` (finite: every
-    query sees itself); wide."""
-    wide, heads, kv_heads = _wide(q.dtype), q.shape[1], k.shape[1]
-    if visible is None and _fused(q):
-        dq, dk, dv = _FLASH_CPU_BACKWARD(dout, q, _every_head(k, heads), _every_head(v, heads), out, lse, 0.0,
-                                          causal, scale=scale)
-        return dq.to(wide), _per_kv_head(dk, kv_heads).to(wide), _per_kv_head(dv, kv_heads).to(wide)
-    qf, dof = _fold(q, kv_heads), _fold(dout, kv_heads)
-    rowsum = (dof * _fold(out, kv_heads)).sum(-1)
-    lse_f = lse.unflatten(1, (kv_heads, -1)).reshape(lse.shape[0], kv_heads, -1)
-    kw, vw = k.to(wide), v.to(wide)
-    p = torch.exp(_scores(qf, kw, causal, scale, visible) - lse_f[..., None])
-    dv = torch.matmul(p.transpose(-1, -2), dof)
-    ds = p * (torch.matmul(dof, vw.transpose(-1, -2)) - rowsum[..., None])
-    dq = torch.matmul(ds, kw) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
-    return _unfold(dq, heads), dk, dv
+def _kernel(q: torch.Tensor) -> str:
+    return attention_blocks.kernel_for(q) if _fused(q) else "matmul"
 
 
 def _forward_blocks(qh: list[torch.Tensor], kv: torch.Tensor, pairs, acc: list, scale: float,
-                    masks: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
+                    blocks: dict[tuple[int, int], list[Block]] | None = None, kernel: str | None = None) -> None:
     """Merge the visible pairs of one rank's key/value block ``kv`` (``[2, b, kv_heads,
     2n, d]``) into ``acc`` (per query half: (output, log-sum-exp) so far, or None);
-    ``masks``: each pair's document mask (:func:`pair_masks`), or None (causal)."""
+    ``blocks``: each pair's document blocks (:func:`document_blocks`; a pair not there
+    is skipped), or None (causal: each pair whole)."""
+    kernel = kernel or _kernel(qh[0])
+    w = _wide(qh[0].dtype)
     k_halves, v_halves = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
     for qi, ki, causal in pairs:
-        visible = None if masks is None else masks[qi, ki]
-        out, lse = _pair_forward(qh[qi], k_halves[ki], v_halves[ki], causal, scale, visible)
-        acc[qi] = (out, lse) if acc[qi] is None else merge(*acc[qi], out, lse)
+        if blocks is None:
+            out, lse = attention_blocks.block_forward(kernel, qh[qi], k_halves[ki], v_halves[ki], causal, scale)
+            out = out.to(w)
+            acc[qi] = (out, lse) if acc[qi] is None else merge(*acc[qi], out, lse)
+            continue
+        if (qi, ki) not in blocks:
+            continue
+        if acc[qi] is None:  # rows no block reaches stay (0, -inf): the merge drops them
+            b, heads, n, d = qh[qi].shape
+            acc[qi] = (qh[qi].new_zeros(b, heads, n, d, dtype=w), qh[qi].new_full((b, heads, n), float("-inf"),
+                                                                                   dtype=w))
+        acc_out, acc_lse = acc[qi]
+        for rows, qa, qb, ka, kb, c in blocks[qi, ki]:
+            out, lse = attention_blocks.block_forward(kernel, qh[qi][rows, :, qa:qb], k_halves[ki][rows, :, ka:kb],
+                                                      v_halves[ki][rows, :, ka:kb], c, scale)
+            merged, merged_lse = merge(acc_out[rows, :, qa:qb], acc_lse[rows, :, qa:qb], out.to(w), lse)
+            acc_out[rows, :, qa:qb], acc_lse[rows, :, qa:qb] = merged, merged_lse
 
 
 def _backward_blocks(qh, doh, oh, lse, kv: torch.Tensor, pairs, dqh, scale: float,
-                     masks: dict[tuple[int, int], torch.Tensor] | None = None) -> torch.Tensor:
+                     blocks: dict[tuple[int, int], list[Block]] | None = None,
+                     kernel: str | None = None) -> torch.Tensor:
     """Gradients of the visible pairs with block ``kv``: added into ``dqh`` (per query
     half); returned for the block's keys and values, ``[2, b, kv_heads, 2n, d]`` wide."""
+    kernel = kernel or _kernel(qh[0])
     k_halves, v_halves = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
     dkv = torch.zeros(kv.shape, dtype=dqh[0].dtype, device=kv.device)
     dk_halves, dv_halves = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
     for qi, ki, causal in pairs:
-        visible = None if masks is None else masks[qi, ki]
-        dq, dk, dv = _pair_backward(doh[qi], qh[qi], k_halves[ki], v_halves[ki], oh[qi], lse[qi], causal, scale,
-                                    visible)
-        dqh[qi].add_(dq)
-        dk_halves[ki].add_(dk)
-        dv_halves[ki].add_(dv)
+        if blocks is None:
+            whole = [(slice(None), 0, qh[qi].shape[2], 0, k_halves[ki].shape[2], causal)]
+        elif (qi, ki) in blocks:
+            whole = blocks[qi, ki]
+        else:
+            continue
+        for rows, qa, qb, ka, kb, c in whole:
+            dq, dk, dv = attention_blocks.block_backward(
+                kernel, doh[qi][rows, :, qa:qb], qh[qi][rows, :, qa:qb], k_halves[ki][rows, :, ka:kb],
+                v_halves[ki][rows, :, ka:kb], oh[qi][rows, :, qa:qb], lse[qi][rows, :, qa:qb], c, scale)
+            dqh[qi][rows, :, qa:qb] += dq
+            dk_halves[ki][rows, :, ka:kb] += dk
+            dv_halves[ki][rows, :, ka:kb] += dv
     return dkv
 
 
@@ -369,17 +344,18 @@ class _CPAttention(torch.autograd.Function):
     group; ``cp.mode`` says how the other ranks' blocks arrive (see :func:`attention`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, documents: torch.Tensor | None = None):
+    def forward(ctx, q, k, v, cp: ContextParallel, documents: tuple[Spans, ...] | None = None):
         with _named(cp, "forward"):
             return _CPAttention._forward(ctx, q, k, v, cp, documents)
 
     @staticmethod
-    def _forward(ctx, q, k, v, cp: ContextParallel, documents: torch.Tensor | None):
+    def _forward(ctx, q, k, v, cp: ContextParallel, documents: tuple[Spans, ...] | None):
         scale = 1.0 / math.sqrt(q.shape[-1])
         size, rank = cp.size, cp.rank
+        kernel = _kernel(q)
 
-        def masks(src: int):  # each pair's document mask with rank src's keys (None: causal)
-            return None if documents is None else pair_masks(documents, size, rank, src)
+        def blocks(src: int):  # each pair's document blocks with rank src's keys (None: causal)
+            return None if documents is None else document_blocks(documents, size, rank, src)
 
         qh = q.chunk(2, dim=2)
         acc: list = [None, None]
@@ -389,20 +365,21 @@ class _CPAttention(torch.autograd.Function):
                 # pass the block on while attending over it: the next one arrives meanwhile
                 nxt = _ring_step(cp, kv) if step < size - 1 else None
                 src = ring_source(size, rank, step)
-                _forward_blocks(qh, kv, visible_pairs(size, rank, src), acc, scale, masks(src))
+                _forward_blocks(qh, kv, visible_pairs(size, rank, src), acc, scale, blocks(src), kernel)
                 if nxt is not None:
                     kv = nxt.wait()
             saved = (k, v)
         else:
             gathering = _Timed(cp.transfers, cp.comm.start_all_gather_into(kv.new_empty((size, *kv.shape)), kv))
-            _forward_blocks(qh, kv, visible_pairs(size, rank, rank), acc, scale, masks(rank))  # while the gather travels
+            # while the gather travels
+            _forward_blocks(qh, kv, visible_pairs(size, rank, rank), acc, scale, blocks(rank), kernel)
             gathered = gathering.wait()
             for src in range(size):
                 if src != rank:
-                    _forward_blocks(qh, gathered[src], visible_pairs(size, rank, src), acc, scale, masks(src))
+                    _forward_blocks(qh, gathered[src], visible_pairs(size, rank, src), acc, scale, blocks(src), kernel)
             saved = (gathered,)
         out = torch.cat([a[0] for a in acc], dim=2).to(q.dtype)
-        ctx.cp, ctx.kv_dtype, ctx.documents = cp, k.dtype, documents  # (integer ids: no gradient)
+        ctx.cp, ctx.kv_dtype, ctx.documents, ctx.kernel = cp, k.dtype, documents, kernel
         ctx.save_for_backward(q, out, acc[0][1], acc[1][1], *saved)
         return out
 
@@ -414,22 +391,23 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dout):
         q, out, lse0, lse1, *saved = ctx.saved_tensors
-        cp, size, rank = ctx.cp, ctx.cp.size, ctx.cp.rank
+        cp, size, rank, kernel = ctx.cp, ctx.cp.size, ctx.cp.rank, ctx.kernel
         scale = 1.0 / math.sqrt(q.shape[-1])
         qh, doh, oh = q.chunk(2, dim=2), dout.contiguous().chunk(2, dim=2), out.chunk(2, dim=2)
         lse = [lse0, lse1]
         dqh = [torch.zeros(h.shape, dtype=lse0.dtype, device=h.device) for h in qh]
         documents = ctx.documents
 
-        def masks(src: int):
-            return None if documents is None else pair_masks(documents, size, rank, src)
+        def blocks(src: int):
+            return None if documents is None else document_blocks(documents, size, rank, src)
 
         if cp.mode == "ring":
             kv, incoming = torch.stack(saved), None
             for step in range(size):
                 nxt = _ring_step(cp, kv) if step < size - 1 else None
                 src = ring_source(size, rank, step)
-                dkv = _backward_blocks(qh, doh, oh, lse, kv, visible_pairs(size, rank, src), dqh, scale, masks(src))
+                dkv = _backward_blocks(qh, doh, oh, lse, kv, visible_pairs(size, rank, src), dqh, scale, blocks(src),
+                                       kernel)
                 if incoming is not None:  # what the ranks before added to this block's gradient
                     dkv += incoming.wait()
                 # the gradient travels with its block, and after the last step reaches its owner
@@ -440,7 +418,7 @@ class _CPAttention(torch.autograd.Function):
         else:
             (gathered,) = saved
             dkv = torch.stack([_backward_blocks(qh, doh, oh, lse, gathered[src], visible_pairs(size, rank, src),
-                                                dqh, scale, masks(src)) for src in range(size)])
+                                                dqh, scale, blocks(src), kernel) for src in range(size)])
             own = _Timed(cp.transfers, cp.comm.start_reduce_scatter(dkv, dim=0)).wait()[0]
         return torch.cat(dqh, dim=2).to(q.dtype), own[0].to(ctx.kv_dtype), own[1].to(ctx.kv_dtype), None, None
 
@@ -465,7 +443,7 @@ def _named(cp: ContextParallel, phase: str):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
-              documents: torch.Tensor | None = None) -> torch.Tensor:
+              documents: torch.Tensor | tuple[Spans, ...] | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries ``q`` ``[b, heads, 2n, d]`` over the
     keys and values ``k``, ``v`` ``[b, kv_heads, 2n, d]`` of every rank of ``cp``: the
     same numbers as one process attending over the whole sequence, for this rank's
@@ -481,10 +459,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     (the gathered ones under all-gather): nothing of size ``s x s``. Scores and sums are
     computed in fp32 or wider; gradients of keys and values travel in that width.
 
-    ``documents`` (``[b, seq_len]``, the whole sequence's document ids, ``--document-mask``):
-    each query sees only its own document's keys (module docstring, "Documents").
+    ``documents`` (``--document-mask``): the whole sequence's document spans per row
+    (:func:`attention_blocks.document_spans`; document ids ``[b, seq_len]`` are turned
+    into them here): each query sees only its own document's keys (module docstring,
+    "Documents").
 
     Outside ``torch.compile``'s graphs (a compiled block breaks around it: see
     split_backward.outside_compiled_graphs, which imports dynamo only when compiling):
     its point-to-point sends are not traceable."""
+    if isinstance(documents, torch.Tensor):
+        documents = attention_blocks.document_spans(documents)
     return outside_compiled_graphs(_CPAttention.apply, q, k, v, cp, documents)

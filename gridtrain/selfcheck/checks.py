@@ -356,7 +356,100 @@ def document_mask(args, result: Result) -> int:
     return 1 if failed else 0
 
 
-CHECKS = {"environment": environment, "parity": parity, "watchdog": watchdog, "document-mask": document_mask,
+# One layer's attention at long context, as context parallelism runs it: every cp rank's
+# chunk pairs through the fused block kernel, in one process. (tokens, cp, heads, kv heads,
+# head size, rounds): Llama 3 8B's heads at 32K tokens over cp 4; a tiny stand-in.
+CP_ATTENTION, TINY_CP_ATTENTION = (32768, 4, 32, 8, 128, 5), (512, 2, 4, 2, 32, 3)
+
+
+def _cp_blocks_step(q, k, v, cp: int) -> torch.Tensor:
+    """Forward and backward of causal attention over ``q, k, v`` ``[1, heads, s, d]``
+    computed as ``cp`` ranks would (context_parallel: each rank's two chunks, every
+    visible chunk pair one fused block, merged by log-sum-exp; the backward of each pair
+    from the whole output and log-sum-exp), in this process; returns the output."""
+    from gridtrain.parallel import attention_blocks as blocks
+    from gridtrain.parallel.context_parallel import join_sequence, merge, split_sequence, visible_pairs
+
+    kernel, scale = blocks.kernel_for(q), 1.0 / q.shape[-1] ** 0.5
+    mine = [[split_sequence(x, cp, r, dim=2).chunk(2, dim=2) for x in (q, k, v)] for r in range(cp)]
+    outs = []
+    for r in range(cp):
+        qh = mine[r][0]
+        acc: list = [None, None]
+        for src in range(cp):
+            for qi, ki, causal in visible_pairs(cp, r, src):
+                out, lse = blocks.block_forward(kernel, qh[qi], mine[src][1][ki], mine[src][2][ki], causal, scale)
+                acc[qi] = (out.to(blocks.wide(q.dtype)), lse) if acc[qi] is None else merge(*acc[qi], out, lse)
+        oh = [a[0].to(q.dtype) for a in acc]
+        dout = [torch.ones_like(o) for o in oh]
+        for src in range(cp):
+            for qi, ki, causal in visible_pairs(cp, r, src):
+                blocks.block_backward(kernel, dout[qi], qh[qi], mine[src][1][ki], mine[src][2][ki], oh[qi],
+                                      acc[qi][1], causal, scale)
+        outs.append(torch.cat(oh, dim=2))
+    return join_sequence(outs, dim=2)
+
+
+def cp_attention(args, result: Result) -> int:
+    """The ring's block path against plain fused SDPA on the same work: one layer's causal
+    attention at 32K tokens in bf16, forward and backward, by the chunk pairs of cp 4 (the
+    kernel context parallelism runs on this device, ``attention_blocks.block_kernel``)
+    and by ``scaled_dot_product_attention`` on the whole sequence; time, attention
+    TFLOP/s, the transient device memory of each, and the largest difference of their
+    outputs (what the merge costs in bf16)."""
+    import time
+
+    from gridtrain.parallel import attention_blocks as blocks
+
+    device = _device(args)
+    seq, cp, heads, kv_heads, d, rounds = TINY_CP_ATTENTION if args.tiny else CP_ATTENTION
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, heads, seq, d, device=device, dtype=dtype, generator=g)
+    k = torch.randn(1, kv_heads, seq, d, device=device, dtype=dtype, generator=g)
+    v = torch.randn(1, kv_heads, seq, d, device=device, dtype=dtype, generator=g)
+
+    def sdpa() -> torch.Tensor:
+        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+        out.backward(torch.ones_like(out))
+        return out.detach()
+
+    sides = {"fused SDPA, whole sequence": sdpa, f"cp {cp} blocks ({blocks.kernel_for(q)})": lambda: _cp_blocks_step(
+        q, k, v, cp)}
+    flops = 2 * 2 * heads * d * seq * seq / 2 * 3.5  # causal: half the pairs; backward 2.5x the forward
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    transient: dict[str, int] = {}
+    outputs = {}
+    for r in range(rounds + 1):
+        for name, run in sides.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            began = time.perf_counter()
+            outputs[name] = run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                transient[name] = torch.cuda.max_memory_allocated(device) - base
+            if r:  # the first round warms the kernels up
+                times[name].append(time.perf_counter() - began)
+    reference = next(iter(sides))
+    for name in sides:
+        step = median_after(times[name], 0)
+        row = {"run": f"attention {seq} tokens, {heads}/{kv_heads} heads of {d}, {args.dtype}", "path": name,
+               "ms": step * 1e3, "tflops": flops / step / 1e12, "transient_gib": transient.get(name, 0) / GIB,
+               "vs_fused_sdpa": median_after(times[reference], 0) / step,
+               "max_abs_diff": float((outputs[name].float() - outputs[reference].float()).abs().max())}
+        result.add("attention", row)
+        print(f"{name}: {row['ms']:.1f} ms forward + backward, {row['tflops']:.1f} TFLOP/s, transient "
+              f"{row['transient_gib']:.2f} GiB, {row['vs_fused_sdpa']:.3f}x fused SDPA's speed, largest output "
+              f"difference {row['max_abs_diff']:.2e}")
+    worst = max(r["max_abs_diff"] for r in result.data["attention"])
+    return 0 if worst < (5e-2 if dtype != torch.float32 else 1e-4) else 1
+
+
+CHECKS = {"environment": environment, "cp-attention": cp_attention, "parity": parity, "watchdog": watchdog, "document-mask": document_mask,
           "moe": throughput}
 for _name in ("gpt2", "llama"):
     CHECKS[f"throughput-{_name}"] = throughput

@@ -68,7 +68,7 @@ class Report:
                 "steps": [asdict(s) for s in self.steps]
                 + [{"name": n, "what": w, "status": "not run"} for n, w in self.planned if n not in done],
                 "throughput": self.rows("throughput"), "memory": self.rows("memory"),
-                "planner": self.rows("planner"), "parity": self.rows("parity")}
+                "planner": self.rows("planner"), "parity": self.rows("parity"), "attention": self.rows("attention")}
 
     # ---- writing ----------------------------------------------------------------------------------
 
@@ -107,6 +107,15 @@ class Report:
                         "gridtrain; causal, masked, causal, masked); model FLOPs per token by the Narayanan et "
                         "al. formula, the same for both loops (and for a masked run, which does less attention "
                         "work); MFU against the device's dense bf16 peak.")
+        lines += _table("Attention at long context: context parallelism's blocks vs fused SDPA", d["attention"],
+                        [("run", "run", "{}"), ("path", "path", "{}"), ("ms (fwd + bwd)", "ms", "{:.1f}"),
+                         ("attention TFLOP/s", "tflops", "{:.1f}"), ("transient GiB", "transient_gib", "{:.2f}"),
+                         ("speed vs fused SDPA", "vs_fused_sdpa", "{:.3f}x"),
+                         ("largest output difference", "max_abs_diff", "{:.2e}")],
+                        "One layer, one process: every cp rank's visible chunk pairs through the block kernel "
+                        "and merged by log-sum-exp, against scaled_dot_product_attention over the whole "
+                        "sequence; the same causal work. Transient: peak allocated above what was allocated "
+                        "before the pass.")
         lines += _table("Peak memory: measured vs the dry run", d["memory"],
                         [("run", "run", "{}"), ("measured GiB", "measured_gib", "{:.2f}"),
                          ("dry run GiB", "predicted_gib", "{:.2f}"), ("measured / predicted", "ratio", "{:.3f}"),

@@ -28,7 +28,7 @@ from pathlib import Path
 from gridtrain.selfcheck.report import Report, StepResult
 
 REPO = Path(__file__).resolve().parents[2]
-GPU_TEST_FILES = ("tests/test_gpu.py",)  # every test that needs CUDA lives there (skipped without it)
+GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_attention_blocks.py")  # the tests that need CUDA (skipped without)
 EXIT_REFUSED = 2
 TAIL_LINES = 30
 KILL_GRACE_S = 5.0
@@ -142,6 +142,8 @@ def plan_steps(device: str, out: Path, *, tiny: bool, peak_tflops: float | None)
 
     check("environment", "versions of the GPU, driver, torch, CUDA, NCCL", 60)
     # the newest paths first: a short GPU lease measures them before anything else
+    check("cp-attention", "one layer's causal attention at 32K tokens, bf16: context parallelism's fused blocks "
+          "(cp 4's chunk pairs, one process) vs fused SDPA on the whole sequence; time, memory, outputs", 120)
     check("document-mask", "gridtrain train --document-mask vs the causal run of the same length (TinyLlama, "
           "8K tokens), interleaved; memory vs the dry run; step time vs the planner", 240)
     check("moe", "gridtrain train vs a plain PyTorch loop of the same small Qwen3-MoE (grouped-GEMM experts), "
