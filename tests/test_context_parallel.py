@@ -181,3 +181,35 @@ def test_cp_attention_across_ranks_equals_one_process_and_counts_its_bytes():
             assert named == {("all_gather", "cp allgather attention forward"),
                              ("reduce_scatter", "cp allgather attention backward")}
             assert counted == {("all_gather", "cp"): cp * kv, ("reduce_scatter", "cp"): cp * kv}
+
+
+def test_transfer_times_come_from_the_devices_clock(monkeypatch):
+    """On a GPU the host does not wait for NCCL, so a transfer's times are marks on the
+    device's clock (CUDA events there), read once per step: in flight from issue to the
+    end of its wait, exposed from the start of the wait to its end. As data, with a clock
+    whose marks are numbers."""
+    from gridtrain.parallel.context_parallel import TransferTimes, _Timed
+
+    class Clock:
+        now = 0.0
+
+        def mark(self):
+            return self.now
+
+        def seconds(self, start, end):
+            return end - start
+
+    clock = Clock()
+    times = TransferTimes()
+
+    class Pending:
+        def wait(self):
+            clock.now += 1.0  # the wait itself: exposed
+            return "done"
+
+    monkeypatch.setattr("gridtrain.parallel.context_parallel.clock_for", lambda device: clock)
+    timed = _Timed(times, Pending(), torch.device("cpu"))
+    clock.now += 3.0  # attention while the transfer travels: hidden
+    assert timed.wait() == "done"
+    assert times.take() == (pytest.approx(0.75), pytest.approx(1.0))
+    assert times.take() == (0.0, 0.0)

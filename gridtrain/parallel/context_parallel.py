@@ -44,7 +44,6 @@ numbers by ``make gpu-check``.
 from __future__ import annotations
 
 import math
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -55,6 +54,7 @@ from gridtrain.parallel import attention_blocks
 from gridtrain.parallel.attention_blocks import Spans
 from gridtrain.parallel.comm import CommGroup, OnGroup, single
 from gridtrain.parallel.split_backward import outside_compiled_graphs
+from gridtrain.runtime.timing import clock_for
 
 
 def chunk_ids(cp: int, rank: int) -> tuple[int, int]:
@@ -175,13 +175,24 @@ class ContextParallel(OnGroup):
 @dataclass
 class TransferTimes:
     """How long the attention's transfers were in flight and how long the rank waited for
-    them, on the host clock (meaningful where communication blocks the host: CPU/gloo; on
-    GPUs use the profiler). The rest of the in-flight time was hidden behind attention."""
+    them; the rest of the in-flight time was hidden behind attention.
 
+    Marked on the clock of the tensors' device (runtime/timing.py): the host's where
+    communication blocks the host (CPU, gloo); on a GPU, where an NCCL ``wait()`` only
+    makes the compute stream wait, CUDA events on the compute stream: one where the
+    transfer is issued, one where the stream reaches the wait, one where it may go on;
+    the gap between the last two is the stream standing idle for the transfer (exposed).
+    The marks are read at :meth:`take`, once per step, after the step's own host read."""
+
+    marks: list = field(default_factory=list)  # (clock, issued, waiting, done) not yet read
     in_flight_s: float = 0.0
     exposed_s: float = 0.0
 
     def hidden_fraction(self) -> float:
+        for clock, issued, waiting, done in self.marks:
+            self.in_flight_s += clock.seconds(issued, done)
+            self.exposed_s += clock.seconds(waiting, done)
+        self.marks.clear()
         return 1.0 - self.exposed_s / self.in_flight_s if self.in_flight_s > 0 else 0.0
 
     def take(self) -> tuple[float, float]:
@@ -192,17 +203,17 @@ class TransferTimes:
 
 
 class _Timed:
-    """A transfer just issued; :meth:`wait` waits for it and adds its times."""
+    """A transfer just issued (its tensors on ``device``); :meth:`wait` waits for it and
+    marks its times (:class:`TransferTimes`)."""
 
-    def __init__(self, times: TransferTimes, pending):
-        self.times, self.pending, self.issued = times, pending, time.perf_counter()
+    def __init__(self, times: TransferTimes, pending, device: torch.device):
+        self.times, self.pending, self.clock = times, pending, clock_for(device)
+        self.issued = self.clock.mark()
 
     def wait(self):
-        began = time.perf_counter()
+        waiting = self.clock.mark()
         result = self.pending.wait()
-        end = time.perf_counter()
-        self.times.in_flight_s += end - self.issued
-        self.times.exposed_s += end - began
+        self.times.marks.append((self.clock, self.issued, waiting, self.clock.mark()))
         return result
 
 
@@ -370,7 +381,8 @@ class _CPAttention(torch.autograd.Function):
                     kv = nxt.wait()
             saved = (k, v)
         else:
-            gathering = _Timed(cp.transfers, cp.comm.start_all_gather_into(kv.new_empty((size, *kv.shape)), kv))
+            gathering = _Timed(cp.transfers, cp.comm.start_all_gather_into(kv.new_empty((size, *kv.shape)), kv),
+                               kv.device)
             # while the gather travels
             _forward_blocks(qh, kv, visible_pairs(size, rank, rank), acc, scale, blocks(rank), kernel)
             gathered = gathering.wait()
@@ -419,13 +431,13 @@ class _CPAttention(torch.autograd.Function):
             (gathered,) = saved
             dkv = torch.stack([_backward_blocks(qh, doh, oh, lse, gathered[src], visible_pairs(size, rank, src),
                                                 dqh, scale, blocks(src), kernel) for src in range(size)])
-            own = _Timed(cp.transfers, cp.comm.start_reduce_scatter(dkv, dim=0)).wait()[0]
+            own = _Timed(cp.transfers, cp.comm.start_reduce_scatter(dkv, dim=0), dkv.device).wait()[0]
         return torch.cat(dqh, dim=2).to(q.dtype), own[0].to(ctx.kv_dtype), own[1].to(ctx.kv_dtype), None, None
 
 
 def _ring_step(cp: ContextParallel, block: torch.Tensor) -> _Timed:
     """Pass ``block`` to the next cp rank and receive the previous rank's."""
-    return _Timed(cp.transfers, cp.comm.start_ring_step(block, torch.empty_like(block)))
+    return _Timed(cp.transfers, cp.comm.start_ring_step(block, torch.empty_like(block)), block.device)
 
 
 @contextmanager
