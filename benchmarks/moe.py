@@ -12,9 +12,11 @@ ways, alternating inside the same two gloo processes:
   (``decoder_model_provider``, ``decoder_forward_step``) on a one-rank grid and stepped
   with ``Trainer.train_step``: each MoE layer routes (router, softmax, top-k), sorts the
   (token, expert) assignments by expert (one stable argsort), gathers their rows once,
-  runs each expert once on its contiguous rows and adds the weighted outputs back with
-  one ``index_add`` (``parallel/experts.py: dispatch_combine``); the load-balancing
-  loss's gradient joins at the layer's output.
+  runs all experts at once on their contiguous rows as grouped GEMMs (``torch.
+  _grouped_mm``: gate and up joined, then down; the weights read as strided views of
+  the experts' packed parameters, no host read at ep 1) and adds the weighted outputs
+  back with one ``index_add`` (``parallel/experts.py: dispatch_combine``); the
+  load-balancing loss's gradient joins at the layer's output.
 * ``loop MoE``: the same model, weights and trainer, with every MoE layer's ``forward``
   replaced (after the build) by the loop a first implementation writes, in the style of
   Hugging Face Mixtral's eager loop: the same router and top-k (``models.moe.route``),

@@ -160,6 +160,9 @@ def materialise(model: nn.Module, values: Values, *, device: torch.device | str,
         for key, buffer in module._buffers.items():
             if buffer is not None and buffer.device != torch.device(device):
                 module._buffers[key] = buffer.to(device)
+        lay_out = getattr(module, "lay_out_parameters", None)  # a MoE layer's experts in one storage
+        if lay_out is not None:
+            lay_out()
 
 
 @torch.no_grad()

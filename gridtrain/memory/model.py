@@ -386,11 +386,7 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     chunks = chunks_of_stage(cfg, grid, stage)
     local = m.seq_len // cp  # the tokens of a sequence this rank holds
     tokens = local * t.micro_batch_size
-    # the loss: the softmax over this rank's vocabulary slice in fp32 (kept by the cross
-    # entropy for backward), the target index (int64) and two flags per token; the final
-    # norm's input and the head's input (a sequence shard under SP)
-    head = tokens * (m.padded_vocab_size(grid.tp) // grid.tp * 4 + 8 + 2) \
-        + 2 * tokens * m.d_model * e / (grid.tp if sp else 1)
+    head = head_activation_bytes(cfg, grid.tp, sp, tokens, e)
     # the embedding: the token ids and positions its lookups keep (int64), under TP the
     # shifted ids and the out-of-range flags, and with dropout the mask
     sp_div = grid.tp if sp else 1
@@ -421,6 +417,33 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
             peak = max(peak, held + rebuilt[chunk])
             held -= cost[chunk]
     return peak
+
+
+def fuses_loss(cfg: Config, tp: int) -> bool:
+    """Whether the run's summed loss goes through the fused, chunked head (models/head_loss.py):
+    ``--loss-chunks`` unset (automatic) or >= 1, except automatic under ``--compile``
+    without TP (the compiled unfused cross entropy); as ``Decoder.fuses_loss``."""
+    chunks = cfg.activations.loss_chunks
+    if chunks is None:
+        return not (cfg.training.compile and tp == 1)
+    return chunks > 0
+
+
+def head_activation_bytes(cfg: Config, tp: int, sp: bool, tokens: int, e: int) -> float:
+    """What the chunk that ends the model keeps for backward beyond its blocks, for a
+    micro-batch of ``tokens`` tokens on this rank (per sequence-parallel rank: /tp).
+
+    Unfused: the softmax over this rank's vocabulary slice in fp32 (kept by the cross
+    entropy), the target index (int64) and two flags per token, the final norm's input
+    and the head's input (a sequence shard under SP). Fused (head_loss.py): the final
+    norm's input, and the gradients the forward already computed: the hidden states'
+    (the whole sequence, in the model's dtype) and the head weight's (this rank's
+    vocabulary rows, in fp32 or wider). No logits: a chunk's are freed in the forward."""
+    m = cfg.model
+    vocab, norm_input = m.padded_vocab_size(tp) // tp, tokens * m.d_model * e / (tp if sp else 1)
+    if fuses_loss(cfg, tp):
+        return norm_input + tokens * m.d_model * e + vocab * m.d_model * max(e, 4)
+    return tokens * (vocab * 4 + 8 + 2) + 2 * norm_input
 
 
 @lru_cache(maxsize=4096)

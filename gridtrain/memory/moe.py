@@ -18,9 +18,11 @@ under sequence parallelism) to ``k`` experts each: ``N k`` rows of ``d`` element
 the experts' ranks by an all-to-all (dispatch) and come back by another (combine); the
 backward runs both again, full recomputation repeats the forward's. With balanced
 routing ``(ep - 1) / ep`` of the rows leave the rank, and each rank's experts process
-``N k`` rows in all (``N k ep / E`` per expert), as ``E / ep`` separate GEMMs. Beside
-them a tiny all-to-all of the ``E`` counts (whose values the host reads: one
-synchronisation per layer and micro-batch) and an all-reduce of ``2 E`` routing
+``N k`` rows in all (``N k ep / E`` per expert), as grouped GEMMs (one per weight kind
+for all ``E / ep`` experts; fp64 runs one GEMM per expert). Beside them a tiny
+all-to-all of the ``E`` counts (whose values the host reads under ep > 1: one
+synchronisation per layer and micro-batch; none at ep 1, where the grouped GEMMs take
+the counts on the device) and an all-reduce of ``2 E`` routing
 statistics (fp64 counts and probability sums) over ``dp x cp`` (and tp under sequence
 parallelism).
 

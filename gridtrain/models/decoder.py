@@ -29,6 +29,7 @@ from torch import nn
 
 from gridtrain.models import llama
 from gridtrain.runtime import activation_meter as memory
+from gridtrain.models.head_loss import fused_head_loss
 from gridtrain.models.attention import Documents, KVCache, LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
 from gridtrain.parallel.context_parallel import ContextParallel
@@ -190,9 +191,12 @@ class Decoder(nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  tp: TensorParallel | None = None, chunks: list[ChunkSpec] | None = None,
                  recompute: Recomputation | None = None, cp: ContextParallel | None = None,
-                 ep: ExpertParallel | None = None):
+                 ep: ExpertParallel | None = None, loss_chunks: int | None = None):
         super().__init__()
         self.cfg = cfg
+        # the summed loss's fused head + cross entropy (head_loss.py): chunks per micro-batch,
+        # None automatic, 0 the unfused head (the whole micro-batch's logits, torch's cross entropy)
+        self.loss_chunks = loss_chunks
         self.tp = tp = tp or TensorParallel()
         self.cp = cp = cp or ContextParallel()
         self.ep = ep = ep or ExpertParallel()
@@ -222,9 +226,12 @@ class Decoder(nn.Module):
         return self.embedding.word.weight if self.head is None else self.head
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
-                chunk: int = 0, cache: KVCache | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                chunk: int = 0, cache: KVCache | None = None, documents: torch.Tensor | None = None,
+                reduction: str = "none") -> torch.Tensor:
         """Token ids in, logits ``[b, s, vocab]`` out, or per-token losses ``[b, s]`` (at
-        least fp32) when labels are given. A chunk without the embedding takes hidden
+        least fp32) when labels are given; with ``reduction="sum"`` their sum, a scalar,
+        computed by the fused, chunked head + loss (head_loss.py: the micro-batch's logits
+        never exist at once) unless ``loss_chunks`` is 0. A chunk without the embedding takes hidden
         states; a chunk without the head returns them. With a ``cache`` (from
         :meth:`new_cache`; whole one-process models only), ``inputs`` are the tokens
         after the cached ones, and their keys and values join the cache.
@@ -255,13 +262,27 @@ class Decoder(nn.Module):
         if not spec.post_process:
             return x
         with memory.layer_scope("head"):
-            logits = parallel_lm_logits(self.final_norm(x), self.output_weight(), self.tp,
-                                        tied_in_place=self.head is None)
+            x = self.final_norm(x)
+            if labels is not None and reduction == "sum" and self.fuses_loss:
+                return fused_head_loss(x, self.output_weight(), labels, self.cfg.vocab_size, self.tp,
+                                       self.loss_chunks)
+            logits = parallel_lm_logits(x, self.output_weight(), self.tp, tied_in_place=self.head is None)
             if labels is None:
                 return gather_logits(logits, self.cfg.vocab_size, self.tp)
             if self.compiled_loss is not None:
-                return self.compiled_loss(logits, labels, self.cfg.vocab_size)
-            return vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
+                losses = self.compiled_loss(logits, labels, self.cfg.vocab_size)
+            else:
+                losses = vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
+            return losses.sum() if reduction == "sum" else losses
+
+    @property
+    def fuses_loss(self) -> bool:
+        """Whether the summed loss runs through the fused, chunked head (head_loss.py):
+        unless ``loss_chunks`` is 0, or left automatic under ``--compile`` without TP
+        (the compiled cross entropy fuses the upcast and softmax itself)."""
+        if self.loss_chunks is None:
+            return self.compiled_loss is None
+        return self.loss_chunks > 0
 
     def _run_blocks(self, x: torch.Tensor, layer_ids: tuple[int, ...],
                     documents: Documents | None = None) -> torch.Tensor:

@@ -18,6 +18,21 @@ Mixtral, Qwen3-MoE and OLMoE layers (docs/moe.md), in place of a block's dense M
   the whole global micro-batch (parallel/experts.py), so every layout trains the same
   model.
 
+**The local experts run as grouped GEMMs** (``torch._grouped_mm``: fp32 and bf16 on CPU,
+bf16 on CUDA; the per-expert loop for fp64, the parity reference): SwiGLU experts as two
+(gate and up joined into one ``[E, 2H, d]`` operand, then down), GELU experts as two with
+per-expert biases. The grouped GEMM wants each weight kind as one ``[E, ...]`` tensor, and
+stacking ``E`` separate parameters would copy every expert weight per layer and
+micro-batch (and keep the copy for backward). So the experts' parameters stay separate
+``nn.Parameter`` objects with their names (checkpoints, Hugging Face mapping and the
+gradient reducer see nothing new) but their memory is laid out one expert after another
+in one storage (:func:`pack`, once the parameters have memory); each weight kind is then
+one strided view of it, no copy. Under ZeRO-3 the gathered unit's layout decides: a view
+where it allows one, else a stacked copy (not kept: backward stacks again); its units
+hold the parameters in reverse registration order, so today that is a copy per GEMM. The
+autograd functions here keep what the ``nn.Linear`` loop keeps, so the memory model's
+activation terms hold for both paths.
+
 Under tensor parallelism the experts see the tokens of the rank's sequence shard (with
 sequence parallelism) or all of them (without: every tp rank then computes the same
 experts on the same tokens); the router's and experts' gradients are partial sums under
@@ -31,8 +46,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.config import ModelConfig
-from gridtrain.parallel.experts import (ExpertParallel, capacity_order, dispatch_combine, permutation,
-                                       with_aux_loss)
+from gridtrain.parallel.meta import on_meta
+from gridtrain.parallel.experts import (ExpertParallel, capacity_order, dispatch_combine, grouped_gemm_fits,
+                                       grouped_mm, permutation, start_counts_exchange, with_aux_loss)
 from gridtrain.parallel.recompute import Recomputation
 from gridtrain.parallel.tensor_parallel import TensorParallel
 
@@ -58,6 +74,157 @@ class Expert(nn.Module):
         if self.llama:
             return self.down(F.silu(self.gate(x)) * self.up(x))
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+# ---- the local experts as grouped GEMMs ----------------------------------------------------------
+
+def _owns_storage(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a whole tensor of its own (not a view into a larger storage)."""
+    return p.numel() > 0 and p.is_contiguous() and p.storage_offset() == 0 and \
+        p.untyped_storage().nbytes() == p.numel() * p.element_size()
+
+
+def pack(per_expert: list[list[torch.Tensor]]) -> bool:
+    """Lay the experts' parameters (``per_expert[e]``: expert ``e``'s, in registration
+    order) out one expert after another in one new storage, each parameter keeping its
+    object, name, attributes and values (only its ``.data`` moves). Done only where each
+    parameter owns its whole storage (not under ZeRO-3, whose gathered units are laid
+    out by the parameter shards, nor for meta parameters). Returns whether it packed."""
+    flat = [p for ps in per_expert for p in ps]
+    first = flat[0]
+    if on_meta(first) or not all(_owns_storage(p) and p.dtype == first.dtype and p.device == first.device
+                                 for p in flat):
+        return False
+    with torch.no_grad():
+        buffer = first.new_empty(sum(p.numel() for p in flat))
+        at = 0
+        for p in flat:
+            view = buffer[at:at + p.numel()].view(p.shape)
+            view.copy_(p)
+            p.data = view
+            at += p.numel()
+    return True
+
+
+def packed(per_expert: list[list[torch.Tensor]]) -> bool:
+    """Whether the experts' parameters lie as :func:`pack` lays them out."""
+    first = per_expert[0][0]
+    if on_meta(first):
+        return False
+    storage, at = first.untyped_storage()._cdata, first.storage_offset()
+    for ps in per_expert:
+        for p in ps:
+            if p.storage_offset() != at or not p.is_contiguous() or p.untyped_storage()._cdata != storage:
+                return False
+            at += p.numel()
+    return True
+
+
+def stacked_layout(groups: list[list[torch.Tensor]]):
+    """``groups[e]``: tensors of expert ``e`` to be joined along their first dimension
+    (SwiGLU's gate and up; a weight alone). If one strided ``[E, rows, ...]`` view reaches
+    them all (one storage, each group's tensors one right after the other, the groups at
+    a fixed positive spacing, 16-byte aligned: what :func:`pack` lays out), its
+    ``(size, stride, offset)``; else None."""
+    first = groups[0][0]
+    if on_meta(first):
+        return None
+    storage, size = first.untyped_storage()._cdata, first.element_size()
+    starts = [g[0].storage_offset() for g in groups]
+    spacing = starts[1] - starts[0] if len(groups) > 1 else sum(p.numel() for p in groups[0])
+    for e, g in enumerate(groups):
+        at = starts[0] + e * spacing
+        for p, q in zip(g, groups[0]):
+            if p.storage_offset() != at or p.shape != q.shape or not p.is_contiguous() or \
+                    p.untyped_storage()._cdata != storage:
+                return None
+            at += p.numel()
+    if any(p.shape[1:] != first.shape[1:] for p in groups[0]) or spacing <= 0 or spacing * size % 16 or \
+            starts[0] * size % 16:
+        return None
+    return (len(groups), sum(p.shape[0] for p in groups[0]), *first.shape[1:]), (spacing, *first.stride()), starts[0]
+
+
+def stacked(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The groups (:func:`stacked_layout`) as one ``[E, rows, ...]`` tensor, outside
+    autograd: a view where the layout allows (no copy), else a stacked copy (a ZeRO-3
+    unit laid out otherwise)."""
+    layout = stacked_layout(groups)
+    if layout is not None:
+        return groups[0][0].detach().as_strided(*layout)
+    return torch.stack([torch.cat([p.detach() for p in g], 0) for g in groups])
+
+
+def _group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's group, from the groups' end rows."""
+    return torch.searchsorted(offs, torch.arange(rows, dtype=offs.dtype, device=offs.device), right=True)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """Every local expert's linear map on its rows: ``rows`` [M, K] sorted expert-major
+    (``offs``: each expert's end row), ``params``: per expert, ``width`` weights [N_i, K]
+    joined along N (SwiGLU's gate and up: one GEMM for both), then its bias [N] when
+    ``bias``. Forward one grouped GEMM; backward two (the rows' gradient, and all the
+    weights' at once, ``grad^T x rows`` cut at the offsets). Keeps the rows, the offsets
+    (on ``ctx``: ``E`` integers, which the per-token memory model leaves out) and the
+    parameters themselves (never a stacked copy: under ZeRO-3 they are gathered again for
+    backward, as an ``nn.Linear``'s are), as the per-expert loop does."""
+
+    @staticmethod
+    def forward(ctx, rows, offs, width, bias, *params):
+        per = width + int(bias)
+        ctx.width, ctx.bias, ctx.rows = width, bias, [p.shape[0] for p in params[:width]]
+        groups = [params[i:i + per] for i in range(0, len(params), per)]
+        out = grouped_mm(rows, stacked([g[:width] for g in groups]).transpose(1, 2), offs)
+        if bias:
+            out += stacked([g[width:] for g in groups]).index_select(0, _group_of_rows(offs, rows.shape[0]))
+        ctx.offs = offs  # E int32, held beside the saved tensors (the memory model counts per token)
+        ctx.save_for_backward(rows, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows, *params), offs = ctx.saved_tensors, ctx.offs
+        width, per = ctx.width, ctx.width + int(ctx.bias)
+        groups = [params[i:i + per] for i in range(0, len(params), per)]
+        grad = grad.contiguous()
+        d_rows = grouped_mm(grad, stacked([g[:width] for g in groups]), offs) if ctx.needs_input_grad[0] else None
+        d_weights = grouped_mm(grad.t(), rows, offs)  # [E, N, K]
+        if ctx.bias:
+            d_bias = grad.new_zeros((len(groups), grad.shape[1])).index_add_(0, _group_of_rows(offs, grad.shape[0]),
+                                                                             grad)
+        grads = []
+        for e, d in enumerate(d_weights.unbind(0)):
+            grads.extend(d.split(ctx.rows, 0) if width > 1 else (d,))
+            if ctx.bias:
+                grads.append(d_bias[e])
+        return (d_rows, None, None, None, *grads)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` from the grouped GEMM's joined ``[rows, 2H]`` output (gate
+    columns first). Autograd of the two slices would fill two zero ``[rows, 2H]`` tensors
+    in backward and add them; this writes both halves of the gradient into one. It keeps
+    what the ``nn.Linear`` loop keeps (the joined output and ``silu(gate)``; the product is
+    kept by the next GEMM)."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        h = gate_up.shape[-1] // 2
+        gate, up = gate_up[:, :h], gate_up[:, h:]
+        act = F.silu(gate)
+        ctx.save_for_backward(gate_up, act)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate_up, act = ctx.saved_tensors
+        h = gate_up.shape[-1] // 2
+        out = torch.empty_like(gate_up)  # no other temporary: each half written in place
+        d_gate = torch.mul(grad, gate_up[:, h:], out=out[:, :h])
+        torch.ops.aten.silu_backward.grad_input(d_gate, gate_up[:, :h], grad_input=d_gate)
+        torch.mul(grad, act, out=out[:, h:])
+        return out
 
 
 class Router(nn.Module):
@@ -99,6 +266,7 @@ class MoE(nn.Module):
         for p in self.experts.parameters():
             p.expert = True  # reduced over the expert-data-parallel group, not dp x cp
         self.shared = shared
+        self.grouped_gemm = True  # False: the per-expert loop in every dtype (tests compare the two)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -109,23 +277,66 @@ class MoE(nn.Module):
         capacity = None
         if cfg.moe_capacity_factor is not None and self.training:  # inference is dropless
             order, used, capacity, counts = capacity_order(
-                chosen, cfg.n_experts, cfg.moe_capacity_factor, self.ep, self.ep.token_keys(b, s),
-                most_runs=b * (2 if self.ep.cp_size > 1 else 1))
+                chosen, cfg.n_experts, cfg.moe_capacity_factor, self.ep,
+                self.ep.token_key_tensor(b, s, tokens.device), most_runs=b * (2 if self.ep.cp_size > 1 else 1))
         else:
             order, counts = permutation(chosen, cfg.n_experts)
             used = counts
+        exchange = start_counts_exchange(used, self.ep)  # first: the dispatch waits on it
         # the global micro-batch's counts (before capacity) and probability sums travel
         # while the experts run
         stats = torch.cat([counts.to(torch.float64), probs.detach().sum(0).to(torch.float64)])
         summed = self.ep.start_global_sum(stats)
+        grouped = self._run_grouped if self.grouped(tokens.dtype, tokens.device) else None
         out, _, received = dispatch_combine(tokens, chosen, weights, cfg.n_experts, self.ep,
-                                            lambda e, rows: self.experts[str(e)](rows), (order, used))
+                                            lambda e, rows: self.experts[str(e)](rows), (order, used),
+                                            run_grouped=grouped, exchange=exchange, dropless=capacity is None)
         out = self._balance(out, probs, summed(), received, capacity).view(b, s, d)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
 
-    def _balance(self, out: torch.Tensor, probs: torch.Tensor, stats: torch.Tensor, received: int,
+    def grouped(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the local experts run as grouped GEMMs (``torch._grouped_mm``) on rows of
+        ``dtype``: fp32 and bf16 on CPU, bf16 on CUDA, with 16-byte aligned widths, unless
+        ``grouped_gemm`` was turned off; otherwise (fp64: the parity reference) the
+        per-expert loop."""
+        return self.grouped_gemm and len(self.experts) > 0 and \
+            grouped_gemm_fits(dtype, device, self.cfg.d_model, self.cfg.moe_ffn_size)
+
+    def lay_out_parameters(self) -> None:
+        """Put the local experts' parameters one expert after another in one storage
+        (:func:`pack`), so that the grouped GEMMs read each weight kind as one strided view.
+        Called once the parameters have memory (checkpoint/materialise.py), before
+        anything records which storages are parameters (the activation meter, offloading);
+        :meth:`_expert_parameters` does it at the first forward otherwise."""
+        self._expert_parameters()
+
+    def _expert_parameters(self) -> list[list[torch.Tensor]]:
+        """Each local expert's parameters, in registration order (SwiGLU: gate, up, down;
+        GELU: fc weight and bias, proj weight and bias), packed into one storage
+        (:func:`pack`) when found apart (after a dtype change, or a model built with
+        memory and never materialised)."""
+        per_expert = [[p for linear in m._modules.values() for p in linear._parameters.values() if p is not None]
+                      for m in self.experts.values()]
+        if not packed(per_expert):
+            pack(per_expert)
+        return per_expert
+
+    def _run_grouped(self, rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Every local expert on its rows (``rows`` sorted expert-major, ``offs`` each
+        expert's end row) by grouped GEMMs: SwiGLU as two (gate and up joined: their
+        weights lie one after the other), GELU as two with per-expert biases."""
+        per_expert = self._expert_parameters()
+        if self.cfg.arch == "llama":  # gate, up, down
+            gate_up = _GroupedLinear.apply(rows, offs, 2, False, *[p for ps in per_expert for p in ps[:2]])
+            return _GroupedLinear.apply(_SwiGLU.apply(gate_up), offs, 1, False, *[ps[2] for ps in per_expert])
+        # fc weight and bias, proj weight and bias
+        hidden = _GroupedLinear.apply(rows, offs, 1, True, *[p for ps in per_expert for p in ps[:2]])
+        return _GroupedLinear.apply(F.gelu(hidden, approximate="tanh"), offs, 1, True,
+                                    *[p for ps in per_expert for p in ps[2:]])
+
+    def _balance(self, out: torch.Tensor, probs: torch.Tensor, stats: torch.Tensor, received: int | torch.Tensor,
                  capacity: torch.Tensor | None) -> torch.Tensor:
         """From the global micro-batch's counts (before capacity) and probability sums
         (``stats``): the step's routing log (with the assignments beyond ``capacity``),

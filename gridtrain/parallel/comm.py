@@ -340,6 +340,20 @@ class CommGroup:
             self.done(rec, tensor)
         return out
 
+    def start_all_to_all(self, tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> "Pending":
+        """:meth:`all_to_all`, issued without waiting (see :meth:`start_all_reduce`): MoE
+        layers start their routing counts' exchange before gathering the rows."""
+        if self.size == 1:
+            return Pending.ready(tensor)
+        self.check_device("all_to_all", tensor)
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((sum(recv_splits), *tensor.shape[1:]))
+        self.counter.add("all_to_all", self.name, tensor)
+        rec = self.recorder.issue("all_to_all", self.name, self.ranks, _nbytes(tensor))
+        return Pending(self, rec, tensor, lambda: dist.all_to_all_single(
+            out, tensor, output_split_sizes=list(recv_splits), input_split_sizes=list(send_splits), group=self.group,
+            async_op=True), out)
+
     def own_slice(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         if self.size == 1:
             return tensor

@@ -10,21 +10,45 @@ whose backward is the same exchange reversed):
 1. **permute**: the ``N k`` (token, expert) assignments sorted by expert, stably, so each
    expert's rows are consecutive and in token order, and the rows bound for one rank are
    one block (experts are numbered rank-major);
-2. **exchange counts**: each rank sends every peer how many rows it has for each of the
-   peer's experts (an ``all_to_all`` of ``E`` integers), so every rank knows the splits of
-   the exchange and how its received rows divide among its experts. One host read per
-   layer and micro-batch: dropless routing sizes tensors by the counts (Megatron's
-   dropless dispatch syncs here too);
+2. **exchange counts** (ep > 1): each rank sends every peer how many rows it has for each
+   of the peer's experts (an ``all_to_all`` of ``E`` integers), so every rank knows the
+   splits of the exchange and how its received rows divide among its experts. It is
+   started as soon as the counts exist (:func:`start_counts_exchange`, before the
+   routing statistics' all-reduce) and travels while the rows are gathered. Then the
+   layer's one host read (``moe_routing``: the exchanged counts and this rank's, read
+   together): ``all_to_all_single`` takes its splits as host integers (Megatron's
+   dropless dispatch syncs here too). Everything after it that depends on the counts
+   (the regrouping below, the experts' offsets) is made on the device from the
+   exchanged tensor, not from the host lists;
 3. **dispatch**: the rows to their ranks; received rows come source-rank-major and are
-   regrouped expert-major, each local expert runs once on its rows (every expert runs
-   every micro-batch, on zero rows if none came, so each expert weight gets a gradient
-   per micro-batch as the gradient reducer counts on);
+   regrouped expert-major (a stable sort of the rows by their expert), and the local
+   experts run on them. Every expert runs every micro-batch, on zero rows if none came,
+   so each expert weight gets a gradient per micro-batch as the gradient reducer counts on;
 4. **combine**: outputs back the reverse way, weighted by the router's weights and summed
    into each token's row in expert order (the same order on every layout, so sums round
    alike).
 
 With one rank the same code runs with the exchanges left out, so one process and every
-ep size share the permutation, the expert loop and the combine.
+ep size share the permutation, the experts and the combine.
+
+**The experts as grouped GEMMs.** Where ``torch._grouped_mm`` takes the dtype (fp32 and
+bf16 on CPU, bf16 on CUDA; :func:`grouped_gemm_fits`) the local experts run as one
+grouped GEMM per weight kind (models/moe.py), cut at ``offs``, each expert's end row,
+int32, on the device. One GEMM for all experts instead of one (and its Python and
+autograd overhead) per expert, and, with the offsets on the device, no host read at
+ep 1: a dropless layer at ep 1 needs no host-sized tensor at all (``N k`` rows, known
+from the shapes). Under capacity at ep 1 the dropped rows stay at the end of the sorted
+rows, run through the last expert and are weighted zero in the combine (exactly zero
+contributions, forward and backward) instead of being cut off by a host-sized slice.
+fp64 (and widths whose rows are not 16-byte aligned) keeps the per-expert loop, which
+splits the rows by host sizes (one read per layer and micro-batch at ep 1 too): it is
+the parity reference the grouped GEMMs are tested against (tests/test_moe_grouped.py).
+
+**Capacity without loops over tokens.** Each token's place in the global micro-batch
+(:meth:`ExpertParallel.token_key_tensor`) and the runs of consecutive places
+(:func:`run_tensors`) are tensor arithmetic on an ``arange``: no Python loop over
+tokens and no host-to-device copy of a list in the step (the plain-integer versions
+stay as their reference).
 
 **Routing statistics over a global micro-batch.** The load-balancing loss (Switch / GShard:
 ``E sum_e f_e P_e``, ``f_e`` the fraction of assignments that went to expert ``e``, ``P_e``
@@ -51,6 +75,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from gridtrain.runtime import host_sync
 from gridtrain.parallel.comm import CommGroup, OnGroup, all_to_all, single
@@ -64,7 +89,9 @@ class LayerStats:
     aux: torch.Tensor  # sum over micro-batches of E sum_e f_e P_e (without the coefficient)
     dropped: torch.Tensor  # assignments dropped by capacity
     micro_batches: int = 0
-    received: int = 0  # rows this rank's experts received (its own and its ep peers'), all micro-batches
+    # rows this rank's experts received (its own and its ep peers'), all micro-batches; a
+    # device tensor where counting them would need a host read (capacity at ep 1)
+    received: int | torch.Tensor = 0
 
 
 @dataclass
@@ -80,7 +107,7 @@ class RoutingLog:
         self.layers.clear()
 
     def record(self, layer: int, counts: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor,
-               received: int) -> None:
+               received: int | torch.Tensor) -> None:
         s = self.layers.get(layer)
         if s is None:
             self.layers[layer] = LayerStats(counts.clone(), aux.clone(), dropped.clone(), 1, received)
@@ -121,7 +148,8 @@ class ExpertParallel(OnGroup):
         ``sample x seq_len + true position``, in the rank's token order: its samples are
         the dp rank's slice of the global micro-batch (data/sampler.py), its positions its
         cp chunks, cut to its tp share under sequence parallelism. Plain integers: they
-        follow from the layout alone (and a dry run's tensors could not be read)."""
+        follow from the layout alone (and a dry run's tensors could not be read). The
+        reference for :meth:`token_key_tensor`, which the layer uses."""
         cp_len = local_len * self.sp_size  # the cp rank's tokens of a sequence
         seq_len = cp_len * self.cp_size
         n = seq_len // (2 * self.cp_size)  # a cp chunk
@@ -129,6 +157,20 @@ class ExpertParallel(OnGroup):
         positions = [c * n + i for c in chunks for i in range(n)] if self.cp_size > 1 else list(range(seq_len))
         positions = positions[self.sp_rank * local_len:(self.sp_rank + 1) * local_len]
         return [s * seq_len + p for s in range(self.dp_rank * batch, (self.dp_rank + 1) * batch) for p in positions]
+
+    def token_key_tensor(self, batch: int, local_len: int, device: torch.device | str) -> torch.Tensor:
+        """:meth:`token_keys` as an int64 tensor made on ``device`` by arithmetic on an
+        ``arange``: no Python loop over tokens and no host-to-device copy in the step."""
+        cp_len = local_len * self.sp_size
+        seq_len = cp_len * self.cp_size
+        i = torch.arange(batch * local_len, dtype=torch.int64, device=device)
+        sample, q = i // local_len + self.dp_rank * batch, i % local_len + self.sp_rank * local_len
+        if self.cp_size > 1:
+            n = seq_len // (2 * self.cp_size)
+            second = q >= n  # the rank's second chunk: 2 cp - 1 - cp_rank
+            chunk = torch.where(second, 2 * self.cp_size - 1 - self.cp_rank, self.cp_rank)
+            q = chunk * n + q - second.to(torch.int64) * n
+        return sample * seq_len + q
 
     def start_global_sum(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Start summing ``t`` over every rank holding tokens of this global micro-batch;
@@ -164,12 +206,16 @@ def permute(tokens: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
     return tokens.index_select(0, order // k)
 
 
-def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: int, n_tokens: int) -> torch.Tensor:
+def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: int, n_tokens: int,
+              keep: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's sum of its rows times their routing weights (``weights`` [N, k]),
-    added in expert order: the inverse of :func:`permute` when every weight is 1 and k is 1."""
-    w = weights.reshape(-1).index_select(0, order).unsqueeze(-1)
+    added in expert order: the inverse of :func:`permute` when every weight is 1 and k is 1.
+    ``keep`` (bool, one per row): rows whose weight counts (the others add zero)."""
+    w = weights.reshape(-1).index_select(0, order)
+    if keep is not None:
+        w = w * keep.to(w.dtype)
     out = rows.new_zeros((n_tokens, rows.shape[-1]))
-    return out.index_add(0, order // k, rows * w)
+    return out.index_add(0, order // k, rows * w.unsqueeze(-1))
 
 
 def _uniform(total: int, parts: int) -> list[int]:
@@ -177,47 +223,130 @@ def _uniform(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
+GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16,)}  # what torch._grouped_mm takes
+
+
+def grouped_gemm_fits(dtype: torch.dtype, device: torch.device | str, *widths: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes rows of ``dtype`` on ``device`` whose widths are
+    ``widths``: fp32 or bf16 on CPU, bf16 on CUDA (the CUDA kernel, and torch's meta
+    function that the dry run runs, take nothing else), never fp64 (the per-expert loop
+    stays its path, and the parity reference); every row stride a multiple of 16 bytes,
+    as the op requires."""
+    return hasattr(torch, "_grouped_mm") and dtype in GROUPED_DTYPES.get(torch.device(device).type, ()) and \
+        all(w * dtype.itemsize % 16 == 0 for w in widths)
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of one ``torch._grouped_mm`` (``torch.utils.flop_counter`` has no formula for
+    it): ``2 M K N`` over the groups, whichever operand the groups cut: rows [M, K] by
+    per-group [G, K, N] (forward, input gradient), or [N, M] by [M, K] cut along M into
+    [G, N, K] (weight gradient); a batch of G products when both are 3-d."""
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    if len(a_shape) == 3 and len(b_shape) == 2:
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+
+
+if hasattr(torch.ops.aten, "_grouped_mm"):
+    from torch.utils import flop_counter as _flop_counter
+
+    if torch.ops.aten._grouped_mm not in _flop_counter.flop_registry:
+        _flop_counter.register_flop_formula(torch.ops.aten._grouped_mm)(_grouped_mm_flops)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)`` (outside autograd: models/moe.py's experts
+    hold its backward): rows ``a`` [M, K] sorted by group times each group's own ``b``
+    [G, K, N]; or ``a`` [N, M] times ``b`` [M, K] cut along M at the offsets, [G, N, K].
+    Where a dry run's fake tensors hold a dtype torch's meta function refuses (it takes
+    bf16 only, CUDA's rule; fp32 runs on CPU), an empty result of the right shape."""
+    if a.dtype != torch.bfloat16 and is_fake(a):
+        shape = (a.shape[0], b.shape[-1]) if b.dim() == 3 else (offs.shape[0], a.shape[0], b.shape[1])
+        return a.new_empty(shape)
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+def group_offsets(sizes: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """``torch._grouped_mm``'s ``offs``: each group's end row, int32, on the device (no
+    host read). ``rows``: the last group ends there whatever ``sizes`` say (rows past the
+    kept ones run through the last group, their results weighted zero)."""
+    offs = torch.cumsum(sizes, 0).to(torch.int32)
+    if rows is not None and offs.numel():
+        offs[-1] = rows
+    return offs
+
+
+def start_counts_exchange(counts: torch.Tensor, ep: ExpertParallel) -> "Pending | None":
+    """Start sending every ep peer how many rows this rank has for each of its experts
+    (``counts`` [E], rank-major); the wait gives ``ep x E/ep`` counts: what each peer
+    sends to each of this rank's experts (flat, peer-major). Started as soon as the counts
+    exist, so that it travels while the rows are gathered (None with one rank: nothing to
+    exchange)."""
+    if ep.size == 1:
+        return None
+    per = counts.numel() // ep.size
+    return ep.comm.start_all_to_all(counts, [per] * ep.size, [per] * ep.size)
+
+
 def dispatch_combine(tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, n_experts: int,
                      ep: ExpertParallel, run_expert,
-                     kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+                     kept: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                     run_grouped=None, exchange=None, dropless: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor]:
     """The routed experts' weighted sum for every token (``tokens`` [N, d], ``chosen`` and
-    ``weights`` [N, k]); ``run_expert(e, rows)`` runs local expert ``e`` (global id).
+    ``weights`` [N, k]). ``run_grouped(rows, offs)`` runs every local expert at once on
+    ``rows`` sorted expert-major (``offs``: :func:`group_offsets`), by grouped GEMMs;
+    without it ``run_expert(e, rows)`` runs local expert ``e`` (global id), one at a time.
     ``kept``: capacity's (order, counts) from :func:`capacity_order` (the kept
-    assignments first); default every assignment (:func:`permutation`).
-    Returns (output [N, d], this rank's counts per expert [E], the rows its experts ran)."""
+    assignments first; ``dropless``: it kept them all); default every assignment
+    (:func:`permutation`). ``exchange``: :func:`start_counts_exchange` of the kept
+    counts, if the caller started it already.
+    Returns (output [N, d], this rank's counts per expert [E], the rows its experts ran:
+    an int, or a device tensor where knowing it would need a host read)."""
     n, k = chosen.shape
     order, counts = kept if kept is not None else permutation(chosen, n_experts)
     local = ep.local_experts(n_experts)
     per = len(local)
     if ep.size == 1:
+        if run_grouped is not None:  # no host read: the grouped GEMM takes the offsets on the device
+            rows = permute(tokens, order, k)
+            if kept is None or dropless:
+                return unpermute(run_grouped(rows, group_offsets(counts)), order, weights, k, n), counts, n * k
+            kept_rows = counts.sum()  # the dropped rows run through the last expert, weighted zero
+            keep = torch.arange(n * k, device=tokens.device) < kept_rows
+            out = run_grouped(rows, group_offsets(counts, n * k))
+            return unpermute(out, order, weights, k, n, keep), counts, kept_rows
         sizes = host_sync.read("moe_routing", counts, lambda t: t.tolist(), stand_in=lambda: _uniform(n * k, n_experts))
         order = order[:sum(sizes)]
         outs = [run_expert(e, part) for e, part in zip(local, permute(tokens, order, k).split(sizes))]
         return unpermute(torch.cat(outs), order, weights, k, n), counts, sum(sizes)
-    # how many rows each peer sends to each of my experts: [ep, E/ep]
-    received = ep.comm.all_to_all(counts, [per] * ep.size, [per] * ep.size)
+    # how many rows each peer sends to each of my experts (ep x E/ep, peer-major), travelling
+    # while the rows are gathered (every assignment's; the dropped ones are cut off after)
+    exchange = start_counts_exchange(counts, ep) if exchange is None else exchange
+    rows = permute(tokens, order, k)
+    received = exchange.wait()
+    # the one host read of the layer: the exchange's splits
     both = host_sync.read("moe_routing", torch.cat([counts, received]), lambda t: t.tolist(),
                           stand_in=lambda: _uniform(n * k, n_experts) * 2)
     mine, theirs = both[:n_experts], both[n_experts:]
-    order = order[:sum(mine)]
-    rows = permute(tokens, order, k)
+    order, rows = order[:sum(mine)], rows[:sum(mine)]
     send = [sum(mine[r * per:(r + 1) * per]) for r in range(ep.size)]
-    grid = [theirs[r * per:(r + 1) * per] for r in range(ep.size)]  # grid[src][local expert]
-    recv = [sum(row) for row in grid]
+    recv = [sum(theirs[r * per:(r + 1) * per]) for r in range(ep.size)]
     arrived = all_to_all(rows, ep.comm, send, recv)  # source-major, expert-major within a source
-    starts, at = [], 0
-    for src in range(ep.size):
-        starts.append([])
-        for j in range(per):
-            starts[src].append(at)
-            at += grid[src][j]
-    # regroup expert-major (each expert's rows from every source, in source order)
-    segments = [(starts[src][j], grid[src][j]) for j in range(per) for src in range(ep.size)]
-    regroup = torch.cat([torch.arange(s, s + c, device=tokens.device) for s, c in segments]) if segments else \
-        torch.zeros(0, dtype=torch.int64, device=tokens.device)
+    # regroup expert-major (each expert's rows from every source, in source order): a
+    # stable sort of the arrived rows by their local expert, made on the device
+    experts_of = torch.arange(per, device=tokens.device).repeat(ep.size)
+    expert_of_row = torch.repeat_interleave(experts_of, received.reshape(-1), output_size=sum(recv))
+    regroup = torch.argsort(expert_of_row, stable=True)
     grouped = arrived.index_select(0, regroup)
-    sizes = [sum(grid[src][j] for src in range(ep.size)) for j in range(per)]
-    outs = torch.cat([run_expert(e, part) for e, part in zip(local, grouped.split(sizes))])
+    if run_grouped is not None:
+        outs = run_grouped(grouped, group_offsets(received.view(ep.size, per).sum(0)))
+    else:
+        sizes = [sum(theirs[r * per + j] for r in range(ep.size)) for j in range(per)]
+        outs = torch.cat([run_expert(e, part) for e, part in zip(local, grouped.split(sizes))])
     back = torch.empty_like(outs).index_copy(0, regroup, outs)  # source-major again
     returned = all_to_all(back, ep.comm, recv, send)
     return unpermute(returned, order, weights, k, n), counts, sum(recv)
@@ -228,7 +357,7 @@ def dispatch_combine(tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.
 def token_runs(keys: list[int], most: int) -> tuple[list[int], list[int]]:
     """This rank's tokens cut into runs of consecutive keys (a sample's positions, broken
     at its cp chunks): (each token's run, each run's first key, ``most`` of them, padded
-    with a key past every token)."""
+    with a key past every token). The plain-integer reference of :func:`run_tensors`."""
     runs, starts = [], []
     for i, key in enumerate(keys):
         if i == 0 or key != keys[i - 1] + 1:
@@ -239,23 +368,39 @@ def token_runs(keys: list[int], most: int) -> tuple[list[int], list[int]]:
     return runs, starts + [2 ** 63 - 1] * (most - len(starts))
 
 
+def run_tensors(keys: torch.Tensor, most: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_runs` on the device: a run starts where a key does not follow its
+    predecessor; each token's run is the running count of starts, each run's first key
+    its smallest (a ``scatter_reduce``), the ``most`` slots padded with a key past every
+    token. The layout bounds the runs (a sample's positions, at most two cp chunks of
+    it), so ``most`` is never exceeded and nothing is read back to check it."""
+    starts_here = torch.ones_like(keys, dtype=torch.bool)
+    starts_here[1:] = keys[1:] != keys[:-1] + 1
+    run = torch.cumsum(starts_here, 0) - 1
+    firsts = torch.full((most,), 2 ** 63 - 1, dtype=torch.int64, device=keys.device)
+    return run, firsts.scatter_reduce(0, run, keys, "amin")
+
+
 def capacity_order(chosen: torch.Tensor, n_experts: int, factor: float, ep: ExpertParallel,
-                   keys: list[int], most_runs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   keys: list[int] | torch.Tensor, most_runs: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expert capacity, the same tokens dropped on every layout: each expert takes at most
     ``C = ceil(factor x N x k / E)`` assignments of the global micro-batch (``N`` tokens),
     the first ones in token order (``keys``: sample, then true position; ExpertParallel.
-    token_keys). Each rank's tokens form runs of consecutive keys; the runs' first keys
-    and per-expert counts are all-gathered over the ranks holding the micro-batch, so
-    each rank knows how many assignments to each expert come before each of its runs.
+    token_key_tensor, or the plain integers of token_keys). Each rank's tokens form runs
+    of consecutive keys; the runs' first keys and per-expert counts are all-gathered over
+    the ranks holding the micro-batch, so each rank knows how many assignments to each
+    expert come before each of its runs. All of it tensor arithmetic on the device: no
+    loop over tokens, no host read (the kept counts stay on the device too).
 
     Returns (order, kept counts [E], C, counts before dropping [E]): ``order`` lists the
     kept assignments sorted by expert (token order within one), then the dropped ones."""
     n, k = chosen.shape
     device = chosen.device
     order, counts = permutation(chosen, n_experts)
-    runs, firsts = token_runs(keys, most_runs)
-    run_of_token = torch.tensor(runs, dtype=torch.int64, device=device)
-    starts = torch.tensor(firsts, dtype=torch.int64, device=device)
+    if not isinstance(keys, torch.Tensor):
+        keys = torch.tensor(keys, dtype=torch.int64, device=device)
+    run_of_token, starts = run_tensors(keys, most_runs)
     sorted_experts = chosen.reshape(-1).index_select(0, order)
     run = run_of_token.index_select(0, order // k)
     table = torch.zeros(most_runs, n_experts, dtype=torch.int64, device=device)

@@ -24,7 +24,7 @@ def decoder_model_provider(cfg: Config, ctx: DistributedContext) -> nn.Module:
     the rank owns (gridtrain.checkpoint.materialise: the same values on every layout)."""
     with torch.device("meta"):
         model = Decoder(cfg.model, tp=ctx.tp, chunks=stage_chunks(cfg, ctx), recompute=ctx.recompute, cp=ctx.cp,
-                        ep=ctx.ep)
+                        ep=ctx.ep, loss_chunks=cfg.activations.loss_chunks)
     return model.to(dtype=ctx.param_dtype)
 
 
@@ -80,8 +80,9 @@ def text_datasets_provider(cfg: Config) -> Datasets:
 
 
 def decoder_forward_step(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Summed token loss of one micro-batch (the loop scales it into the global mean);
-    with ``--document-mask`` the batch's ``documents`` mask the attention."""
+    """Summed token loss of one micro-batch (the loop scales it into the global mean),
+    through the Decoder's fused, chunked head + loss (``--loss-chunks``); with
+    ``--document-mask`` the batch's ``documents`` mask the attention."""
     if "documents" in batch:
-        return model(batch["tokens"], batch["labels"], documents=batch["documents"]).sum()
-    return model(batch["tokens"], batch["labels"]).sum()
+        return model(batch["tokens"], batch["labels"], documents=batch["documents"], reduction="sum")
+    return model(batch["tokens"], batch["labels"], reduction="sum")

@@ -197,10 +197,11 @@ class PipelineStage:
             out = loss_sum * self.loss_scale
         else:
             x = batch["tokens"] if first else self.inputs[(mb, chunk)]
+            # the last chunk returns its summed loss (the Decoder's fused, chunked head + loss)
+            extra = {"reduction": "sum"} if last else {}
             if batch is not None and "documents" in batch:  # --document-mask: every chunk's attention
-                out = self.model(x, batch["labels"] if last else None, chunk=chunk, documents=batch["documents"])
-            else:
-                out = self.model(x, batch["labels"] if last else None, chunk=chunk)
+                extra["documents"] = batch["documents"]
+            out = self.model(x, batch["labels"] if last else None, chunk=chunk, **extra)
             if out is x:  # a chunk with no blocks: its output must own its storage (it is freed)
                 out = x.clone()
             if last:
