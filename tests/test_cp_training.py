@@ -158,16 +158,10 @@ def _kept(rank_run: dict) -> int:
 @pytest.mark.spawn
 @pytest.mark.parametrize("name,cp", [("cp2-ring", 2), ("cp4-ring", 4)])
 def test_each_cp_rank_keeps_about_one_cp_th_of_the_activations(name, cp):
-    """Measured with the saved-tensor meter at step 1: the blocks' and the embedding's
-    within 10% of one process's / cp. (The head keeps, besides its per-token terms, the
-    head weight's gradient that the fused loss computes in the forward: the same on every
-    rank, so it is left out.)"""
-    def per_token(rank_run: dict) -> int:
-        return sum(v for k, v in rank_run["memory"][0].kept.items() if k != "head")
-
-    whole = per_token(reference())
+    """Measured with the saved-tensor meter at step 1: within 10% of one process's / cp."""
+    whole = _kept(reference())
     for rank_run in run(name):
-        assert abs(per_token(rank_run) - whole / cp) <= 0.10 * whole / cp, (per_token(rank_run), whole / cp)
+        assert abs(_kept(rank_run) - whole / cp) <= 0.10 * whole / cp, (_kept(rank_run), whole / cp)
 
 
 @pytest.mark.spawn

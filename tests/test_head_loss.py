@@ -158,12 +158,29 @@ def test_memory_model_counts_the_fused_head():
     cfg = preset_config("small")
     cfg.training.device = "cpu"
     grid = ProcessGrid.build(1)
+    automatic = expected_activation_peak(cfg, grid, 0, "cpu")
+    cfg.activations.loss_chunks = 1
     fused = expected_activation_peak(cfg, grid, 0, "cpu")
     cfg.activations.loss_chunks = 0
     unfused = expected_activation_peak(cfg, grid, 0, "cpu")
+    assert automatic == unfused  # logits within one chunk: nothing to save, the unfused head
     m, t = cfg.model, cfg.training
     tokens = m.seq_len * t.micro_batch_size
     e = 4
     diff = tokens * (m.padded_vocab_size(1) * 4 + 10) + tokens * m.d_model * e \
         - tokens * m.d_model * e - m.padded_vocab_size(1) * m.d_model * 4
     assert unfused - fused == pytest.approx(diff)
+
+
+def test_the_automatic_choice_fuses_where_the_logits_outgrow_a_chunk():
+    """Unset, --loss-chunks fuses where a micro-batch's fp32 logits exceed one chunk
+    (32 MiB): GPT-2's vocabulary at 1024 tokens, not the tiny models' (which keep the
+    numbers of a plain PyTorch loss bit for bit)."""
+    from gridtrain.memory.model import fuses_loss
+    from gridtrain.models.head_loss import worth_fusing
+
+    assert worth_fusing(1024, 50304) and not worth_fusing(128, 320)
+    cfg = preset_config("gpt2")
+    assert fuses_loss(cfg, 1, 1024) and not fuses_loss(cfg, 1, 128)
+    cfg.activations.loss_chunks = 0
+    assert not fuses_loss(cfg, 1, 1024)

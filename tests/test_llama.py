@@ -360,8 +360,7 @@ def expected_tp_bytes(cfg) -> dict[str, int]:
     replicated = L * 2 * m.kv_heads * m.head_dim * h * e if tp > m.kv_heads else 0
     out = {"broadcast/tp": n_micro * 2 * b * s * 8}
     if cfg.parallel.sequence_parallel:
-        # (the fused LM head, models/head_loss.py, gathers its input once: in forward)
-        out["all_gather/tp"] = n_micro * (3 * activation + again - b * s * h * e)
+        out["all_gather/tp"] = n_micro * (3 * activation + again)
         out["reduce_scatter/tp"] = n_micro * (2 * activation + again)
         out["all_reduce/tp"] = n_micro * ce + (2 * L + 1) * h * e + replicated
     else:

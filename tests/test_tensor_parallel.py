@@ -157,8 +157,7 @@ def _tp_runs(tp: int) -> dict:
 # ---- bytes moved --------------------------------------------------------------------------
 
 
-def expected_tp_bytes(cfg: Config, sequence_parallel: bool, element_size: int,
-                      fused_head: bool = True) -> dict[str, int]:
+def expected_tp_bytes(cfg: Config, sequence_parallel: bool, element_size: int) -> dict[str, int]:
     """Analytic TP payload of one training step (see comm.py for what a payload is).
 
     Per micro-batch of b sequences of s tokens, hidden h, L layers:
@@ -166,8 +165,7 @@ def expected_tp_bytes(cfg: Config, sequence_parallel: bool, element_size: int,
     2 backward (their inputs), plus one each for the embedding (forward) and the LM head's
     input (backward); with SP the same volume as all-gathers and reduce-scatters, plus
     one more all-gather per column-parallel input in backward (each keeps only its
-    shard for backward and gathers it again: QKV, fc; the fused LM head, models/head_loss.py,
-    gathers its input once, in forward, unless ``fused_head`` is False). The
+    shard for backward and gathers it again: QKV, fc, the LM head). The
     vocab-parallel cross entropy adds 3 all-reduces of b*s numbers. Under SP the gradients
     of replicated weights fed by shards are all-reduced once per step. The first TP rank
     broadcasts tokens and labels (int64).
@@ -181,8 +179,6 @@ def expected_tp_bytes(cfg: Config, sequence_parallel: bool, element_size: int,
     if sequence_parallel:
         sp_grads = (L * (2 * 2 * h + 2 * h) + 2 * h + m.seq_len * h) * element_size  # LN, row biases, final LN, positions
         out["all_gather/tp"] = n_micro * 3 * activation
-        if fused_head:  # the fused head + loss (models/head_loss.py) gathers its input once, in forward
-            out["all_gather/tp"] -= n_micro * b * s * h * element_size
         out["reduce_scatter/tp"] = n_micro * 2 * activation
         out["all_reduce/tp"] = n_micro * ce + sp_grads
     else:
@@ -205,8 +201,7 @@ def test_tp_traffic_of_a_step_equals_the_analytic_count(sequence_parallel):
             assert _tp_bytes(step_bytes) == expected
     if sequence_parallel:  # the all-reduces' volume, and the re-gathered inputs
         plain = expected_tp_bytes(cfg, False, 8)["all_reduce/tp"] - 2 * 3 * 4 * 64 * 8
-        unfused = expected_tp_bytes(cfg, True, 8, fused_head=False)
-        assert unfused["all_gather/tp"] + unfused["reduce_scatter/tp"] == 2 * plain + plain // 2
+        assert expected["all_gather/tp"] + expected["reduce_scatter/tp"] == 2 * plain + plain // 2
 
 
 @pytest.mark.spawn

@@ -45,6 +45,7 @@ from functools import lru_cache
 import torch
 
 from gridtrain.config import Config, ModelConfig
+from gridtrain.models.head_loss import worth_fusing
 from gridtrain.memory import activations
 from gridtrain.memory.cp import wide_bytes
 from gridtrain.memory.moe import dense_block_parameters, edp_size, moe_block_parameters
@@ -419,13 +420,13 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     return peak
 
 
-def fuses_loss(cfg: Config, tp: int) -> bool:
-    """Whether the run's summed loss goes through the fused, chunked head (models/head_loss.py):
-    ``--loss-chunks`` unset (automatic) or >= 1, except automatic under ``--compile``
-    without TP (the compiled unfused cross entropy); as ``Decoder.fuses_loss``."""
+def fuses_loss(cfg: Config, tp: int, tokens: int) -> bool:
+    """Whether the run's summed loss over a micro-batch of ``tokens`` tokens goes through
+    the fused, chunked head (models/head_loss.py), as ``Decoder.fuses_loss`` decides."""
     chunks = cfg.activations.loss_chunks
     if chunks is None:
-        return not (cfg.training.compile and tp == 1)
+        local_vocab = cfg.model.padded_vocab_size(tp) // tp
+        return not (cfg.training.compile and tp == 1) and worth_fusing(tokens, local_vocab)
     return chunks > 0
 
 
@@ -441,7 +442,7 @@ def head_activation_bytes(cfg: Config, tp: int, sp: bool, tokens: int, e: int) -
     vocabulary rows, in fp32 or wider). No logits: a chunk's are freed in the forward."""
     m = cfg.model
     vocab, norm_input = m.padded_vocab_size(tp) // tp, tokens * m.d_model * e / (tp if sp else 1)
-    if fuses_loss(cfg, tp):
+    if fuses_loss(cfg, tp, tokens):
         return norm_input + tokens * m.d_model * e + vocab * m.d_model * max(e, 4)
     return tokens * (vocab * 4 + 8 + 2) + 2 * norm_input
 

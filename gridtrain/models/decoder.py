@@ -29,7 +29,7 @@ from torch import nn
 
 from gridtrain.models import llama
 from gridtrain.runtime import activation_meter as memory
-from gridtrain.models.head_loss import fused_head_loss
+from gridtrain.models.head_loss import fused_head_loss, worth_fusing
 from gridtrain.models.attention import Documents, KVCache, LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
 from gridtrain.parallel.context_parallel import ContextParallel
@@ -263,7 +263,7 @@ class Decoder(nn.Module):
             return x
         with memory.layer_scope("head"):
             x = self.final_norm(x)
-            if labels is not None and reduction == "sum" and self.fuses_loss:
+            if labels is not None and reduction == "sum" and self.fuses_loss(labels.numel()):
                 return fused_head_loss(x, self.output_weight(), labels, self.cfg.vocab_size, self.tp,
                                        self.loss_chunks)
             logits = parallel_lm_logits(x, self.output_weight(), self.tp, tied_in_place=self.head is None)
@@ -275,13 +275,14 @@ class Decoder(nn.Module):
                 losses = vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
             return losses.sum() if reduction == "sum" else losses
 
-    @property
-    def fuses_loss(self) -> bool:
-        """Whether the summed loss runs through the fused, chunked head (head_loss.py):
-        unless ``loss_chunks`` is 0, or left automatic under ``--compile`` without TP
-        (the compiled cross entropy fuses the upcast and softmax itself)."""
+    def fuses_loss(self, tokens: int) -> bool:
+        """Whether the summed loss of a micro-batch of ``tokens`` tokens runs through the
+        fused, chunked head (head_loss.py): ``loss_chunks`` >= 1; left automatic, where
+        the logits outgrow one chunk (head_loss.worth_fusing), except under ``--compile``
+        without TP (the compiled cross entropy fuses the upcast and softmax itself)."""
         if self.loss_chunks is None:
-            return self.compiled_loss is None
+            local_vocab = self.cfg.padded_vocab_size(self.tp.size) // self.tp.size
+            return self.compiled_loss is None and worth_fusing(tokens, local_vocab)
         return self.loss_chunks > 0
 
     def _run_blocks(self, x: torch.Tensor, layer_ids: tuple[int, ...],

@@ -49,6 +49,14 @@ from gridtrain.parallel.tensor_parallel import IGNORE_INDEX, TensorParallel
 AUTO_CHUNK_BYTES = 32 * 2**20
 
 
+def worth_fusing(tokens: int, local_vocab: int) -> bool:
+    """The automatic choice: fuse where a micro-batch's fp32 logits (``tokens`` x this
+    rank's ``local_vocab``) outgrow one chunk. Below that the fused head saves nothing
+    (its one chunk is the whole logits) and the unfused one keeps the numbers of a plain
+    PyTorch loss bit for bit (what the DDP and FSDP comparisons check)."""
+    return tokens * local_vocab * 4 > AUTO_CHUNK_BYTES
+
+
 def chunk_rows(tokens: int, local_vocab: int, chunks: int | None) -> int:
     """Rows (tokens) per chunk: ``chunks`` equal chunks (the last may be shorter), or,
     for None, as few chunks as keep each one's fp32 logits within AUTO_CHUNK_BYTES."""
