@@ -386,10 +386,11 @@ class ActivationsConfig:
                                           "automatic; 0: unfused, the whole micro-batch's logits)",
                                      doc="the LM head and cross entropy fused and run over N chunks of each "
                                          "micro-batch's tokens, so its logits never exist at once (forward and "
-                                         "backward; with TP too). Default: automatic (chunks of at most 32 MiB "
-                                         "of fp32 logits; one for small vocabularies; under `--compile` without "
-                                         "TP the compiled unfused loss); 0: the unfused head and torch's cross "
-                                         "entropy (the micro-batch's fp32 logits kept for backward)")
+                                         "backward; with TP too). Default: automatic (fused, in chunks of at most "
+                                         "32 MiB of fp32 logits, where a micro-batch's logits exceed that; the "
+                                         "unfused head below it, and under `--compile` without TP); 0: the "
+                                         "unfused head and torch's cross entropy (the micro-batch's fp32 logits "
+                                         "kept for backward)")
     offload_activations: bool = option(False, was="training",
                                        help="keep saved activations in host memory until backward (GPU)",
                                        doc="on a GPU, keep saved activations in pinned host memory until backward; "
