@@ -24,9 +24,11 @@ import yaml
 DTYPES = ("fp32", "bf16", "fp16", "fp64")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
-ATTENTION = ("sdpa", "math")
+ATTENTION = ("sdpa", "math")  # the attention core
+ATTENTION_TYPES = ("mha", "mla")  # the attention layer: multi-head (grouped-query) or multi-head latent
 ARCHS = ("gpt2", "llama")
-ROPE_SCALINGS = ("llama3",)
+ROPE_SCALINGS = ("llama3", "yarn")
+MOE_ROUTERS = ("softmax", "sigmoid")
 QK_NORMS = ("head", "full")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("nccl", "gloo")
@@ -93,9 +95,15 @@ class ModelConfig:
                                     range=">= 1", metavar="F")
     dropout: float = option(0.0, help="dropout probability", range="[0, 1)", metavar="P")
     attention: str = option("sdpa", choices=ATTENTION, metavar="A",
-                            help="sdpa | math (math: op by op, as the memory formula)",
-                            doc="`sdpa` (default: torch's fused kernel) or `math` (op by op, what the memory "
-                                "formula counts)")
+                            help="mha | mla: the attention layer (sets attention_type); sdpa | math: its core "
+                                 "(math: op by op, as the memory formula)",
+                            doc="`mha` (default) or `mla` (multi-head latent attention, DeepSeek-V2/V3; llama "
+                                "only): the attention layer, which a config file spells `attention_type`; `sdpa` "
+                                "(default: torch's fused kernel) or `math` (op by op, what the memory formula "
+                                "counts): its core")
+    attention_type: str = option("mha", flag=None, choices=ATTENTION_TYPES,
+                                 help="the attention layer: `mha` (multi-head, grouped-query for llama) or `mla` "
+                                      "(multi-head latent attention; `--attention mla` sets it)")
     vocab_pad_multiple: int = option(64, flag=None, range=">= 1", help="the padded vocabulary is a multiple of "
                                      "this times tp")
     layernorm_eps: float = option(1e-5, flag=None, range="> 0",
@@ -109,13 +117,21 @@ class ModelConfig:
     n_kv_head: int | None = option(None, range=">= 1", metavar="K",
                                    help="key/value heads (llama: grouped-query attention; default n_head)")
     rope_theta: float = option(10000.0, range="> 0", help="rotary base (llama)")
-    rope_scaling: str | None = option(None, flag=None, help="llama: Llama 3's rope scaling (`llama3`) or null")
-    rope_factor: float = option(8.0, flag=None, range="> 0", help="llama3 rope scaling: factor")
+    rope_scaling: str | None = option(None, flag=None, choices=ROPE_SCALINGS,
+                                      help="llama: Llama 3's rope scaling (`llama3`), YaRN (`yarn`, DeepSeek-V3) or "
+                                           "null")
+    rope_factor: float = option(8.0, flag=None, range="> 0", help="llama3 and yarn rope scaling: factor")
     rope_low_freq_factor: float = option(1.0, flag=None, range="> 0", help="llama3 rope scaling: low-frequency factor")
     rope_high_freq_factor: float = option(4.0, flag=None, range="> 0",
                                           help="llama3 rope scaling: high-frequency factor")
     rope_original_max_positions: int = option(8192, flag=None, range=">= 1",
-                                              help="llama3 rope scaling: the context before scaling")
+                                              help="llama3 and yarn rope scaling: the context before scaling")
+    rope_beta_fast: float = option(32.0, flag=None, range="> 0", help="yarn rope scaling: beta_fast")
+    rope_beta_slow: float = option(1.0, flag=None, range="> 0", help="yarn rope scaling: beta_slow")
+    rope_mscale: float = option(1.0, flag=None, range=">= 0", help="yarn rope scaling: mscale")
+    rope_mscale_all_dim: float = option(0.0, flag=None, range=">= 0",
+                                        help="yarn rope scaling: mscale_all_dim (MLA's softmax scale grows by "
+                                             "(0.1 mscale_all_dim ln factor + 1)^2)")
     max_positions: int | None = option(None, flag=None, range=">= 1",
                                        help="the context the model was published for (default: seq_len)")
     attn_head_dim: int | None = option(None, flag=None, range=">= 1",
@@ -124,6 +140,25 @@ class ModelConfig:
     qk_norm: str | None = option(None, flag=None, choices=QK_NORMS,
                                  help="llama: RMSNorm of queries and keys before rotary positions: `head` (per "
                                       "head, Qwen3) or `full` (over all heads, OLMoE); null: none")
+    # multi-head latent attention (attention_type "mla", models/mla.py, docs/mla.md): DeepSeek-V2/V3's
+    # low-rank query and key/value compressions and the decoupled rotary key shared by every head
+    q_lora_rank: int = option(0, range=">= 0", metavar="R",
+                              help="MLA: rank of the query compression (0: queries projected directly)")
+    kv_lora_rank: int = option(512, range=">= 1", metavar="R", help="MLA: rank of the key/value compression "
+                               "(the latent the key/value cache keeps)")
+    qk_nope_head_dim: int = option(128, range=">= 1", metavar="D",
+                                   help="MLA: per-head query/key width without rotary positions")
+    qk_rope_head_dim: int = option(64, range=">= 2", metavar="D",
+                                   help="MLA: query/key width with rotary positions (the key's part is shared by "
+                                        "all heads)")
+    v_head_dim: int = option(128, range=">= 1", metavar="D", help="MLA: per-head value width")
+    # multi-token prediction (models/mtp.py): DeepSeek-V3's sequential modules after the last block
+    mtp_layers: int = option(0, range=">= 0", metavar="N",
+                             help="multi-token prediction depths (DeepSeek-V3's MTP modules; 0: none)",
+                             doc="multi-token prediction: N sequential modules on the last pipeline stage, depth "
+                                 "k predicting token i+1+k (shared embedding and head, own projection and block)")
+    mtp_loss_coeff: float = option(0.1, range=">= 0", metavar="C",
+                                   help="weight of the multi-token prediction loss (mean over depths)")
     # mixture of experts (models/moe.py, docs/moe.md): n_experts > 0 turns MoE MLPs on
     n_experts: int = option(0, range=">= 0", metavar="E", help="experts per MoE layer (0: dense MLPs)",
                             doc="experts per MoE layer; 0 (default) keeps dense MLPs")
@@ -148,6 +183,25 @@ class ModelConfig:
     moe_norm_topk: bool = option(True, flag=None,
                                  help="renormalize the top-k routing weights to sum to 1 (Mixtral, Qwen3-MoE); "
                                       "false: the softmax probabilities as they are (OLMoE)")
+    moe_router: str = option("softmax", choices=MOE_ROUTERS, metavar="R",
+                             help="softmax | sigmoid: the router's scores (sigmoid: DeepSeek-V3)")
+    moe_expert_bias_rate: float = option(0.0, range=">= 0", metavar="G",
+                                         help="aux-loss-free balancing: per-expert selection bias += G x sign(mean "
+                                              "load - load) after each step (0: off)",
+                                         doc="aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to "
+                                             "the scores for selection only, moved by G x sign(mean load - load) "
+                                             "after each step from the global counts (0: off)")
+    moe_groups: int = option(1, range=">= 1", metavar="G",
+                             help="group-limited routing: experts in G groups (1: no groups)")
+    moe_group_top_k: int | None = option(None, range=">= 1", metavar="K",
+                                         help="group-limited routing: each token's experts come from its K best "
+                                              "groups (default: all groups)")
+    moe_routed_scale: float = option(1.0, range="> 0", metavar="S",
+                                     help="routed experts' output scaled by S (DeepSeek-V3: 2.5)")
+    moe_seq_aux_loss_coeff: float = option(0.0, range=">= 0", metavar="C",
+                                           help="DeepSeek-V3's sequence-wise balance loss coefficient (0: off)")
+    moe_dense_layers: int = option(0, range=">= 0", metavar="K",
+                                   help="the first K layers keep dense MLPs (first_k_dense_replace)")
 
     @property
     def ffn_size(self) -> int:
@@ -169,11 +223,21 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` has experts instead of a dense MLP (Megatron's
         ``--moe-layer-freq``: layers 0, N, 2N, ...)."""
-        return self.n_experts > 0 and layer % self.moe_every == 0
+        return self.n_experts > 0 and layer >= self.moe_dense_layers and layer % self.moe_every == 0
 
     @property
     def moe_layers(self) -> list[int]:
         return [i for i in range(self.n_layer) if self.is_moe_layer(i)]
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (models/mla.py)."""
+        return self.attention_type == "mla"
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA: a query's (and key's) width per head, its unrotated part then its rotary part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def kv_heads(self) -> int:
@@ -223,6 +287,11 @@ class ParallelConfig:
                               "attention) or `allgather` (keys and values all-gathered, gradients "
                               "reduce-scattered)")
     pp: int = option(1, range=">= 1", metavar="P", help="pipeline-parallel size")
+    etp: int = option(1, range=">= 1", metavar="N",
+                      help="expert tensor parallelism: each expert's MLP split over N ranks",
+                      doc="expert tensor-parallel size: each expert's MLP is split over N ranks (column- then "
+                          "row-parallel); the expert grid etp x ep x expert-dp is laid over the tp x cp x dp ranks "
+                          "of a pipeline stage independently of the attention grid (MoE parallel folding)")
     ep: int = option(1, range=">= 1", metavar="P",
                      help="expert-parallel size: each MoE layer's experts split over P of the dp x cp ranks",
                      doc="expert-parallel size: each MoE layer's experts are split over groups of P consecutive "
@@ -752,6 +821,12 @@ def range_problem(name: str, value: Any, f: dataclasses.Field) -> str | None:
     return f"{name} must be {within}, got {value}{f.metadata['hint']}"
 
 
+# (section, key, value) -> the field a value belongs to when one key spells two fields:
+# `--attention mla` chooses the attention layer, `--attention math` its core
+SHARED_SPELLINGS: dict[tuple[str, str, str | None], str] = {
+    ("model", "attention", kind): "attention_type" for kind in ATTENTION_TYPES}
+
+
 def _update_section(cfg: Config, section: str, values: Any, source: str = "", check_ranges: bool = False) -> None:
     """Set the keys of one section as a file (or a checkpoint, or flags) spells them; a key
     of the layout before the split by topic (``training: {zero: 1}``) reaches its new
@@ -764,6 +839,7 @@ def _update_section(cfg: Config, section: str, values: Any, source: str = "", ch
     own = {f.name: f for f in dataclasses.fields(getattr(cfg, section))}
     for key, value in values.items():
         key = str(key).replace("-", "_")
+        key = SHARED_SPELLINGS.get((section, key, value if isinstance(value, str) else None), key)
         home = section if key in own else MOVED.get((section, key))
         if home is None:
             raise ConfigError(f"{source}unknown key {section}.{key}; known keys: {', '.join(sorted(own))}")

@@ -116,9 +116,49 @@ def _validate_llama(m: ModelConfig) -> None:
              f"{m.head_dim} is odd; choose an even head size")
     _require(m.rope_scaling in (None, *ROPE_SCALINGS),
              f"model.rope_scaling {m.rope_scaling!r} is not one of {', '.join(ROPE_SCALINGS)} (or null)")
-    _require(m.rope_scaling is None or m.rope_high_freq_factor > m.rope_low_freq_factor,
+    _require(m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
              f"model.rope_high_freq_factor {m.rope_high_freq_factor} must exceed model.rope_low_freq_factor "
              f"{m.rope_low_freq_factor}")
+    _require(m.rope_scaling != "yarn" or m.rope_beta_fast > m.rope_beta_slow,
+             f"model.rope_beta_fast {m.rope_beta_fast} must exceed model.rope_beta_slow {m.rope_beta_slow}")
+    if m.mla:
+        _require(m.qk_rope_head_dim % 2 == 0,
+                 f"--qk-rope-head-dim {m.qk_rope_head_dim} is odd: rotary embeddings turn pairs of dimensions; "
+                 "choose an even width")
+        _require(m.qk_norm is None, "model.qk_norm with --attention mla: latent attention normalises its "
+                                    "compressed query and key/value instead; drop qk_norm")
+
+
+def _validate_new_parts(m: ModelConfig, d: DataConfig) -> None:
+    """Latent attention, multi-token prediction and DeepSeek-V3's routing fit the model."""
+    _require(not m.mla or m.arch == "llama",
+             "--attention mla is a Llama-family layer (rotary positions, RMSNorm); pass --arch llama")
+    _require(m.mtp_layers == 0 or m.arch == "llama",
+             f"--mtp-layers {m.mtp_layers}: multi-token prediction modules are Llama-family blocks; pass --arch llama")
+    _require(m.mtp_layers < m.seq_len - 1,
+             f"--mtp-layers {m.mtp_layers} predicts {m.mtp_layers + 1} tokens ahead, past a --seq-len {m.seq_len} "
+             "window; use fewer depths or a longer sequence")
+    if m.n_experts == 0:
+        for flag, used in (("--moe-router sigmoid", m.moe_router != "softmax"),
+                           ("--moe-expert-bias-rate", m.moe_expert_bias_rate > 0),
+                           ("--moe-groups", m.moe_groups > 1), ("--moe-dense-layers", m.moe_dense_layers > 0),
+                           ("--moe-seq-aux-loss-coeff", m.moe_seq_aux_loss_coeff > 0)):
+            _require(not used, f"{flag} routes experts, and this model has none; pass --n-experts or drop it")
+        return
+    _require(m.n_experts % m.moe_groups == 0,
+             f"--moe-groups {m.moe_groups} does not divide --n-experts {m.n_experts}; choose a group count that "
+             "divides the expert count")
+    top_groups = m.moe_group_top_k or m.moe_groups
+    _require(top_groups <= m.moe_groups,
+             f"--moe-group-top-k {top_groups} exceeds --moe-groups {m.moe_groups}; choose at most every group")
+    _require(m.moe_top_k <= top_groups * (m.n_experts // m.moe_groups),
+             f"--moe-top-k {m.moe_top_k} exceeds the {top_groups * (m.n_experts // m.moe_groups)} experts of the "
+             f"{top_groups} groups a token may use; raise --moe-group-top-k or lower --moe-top-k")
+    _require(m.moe_groups == 1 or m.n_experts // m.moe_groups >= 2,
+             f"--moe-groups {m.moe_groups}: a group's score is its two best experts; give each group two or more")
+    _require(m.moe_dense_layers < m.n_layer,
+             f"--moe-dense-layers {m.moe_dense_layers} leaves no MoE layer of {m.n_layer}; use fewer dense layers "
+             "or --n-experts 0")
 
 
 def _validate_training(t: TrainingConfig) -> None:
@@ -473,6 +513,7 @@ def validate(cfg: Config, world_size: int | None = None, *, data: bool = True) -
     p, t, m = cfg.parallel, cfg.training, cfg.model
     _validate_declared(cfg)
     _validate_model(m)
+    _validate_new_parts(m, cfg.data)
     _validate_training(t)
     _validate_schedule(cfg.optim, t)
     _validate_recompute(cfg.activations, t)
