@@ -241,8 +241,9 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
-        """Key/value heads: n_kv_head for llama (default n_head), n_head for GPT-2."""
-        return self.n_kv_head or self.n_head
+        """Key/value heads: n_kv_head for llama (default n_head), n_head for GPT-2 and for
+        latent attention (each head's keys and values come from the shared latent)."""
+        return self.n_head if self.mla else self.n_kv_head or self.n_head
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocabulary rounded up so every TP rank owns an equal, aligned slice.
@@ -707,6 +708,69 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama3-405b": dict(_LLAMA3, n_layer=126, n_head=128, d_model=16384, ffn_hidden=53248, max_positions=131072,
                         rope_scaling="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
                         rope_high_freq_factor=4.0, rope_original_max_positions=8192),
+    # DeepSeek-V3 class (docs/moe.md, docs/hf.md): multi-head latent attention, sigmoid routers with a
+    # selection bias, group-limited routing, shared experts, dense first layers, multi-token prediction.
+    # Hugging Face config.json keys: q_lora_rank (null: 0), kv_lora_rank, qk_nope_head_dim,
+    # qk_rope_head_dim, v_head_dim, n_routed_experts, num_experts_per_tok, moe_intermediate_size,
+    # intermediate_size (the dense layers), n_shared_experts, norm_topk_prob, scoring_func, n_group,
+    # topk_group, routed_scaling_factor, first_k_dense_replace, num_nextn_predict_layers, rope_scaling
+    # (yarn: factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim).
+    # seq_len is the context pre-trained at (before the YaRN extension to max_positions). DeepSeek-V3's
+    # training choices (Liu et al., 2024, sec. 4.2): bias update speed 0.001, sequence-wise balance
+    # loss 0.0001, no Switch loss, MTP depth 1.
+    # `deepseek-tiny` has every feature, for tests.
+    "deepseek-tiny": dict(_LLAMA, attention_type="mla", n_layer=2, n_head=4, d_model=64, seq_len=64, vocab_size=257,
+                          layernorm_eps=1e-6, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                          qk_rope_head_dim=8, v_head_dim=16, rope_scaling="yarn", rope_factor=4.0,
+                          rope_original_max_positions=16, rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0,
+                          rope_mscale_all_dim=1.0, max_positions=64, ffn_hidden=160, n_experts=8, moe_top_k=2,
+                          moe_ffn_hidden=32, moe_shared_experts=1, moe_router="sigmoid", moe_groups=4,
+                          moe_group_top_k=2, moe_routed_scale=2.5, moe_dense_layers=1, moe_expert_bias_rate=0.001,
+                          moe_seq_aux_loss_coeff=0.0001, moe_aux_loss_coeff=0.0, mtp_layers=1),
+    # deepseek-ai/DeepSeek-V3 (and -V3-Base, R1, V3-0324: the same config.json but for their
+    # checkpoints): 671B parameters (MTP module aside), 37B active
+    "deepseek-v3": dict(_LLAMA, attention_type="mla", n_layer=61, n_head=128, d_model=7168, vocab_size=129280,
+                        layernorm_eps=1e-6, seq_len=4096, max_positions=163840, rope_theta=10000.0,
+                        rope_scaling="yarn", rope_factor=40.0, rope_original_max_positions=4096,
+                        rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+                        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128, ffn_hidden=18432, n_experts=256, moe_top_k=8, moe_ffn_hidden=2048,
+                        moe_shared_experts=1, moe_norm_topk=True, moe_router="sigmoid", moe_groups=8,
+                        moe_group_top_k=4, moe_routed_scale=2.5, moe_dense_layers=3, moe_expert_bias_rate=0.001,
+                        moe_seq_aux_loss_coeff=0.0001, moe_aux_loss_coeff=0.0, mtp_layers=1),
+    # deepseek-ai/DeepSeek-V2-Lite: 15.7B parameters, 2.4B active; softmax router (top-6 of 64 not
+    # renormalised, no groups), no query compression, 2 shared experts; its config.json says
+    # aux_loss_alpha 0.001 with seq_aux (the sequence-wise balance loss) and YaRN from 4K to 160K
+    "deepseek-v2-lite": dict(_LLAMA, attention_type="mla", n_layer=27, n_head=16, d_model=2048, vocab_size=102400,
+                             layernorm_eps=1e-6, seq_len=4096, max_positions=163840, rope_theta=10000.0,
+                             rope_scaling="yarn", rope_factor=40.0, rope_original_max_positions=4096,
+                             rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=0.707, rope_mscale_all_dim=0.707,
+                             q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                             v_head_dim=128, ffn_hidden=10944, n_experts=64, moe_top_k=6, moe_ffn_hidden=1408,
+                             moe_shared_experts=2, moe_norm_topk=False, moe_router="softmax", moe_routed_scale=1.0,
+                             moe_dense_layers=1, moe_seq_aux_loss_coeff=0.001, moe_aux_loss_coeff=0.0),
+    # moonshotai/Moonlight-16B-A3B: DeepSeek-V3's architecture at 16B (3B active), no query
+    # compression, no groups, no rope scaling (8K context), no MTP module. Its config.json says
+    # aux_loss_alpha 0.001 with seq_aux; the bias update speed is not published (DeepSeek-V3's here)
+    "moonlight-16b-a3b": dict(_LLAMA, attention_type="mla", n_layer=27, n_head=16, d_model=2048, vocab_size=163840,
+                              layernorm_eps=1e-5, seq_len=8192, max_positions=8192, rope_theta=50000.0,
+                              q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                              v_head_dim=128, ffn_hidden=11264, n_experts=64, moe_top_k=6, moe_ffn_hidden=1408,
+                              moe_shared_experts=2, moe_norm_topk=True, moe_router="sigmoid", moe_routed_scale=2.446,
+                              moe_dense_layers=1, moe_expert_bias_rate=0.001, moe_seq_aux_loss_coeff=0.001,
+                              moe_aux_loss_coeff=0.0),
+    # moonshotai/Kimi-K2-Base / Kimi-K2-Instruct (model_type kimi_k2, DeepseekV3ForCausalLM): 1T
+    # parameters (1.04T in its technical report), 32B active; 64 heads, 384 experts, one dense layer,
+    # no groups, YaRN from 4K to 128K (beta_fast = beta_slow = 1), no MTP module; balance losses and
+    # bias speed as Moonlight's
+    "kimi-k2": dict(_LLAMA, attention_type="mla", n_layer=61, n_head=64, d_model=7168, vocab_size=163840,
+                    layernorm_eps=1e-6, seq_len=4096, max_positions=131072, rope_theta=50000.0, rope_scaling="yarn",
+                    rope_factor=32.0, rope_original_max_positions=4096, rope_beta_fast=1.0, rope_beta_slow=1.0,
+                    rope_mscale=1.0, rope_mscale_all_dim=1.0, q_lora_rank=1536, kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, ffn_hidden=18432, n_experts=384,
+                    moe_top_k=8, moe_ffn_hidden=2048, moe_shared_experts=1, moe_norm_topk=True,
+                    moe_router="sigmoid", moe_routed_scale=2.827, moe_dense_layers=1, moe_expert_bias_rate=0.001,
+                    moe_seq_aux_loss_coeff=0.001, moe_aux_loss_coeff=0.0),
 }
 
 

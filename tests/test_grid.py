@@ -329,6 +329,55 @@ def test_expert_groups_of_the_design_example():
     assert g.all_expert_dp_groups(4) == [[r] for grp in g.all_dp_cp_groups() for r in grp]
 
 
+def test_folded_expert_groups_of_the_design_example():
+    """ep 8 on the 16-rank example: dp x cp (4) cannot hold 8 expert ranks, so the expert
+    grid folds over tp too: each stage's 8 ranks are one expert-parallel group and every
+    rank holds distinct experts (no expert-data-parallel replicas). ep 4 divides dp x cp
+    there and stays unfolded; other grids fold where ep does not divide dp x cp."""
+    g = ProcessGrid.build(16, tp=2, pp=2, dp=2, cp=2)
+    assert not g.folds_experts(4) and g.folds_experts(8)
+    assert g.all_ep_groups(8) == [list(range(8)), list(range(8, 16))]
+    assert g.all_expert_dp_groups(8) == [[r] for r in range(16)]
+    g = ProcessGrid.build(8, tp=2, pp=1, dp=4)
+    assert g.folds_experts(8) and not g.folds_experts(4)
+    g = ProcessGrid.build(4, tp=2, dp=2)  # the parity test's layout: ep 4 folded over dp 2 x tp 2
+    assert g.all_ep_groups(4) == [[0, 1, 2, 3]]
+    g = ProcessGrid.build(12, tp=2, dp=3, pp=2)  # ep 3 divides dp: unfolded; ep 6 and ep 2 fold
+    assert g.all_ep_groups(6) == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    assert g.all_ep_groups(3) == [[0, 2, 4], [1, 3, 5], [6, 8, 10], [7, 9, 11]]
+    assert g.all_ep_groups(2) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    g = ProcessGrid.build(8, tp=4, dp=2)  # ep 4 of 8 stage ranks: two runs, replicas at the same place
+    assert g.all_ep_groups(4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g.all_expert_dp_groups(4) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_expert_tensor_parallel_groups():
+    """etp 2 x ep 2 on dp 4 (tp 1): each expert split over a pair of consecutive ranks,
+    the pairs' same places forming the ep groups; on tp 2 x dp 2 with etp 2 x ep 2 the
+    grid folds over the stage (tp fastest); etp x ep x expert-dp tiles every base."""
+    g = ProcessGrid.build(4, dp=4)
+    assert not g.folds_experts(2, 2)
+    assert g.all_etp_groups(2, 2) == [[0, 1], [2, 3]]
+    assert g.all_ep_groups(2, 2) == [[0, 2], [1, 3]]
+    assert g.all_expert_dp_groups(2, 2) == [[0], [1], [2], [3]]
+    g = ProcessGrid.build(8, dp=8)
+    assert g.all_etp_groups(2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g.all_ep_groups(2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g.all_expert_dp_groups(2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    g = ProcessGrid.build(8, tp=2, dp=2, pp=2)
+    assert g.folds_experts(2, 2) and g.all_etp_groups(2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g.all_ep_groups(2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    for ep, etp in ((2, 2), (4, 1), (1, 4), (1, 2)):
+        g = ProcessGrid.build(16, tp=2, pp=2, dp=2, cp=2)
+        for rank in range(16):
+            (e,) = [x for x in g.all_ep_groups(ep, etp) if rank in x]
+            (t,) = [x for x in g.all_etp_groups(ep, etp) if rank in x]
+            (d,) = [x for x in g.all_expert_dp_groups(ep, etp) if rank in x]
+            assert len(e) == ep and len(t) == etp and len(e) * len(t) * len(d) == (8 if g.folds_experts(ep, etp)
+                                                                                  else 4)
+            assert set(e) & set(t) == set(e) & set(d) == set(t) & set(d) == {rank}
+
+
 @pytest.mark.parametrize("ep", [1, 2, 4])
 def test_expert_groups_tile_each_dp_cp_group(ep):
     """Every rank is in exactly one ep group and one expert-dp group, both inside its dp x

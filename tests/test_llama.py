@@ -21,16 +21,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gridtrain import dryrun
 from gridtrain.models import llama
-from gridtrain.memory import activations as memory
 from gridtrain.memory.model import expected_activation_peak, expected_bytes
 from gridtrain.config import ModelConfig, preset_config, set_fields
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.models.decoder import Decoder, block_parameters, count_parameters, init_parameters, training_flops_per_token
-from gridtrain.parallel.recompute import Recomputation, policy_from
 from gridtrain.parallel.split_backward import WeightGradStore
 from gridtrain.parallel.tensor_parallel import ShardSpec, TensorParallel, shard, shard_spec, unshard
-from gridtrain.runtime.activation_meter import ActivationMeter, saved_activations
-from tests.training import assert_rank_matches, fake_tp as _fake_tp, relative_difference, train_in_process, train_layouts
+from tests.training import (assert_rank_matches, fake_tp as _fake_tp, relative_difference, saved_bytes_and_formula,
+                            train_in_process, train_layouts)
 
 TINY = preset_config("llama-tiny").model
 
@@ -229,22 +227,12 @@ def test_flops_formula_matches_counted_flops():
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_saved_bytes_follow_the_formula(recompute):
     """One process, op-by-op attention, dropout 0.1: the meter's bytes per block are the
-    formula's (memory.korthikanti_bytes for llama) within 0.5% (the norms' per-token
+    formula's (memory.activations.korthikanti_bytes for llama) within 0.5% (the norms' per-token
     statistics are left out of it)."""
-    from gridtrain.config import ActivationsConfig
-
     cfg = dataclasses.replace(TINY, attention="math", dropout=0.1, n_kv_head=2)
-    tp = TensorParallel()
-    model = build(cfg, tp=tp, recompute=Recomputation(policy_from(ActivationsConfig(recompute=recompute)), tp.rng))
-    model.double()
-    meter = ActivationMeter.for_model(model)
-    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
-    with saved_activations(meter):
-        model(tokens, tokens).sum().backward()
-    shape = memory.layer_shape(cfg, batch=2, tp=1, sequence_parallel=False, element_bytes=8, mask_bytes=8)
+    measured, expected = saved_bytes_and_formula(cfg, recompute)
     for i in range(cfg.n_layer):
-        assert meter.by_layer()[f"blocks.{i}"] == pytest.approx(memory.korthikanti_bytes(recompute=recompute, **shape),
-                                                                rel=0.005)
+        assert measured[f"blocks.{i}"] == pytest.approx(expected, rel=0.005)
 
 
 def test_checkpoints_compare_the_architecture_and_resolved_kv_heads():

@@ -147,7 +147,11 @@ def test_the_logged_aux_loss_is_one_for_perfect_balance():
 @pytest.mark.parametrize("fields, message", [
     (dict(ep=2, nproc=2), "--ep 2 splits experts, and this model has none"),
     (dict(n_experts=8, ep=3, nproc=3), "--ep 3 does not divide --n-experts 8"),
-    (dict(n_experts=8, ep=4, nproc=2), "--ep 4 does not divide the 2 data-parallel x cp ranks"),
+    (dict(n_experts=8, ep=4, nproc=2), "--ep 4 x --etp 1 does not divide the 2 tp x cp x dp ranks"),
+    (dict(n_experts=8, ep=4, nproc=4, tp=2), "so experts fold over tp, and without --sequence-parallel"),
+    (dict(n_experts=8, etp=2, nproc=2, moe_ffn_hidden=33), "--etp 2 does not divide the experts' width 33"),
+    (dict(n_experts=8, etp=2, nproc=2, arch="gpt2", n_kv_head=None), "--etp 2 with --arch gpt2"),
+    (dict(n_experts=8, etp=2, nproc=2, moe_capacity_factor=1.0), "--etp 2 with --moe-capacity-factor"),
     (dict(n_experts=4, moe_top_k=5), "--moe-top-k 5 exceeds --n-experts 4"),
     (dict(n_experts=8, ep=2, nproc=4, zero=1, zero_shard_size=2), "--zero-shard-size with --ep 2"),
     (dict(n_experts=8, compile=True), "--compile with --n-experts"),

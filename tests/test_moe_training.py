@@ -58,6 +58,12 @@ RUNS: dict[str, tuple[int, dict]] = {
     "gpt2-ep2-pp2-tied": (4, dict(dp=2, ep=2, pp=2, arch="gpt2", n_kv_head=None, tie_embeddings=True)),
     "ep2-capacity-cp2": (4, dict(dp=2, cp=2, ep=2, moe_capacity_factor=1.0)),
     "ep2-capacity-tp2-sp": (4, dict(dp=2, ep=2, tp=2, sequence_parallel=True, moe_capacity_factor=1.0)),
+    # MoE parallel folding: ep 4 over dp 2 x tp 2 (every rank its own experts, none replicated)
+    "ep4-folded-tp2-sp": (4, dict(dp=2, ep=4, tp=2, sequence_parallel=True)),
+    "ep4-folded-tp2-sp-zero3": (4, dict(dp=2, ep=4, tp=2, sequence_parallel=True, zero=3)),
+    # expert tensor parallelism: each expert's MLP split over 2 ranks, within dp 4 and folded over tp 2
+    "etp2-ep2-dp4": (4, dict(dp=4, ep=2, etp=2)),
+    "etp2-ep2-tp2-sp-save": (4, dict(dp=2, ep=2, etp=2, tp=2, sequence_parallel=True)),  # saves at step 3
 }
 REFERENCE_FIELDS = ("arch", "n_kv_head", "n_layer", "moe_shared_experts", "moe_every", "tie_embeddings",
                     "global_batch_size", "moe_capacity_factor")
@@ -119,7 +125,8 @@ def test_moe_layouts_train_the_one_process_model(name):
     grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     ref = _reference_of(name)
     for rank, rank_run in enumerate(run(name)):
-        assert_rank_matches(rank_run, ref, cfg, grid.tp_rank(rank))
+        (etp_group,) = [g for g in grid.all_etp_groups(p.ep, p.etp) if rank in g]
+        assert_rank_matches(rank_run, ref, cfg, grid.tp_rank(rank), etp_rank=etp_group.index(rank))
         for mine, theirs in zip(rank_run["routing"], ref["routing"]):
             assert mine.keys() == theirs.keys()
             for layer in mine:
@@ -163,6 +170,17 @@ def test_a_checkpoint_moves_between_ep2_and_one_process():
     assert relative_difference(train_in_process(resumed)["losses"], reference()["losses"][3:]) <= 1e-9
     for rank_run in run("ep2-from-one"):
         assert relative_difference(rank_run["losses"], reference()["losses"][3:]) <= 1e-9
+
+
+@pytest.mark.spawn
+def test_expert_tensor_parallel_checkpoint_resumes_on_one_process():
+    """Saved at step 3 with each expert split over etp 2 (ep 2 folded over dp 2 x tp 2),
+    resumed on one process: the slices join into the whole experts and the remaining
+    steps are the uninterrupted run's (fp64, 1e-9)."""
+    run("etp2-ep2-tp2-sp-save")
+    resumed = moe_config()
+    resumed.checkpoint.load = str(_tmp() / "etp2-ep2-tp2-sp-save" / "step_0000003")
+    assert relative_difference(train_in_process(resumed)["losses"], reference()["losses"][3:]) <= 1e-9
 
 
 def _all_to_all_bytes(name: str) -> list[int]:

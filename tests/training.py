@@ -14,7 +14,8 @@ import torch
 from gridtrain.config import Config, preset_config, set_fields
 from gridtrain.models.decoder import Decoder
 from gridtrain.parallel.comm import CommGroup
-from gridtrain.parallel.tensor_parallel import TensorParallel, shard, shard_spec
+from gridtrain.parallel.experts import ExpertParallel
+from gridtrain.parallel.tensor_parallel import TensorParallel, shard, split_over
 from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
 from gridtrain.training.loop import TrainResult, pretrain
 from tests.harness import run_on_ranks
@@ -32,7 +33,7 @@ def summarize(result: TrainResult) -> dict:
     """Picklable record of a run: per-step losses and grad norms, final weights in fp64."""
     result.gather_weights()  # ZeRO-3's stay sharded otherwise
     state = {k: v.detach().double().cpu().numpy() for k, v in result.model.state_dict().items()}
-    return {"losses": result.losses, "grad_norms": result.grad_norms,
+    return {"losses": result.losses, "grad_norms": result.grad_norms, "mtp_losses": result.mtp_losses,
             "valid_loss": result.valid_loss, "valid_by_source": result.valid_by_source, "state": state, "step_bytes": result.step_bytes,
             "step_calls": result.step_calls,
             "peak_in_flight": result.peak_in_flight, "memory": result.memory,
@@ -137,21 +138,48 @@ def fake_tp(size: int, rank: int) -> TensorParallel:
     return TensorParallel(CommGroup("tp", None, size=size, rank=rank))
 
 
-def assert_rank_matches(run: dict, reference: dict, cfg: Config, tp_rank: int, rtol: float = 1e-9) -> None:
+def assert_rank_matches(run: dict, reference: dict, cfg: Config, tp_rank: int, rtol: float = 1e-9,
+                        etp_rank: int = 0) -> None:
     """Losses, grad norms and validation loss agree, and every weight this rank holds
     (its pipeline stage's) equals its TP shard of the one-process weight (kv heads it
-    replicates included; a last stage's copy of the tied embedding equals the embedding)."""
+    replicates included; a last stage's copy of the tied embedding equals the embedding;
+    an expert's slice under --etp its ``etp_rank``-th)."""
     for key in ("losses", "grad_norms"):
         assert relative_difference(run[key], reference[key]) <= rtol, key
     assert abs(run["valid_loss"] - reference["valid_loss"]) <= rtol * reference["valid_loss"]
-    tp = cfg.parallel.tp
-    layout = dict(Decoder(cfg.model, tp=fake_tp(tp, tp_rank)).named_parameters())
+    tp, etp = fake_tp(cfg.parallel.tp, tp_rank), cfg.parallel.etp
+    ep = ExpertParallel(etp=CommGroup("etp", None, size=etp, rank=etp_rank))
+    model = Decoder(cfg.model, tp=tp, ep=ep)
+    layout = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # buffers: a MoE's expert bias
     for name, value in run["state"].items():
         whole = name if name in reference["state"] else "embedding.word.weight"  # a tied head copy
         full = torch.from_numpy(reference["state"][whole])
-        spec = shard_spec(layout[whole])
+        spec, group = split_over(layout[whole], tp)
         if spec is not None:
-            padded = full.new_zeros(spec.full_shape(layout[whole].shape, tp))
+            padded = full.new_zeros(spec.full_shape(layout[whole].shape, group.size))
             padded[tuple(slice(0, n) for n in full.shape)] = full
-            full = shard(padded, spec, tp_rank, tp)
+            full = shard(padded, spec, group.rank, group.size)
         assert relative_difference(value, full.numpy()) <= rtol, name
+
+
+def saved_bytes_and_formula(cfg, recompute: str, batch: int = 2) -> tuple[dict[str, int], float]:
+    """One process in fp64, model config ``cfg``: the bytes each block saves for backward
+    in one forward and backward of ``batch`` random sequences under the ``recompute``
+    mode (the activation meter), and what the activation formula says a block keeps
+    (memory.activations.korthikanti_bytes at the model's layer_shape)."""
+    from gridtrain.config import ActivationsConfig
+    from gridtrain.memory import activations
+    from gridtrain.models.decoder import init_parameters
+    from gridtrain.parallel.recompute import Recomputation, policy_from
+    from gridtrain.runtime.activation_meter import ActivationMeter, saved_activations
+
+    tp = TensorParallel()
+    model = Decoder(cfg, tp=tp, recompute=Recomputation(policy_from(ActivationsConfig(recompute=recompute)), tp.rng))
+    init_parameters(model, 0)
+    model.double()
+    meter = ActivationMeter.for_model(model)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    with saved_activations(meter):
+        model(tokens, tokens).sum().backward()
+    shape = activations.layer_shape(cfg, batch=batch, tp=1, sequence_parallel=False, element_bytes=8, mask_bytes=8)
+    return meter.by_layer(), activations.korthikanti_bytes(recompute=recompute, **shape)

@@ -34,7 +34,8 @@ from gridtrain.checkpoint.errors import CheckpointError, first_line  # noqa: F40
 from gridtrain.checkpoint.loadable import check_loadable, compare_models, read_meta, saved_model  # noqa: F401
 from gridtrain.checkpoint.manifest import (DCP_METADATA, MANIFEST, META, is_sharded, read_meta_file,  # noqa: F401
                                            weight_files, write_manifest)
-from gridtrain.checkpoint.sharded import SaveReport, load_sharded, meta_of, state_to_save, write_state  # noqa: F401
+from gridtrain.checkpoint.sharded import (SaveReport, load_sharded, meta_of, model_buffers, state_to_save,  # noqa: F401
+                                          write_state)
 from gridtrain.checkpoint.reader import weight_tensors  # noqa: F401
 from gridtrain.checkpoint.whole import copy_weights, gather_model, load_whole  # noqa: F401
 from gridtrain.config import Config, ModelConfig

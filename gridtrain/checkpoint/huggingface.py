@@ -44,6 +44,7 @@ import torch
 from gridtrain import checkpoint
 from gridtrain.checkpoint.materialise import Stored, materialise
 from gridtrain.checkpoint.reader import weight_tensors
+from gridtrain.checkpoint.sharded import model_buffers
 from gridtrain.config import Config, ModelConfig
 from gridtrain.data import ByteTokenizer, load_tokenizer
 from gridtrain.models.hf_mapping import SAME, TRANSPOSE, HFError, Rule, architecture_for, architecture_of, model_config_from_hf
@@ -75,12 +76,14 @@ def parse_size(text: str) -> int:
 
 
 def expected_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of ``m`` holds, with its shape (no vocabulary padding);
-    built on the meta device, so nothing is allocated."""
+    """Every tensor a checkpoint of ``m`` holds, with its shape (no vocabulary padding):
+    the weights and the persistent buffers (a MoE layer's expert bias); built on the
+    meta device, so nothing is allocated."""
     with torch.device("meta"):
         model = Decoder(m)
-    return {name: (getattr(p, "vocab_rows", p.shape[0]), *p.shape[1:]) for name, p in model.named_parameters()
-            if not getattr(p, "tied_copy", False)}
+    shapes = {name: (getattr(p, "vocab_rows", p.shape[0]), *p.shape[1:]) for name, p in model.named_parameters()
+              if not getattr(p, "tied_copy", False)}
+    return {**shapes, **{name: tuple(b.shape) for name, b in model_buffers(model)}}
 
 
 # ---- sources: Hugging Face directories and gridtrain checkpoints -------------------------------
@@ -140,8 +143,9 @@ class HFDirectory:
         self.arch = architecture_for(self.config)
         self.model = model_config_from_hf(self.config)
         self.files = self._tensor_files()
+        self.model = self._present_depths(self.model)
         self.layout = self._layout()
-        self.rules = self.arch.rules_for(self.model, self.layout)
+        self.rules = self.arch.rules_for(self.model, self.layout, self.config)
         self.tensors = ConvertedTensors(self)
         self.tokenizer = self.path / TOKENIZER if (self.path / TOKENIZER).is_file() else None
 
@@ -205,13 +209,26 @@ class HFDirectory:
             where.update((n, file) for n in listed)
         return where
 
+    def _present_depths(self, m: ModelConfig) -> ModelConfig:
+        """The model with the multi-token prediction modules these files hold: config.json
+        counts the modules its model was trained with, and files saved without them
+        (transformers' own save_pretrained: its model has none) are the main model alone."""
+        probe = self.arch.depth_probe
+        if probe is None or not getattr(m, "mtp_layers", 0):
+            return m
+        held = 0
+        while held < m.mtp_layers and self.stored_name(probe.replace("{J}", str(m.n_layer + held))) is not None:
+            held += 1
+        return dataclasses.replace(m, mtp_layers=held)
+
     def _layout(self) -> str:
         """The first of the architecture's file layouts whose own tensors (those of rules
         marked with it) are all stored here; else the first layout, which check() then
         finds wanting. (Mixtures of experts: one tensor per expert, or transformers 5's
         stacks.)"""
         for layout in self.arch.layouts:
-            own = [n for r in self.arch.rules_for(self.model, layout) if r.layout == layout for n in r.theirs]
+            own = [n for r in self.arch.rules_for(self.model, layout, self.config) if r.layout == layout
+                   for n in r.theirs]
             if own and all(self.stored_name(n) is not None for n in own):
                 return layout
         return self.arch.layouts[0]
@@ -370,6 +387,7 @@ def export_hf(load: str | Path, out: str | Path, max_shard_size: int = DEFAULT_M
     source = CheckpointSource(load)
     arch = architecture_of(source.model)
     m, files = source.model, source.files
+    config = {**arch.to_hf_config(m), "dtype": _DTYPE_NAMES.get(source.dtype, "float32")}  # refusals before any write
     rules = arch.rules_for(m)
     specs = plan_of((name, t) for r in rules
                     for name, t in zip(r.theirs, r.transform.to_hf([files.meta(n) for n in r.ours], m)))
@@ -389,7 +407,6 @@ def export_hf(load: str | Path, out: str | Path, max_shard_size: int = DEFAULT_M
         weight_map = {spec[0]: file_name for file_name, plan in zip(names, shards) for spec in plan}
         index = {"metadata": {"total_size": sum(map(nbytes, specs))}, "weight_map": weight_map}
         (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    config = {**arch.to_hf_config(m), "dtype": _DTYPE_NAMES.get(source.dtype, "float32")}
     tokenizer = _export_tokenizer(source, path)
     if tokenizer is None and m.vocab_size == ByteTokenizer.vocab_size:
         tokenizer = ByteTokenizer()  # a byte-level run: its end-of-text token is 256
@@ -437,15 +454,20 @@ def load_model(path: str | Path, device: str | torch.device | None = None,
 _SHAPE_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model", "seq_len": "--seq-len",
                 "vocab_size": "--vocab-size"}
 _RUN_FIELDS = ("dropout", "attention", "vocab_pad_multiple")  # the run's own, whatever the source
-_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_capacity_factor")  # the run's where it sets them, else the source's
-# (and --seq-len for a rotary model, which has no position weights)
+# the run's where it sets them, else the source's: training choices, and the multi-token prediction
+# modules, which the main model does not read (a source without them: drawn, materialise.Stored's
+# fresh; a run without them: the source's are not read); and --seq-len for a rotary model, which has no
+# position weights
+_TRAINING_FIELDS = ("moe_aux_loss_coeff", "moe_capacity_factor", "moe_seq_aux_loss_coeff", "moe_expert_bias_rate",
+                    "mtp_layers", "mtp_loss_coeff")
 
 
 def apply_init_from(cfg: Config, given: set[str] | frozenset[str] = frozenset()) -> Config:
     """``--init-from``: the run's model becomes the source's (dropout, attention and
-    padding stay the run's; so do the load-balancing coefficient and the expert capacity
-    where the run sets them: training choices, not the model's shape), and its tokenizer
-    the source's when the run names none.
+    padding stay the run's; so do the balancing coefficients, the expert capacity, the
+    bias update speed and the multi-token prediction modules where the run sets them:
+    training choices, not the main model's shape), and its tokenizer the source's when
+    the run names none.
     ``given`` are the model fields the user set (flags, config file, preset): each must
     equal the source's, else one line says which."""
     path = cfg.checkpoint.init_from
@@ -471,6 +493,7 @@ def check_init_from(cfg: Config) -> None:
     """The ``--init-from`` source is whole and holds the run's model (one line if not)."""
     source = open_source(cfg.checkpoint.init_from, "--init-from")
     saved = dataclasses.replace(source.model, seq_len=cfg.model.seq_len) if _rotary(source.model) else source.model
+    saved = dataclasses.replace(saved, **{k: getattr(cfg.model, k) for k in _TRAINING_FIELDS if hasattr(saved, k)})
     checkpoint.compare_models(saved, cfg.model, source.where, "run")
 
 

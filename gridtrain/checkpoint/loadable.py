@@ -21,9 +21,11 @@ from gridtrain.checkpoint.manifest import META, read_meta_file, verify
 from gridtrain.config import Config, ModelConfig
 
 # Model fields that do not change the weights' shapes or meaning (compared: all others);
-# the load-balancing coefficient and the expert capacity are training choices.
+# the balance losses' coefficients, the expert bias's rate, the expert capacity and the
+# multi-token prediction loss's weight are training choices.
 _NOT_COMPARED = {"dropout", "attention", "vocab_pad_multiple", "ffn_hidden", "max_positions", "moe_ffn_hidden",
-                 "moe_aux_loss_coeff", "moe_capacity_factor"}
+                 "moe_aux_loss_coeff", "moe_capacity_factor", "moe_seq_aux_loss_coeff", "moe_expert_bias_rate",
+                 "mtp_loss_coeff"}
 _MODEL_FLAGS = {"n_layer": "--n-layer", "n_head": "--n-head", "d_model": "--d-model",
                 "seq_len": "--seq-len", "vocab_size": "--vocab-size", "arch": "--arch", "n_kv_head": "--n-kv-head",
                 "rope_theta": "--rope-theta"}

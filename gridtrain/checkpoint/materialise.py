@@ -35,7 +35,7 @@ from torch import nn
 
 from gridtrain.checkpoint.errors import CheckpointError
 from gridtrain.checkpoint.manifest import is_sharded, read_meta_file
-from gridtrain.checkpoint.sharded import load_sharded, piece_slab, placement, source_name
+from gridtrain.checkpoint.sharded import load_sharded, model_buffers, piece_slab, placement, source_name
 from gridtrain.checkpoint.shards import Slab
 from gridtrain.config import Config, ModelConfig
 from gridtrain.models.decoder import canonical_name, initial_tensor
@@ -101,14 +101,23 @@ class Drawn(_FromWhole):
 class Stored(_FromWhole):
     """Whole tensors by global name from a source (a Hugging Face directory converted on
     demand, a checkpoint's files): boxes read as slices where the source can
-    (``box(name, box)``, None where it cannot), else cut from the whole tensor."""
+    (``box(name, box)``, None where it cannot), else cut from the whole tensor.
+    ``fresh``: where the source has no multi-token prediction modules (``mtp.*``: a
+    model published without them, a run that adds them), theirs are drawn from it."""
 
-    def __init__(self, tensors, where: str):
+    def __init__(self, tensors, where: str, fresh: "Drawn | None" = None):
         super().__init__()
-        self.tensors, self.where = tensors, where
+        self.tensors, self.where, self.fresh = tensors, where, fresh
+
+    def release(self) -> None:
+        super().release()
+        if self.fresh is not None:
+            self.fresh.release()
 
     def read(self, name: str, param: torch.Tensor, shape: tuple[int, ...], box: Box) -> torch.Tensor:
         src = source_name(name, param)
+        if src not in self.tensors and self.fresh is not None and src.startswith("mtp."):
+            return self.fresh.read(name, param, shape, box)
         if src not in self.tensors:
             raise CheckpointError(f"{self.where}: the checkpoint has no weights for {src}; use the same model "
                                   "flags as the saved run")
@@ -145,8 +154,9 @@ def materialise(model: nn.Module, values: Values, *, device: torch.device | str,
                 tp: TensorParallel, overwrite: bool = False) -> None:
     """Give every parameter still on the meta device its whole local tensor (this rank's
     TP shard, vocabulary padding zero) on ``device`` in ``dtype``, filled from ``values``
-    (``overwrite``: parameters that have memory already take them too); buffers
-    (computed from the config when the model was built) move to ``device``."""
+    (``overwrite``: parameters that have memory already take them too); persistent
+    buffers (a MoE layer's expert bias) take a stored source's values where it has them;
+    buffers (computed from the config when the model was built) move to ``device``."""
     for name, p in model.named_parameters():
         if on_meta(p):
             local = torch.zeros(p.shape, dtype=dtype, device=device)
@@ -155,6 +165,10 @@ def materialise(model: nn.Module, values: Values, *, device: torch.device | str,
             set_storage(p, local)
         elif overwrite:
             fill(Slab.of(p.data, placement(p, tp)), name, p, values)
+    if isinstance(values, Stored):  # model state a checkpoint holds beside the weights (a MoE layer's expert bias)
+        for name, b in model_buffers(model):
+            if name in values.tensors:
+                b.copy_(values.read(name, b, tuple(b.shape), ((0,) * b.dim(), tuple(b.shape))))
     _release(values)
     for module in model.modules():
         for key, buffer in module._buffers.items():
@@ -210,7 +224,8 @@ class Start:
         step = getattr(init, "step", None)  # a gridtrain checkpoint's step directory
         if step is not None and is_sharded(step):
             return cls(Zeros(), built_on_meta, sharded=step)
-        return cls(Stored(init.tensors, init.where), built_on_meta, overwrite=True)
+        return cls(Stored(init.tensors, init.where, fresh=Drawn(cfg.model, cfg.training.seed)), built_on_meta,
+                   overwrite=True)
 
     def materialise(self, model: nn.Module, ctx) -> None:
         materialise(model, self.values, device=ctx.device, dtype=ctx.param_dtype, tp=ctx.tp,

@@ -17,6 +17,7 @@ or ``tp`` in them):
 
 * ``model/<param>``: the weights in the run's dtype, vocabulary padding cut off; a last
   stage's copy of the tied embedding is not stored (it is ``embedding.word.weight``);
+  also the model's persistent buffers (a MoE layer's ``expert_bias``), whole;
 * ``optim/<param>/exp_avg``, ``.../exp_avg_sq``: AdamW's moments, per parameter also
   under ZeRO-1 (each DP rank writes the boxes of its flat range: shards.py);
   ``.../master``: fp32 master weights where they differ from the weights (bf16, fp16);
@@ -62,7 +63,7 @@ from gridtrain.checkpoint.shards import Placement, Slab, single_process
 from gridtrain.config import Config
 from gridtrain.optim.interface import Optimizer, StatePiece
 from gridtrain.optim.schedules import schedule_of
-from gridtrain.parallel.tensor_parallel import TensorParallel, shard_spec
+from gridtrain.parallel.tensor_parallel import TensorParallel, shard_spec, split_over
 from gridtrain.parallel.zero3 import whole_shape
 
 FORMAT = "gridtrain-checkpoint"
@@ -95,7 +96,8 @@ def source_name(name: str, param: torch.Tensor) -> str:
 
 
 def placement(param: torch.Tensor, tp: TensorParallel) -> Placement:
-    return Placement.of(tuple(whole_shape(param)), shard_spec(param), tp.rank, tp.size, getattr(param, "vocab_rows", None))
+    spec, group = split_over(param, tp)  # over tp, or an expert's slice over its etp group
+    return Placement.of(tuple(whole_shape(param)), spec, group.rank, group.size, getattr(param, "vocab_rows", None))
 
 
 def layout_of(cfg: Config, ctx) -> dict[str, Any]:
@@ -122,6 +124,8 @@ def writes(key: str, param: torch.Tensor, ctx, dp_copies: bool = True) -> bool:
         return True
     spec, tp = shard_spec(param), ctx.tp
     tp_copies = tp.size if spec is None else (spec.replicas if tp.size > 1 else 1)
+    if getattr(param, "tp_distinct", False):  # folded experts: no tp rank holds another's
+        tp_copies = 1
     # the dp x cp replicas all hold the same pieces (the expert-data-parallel ones a
     # rank's experts); this rank's index among them
     expert_dp = getattr(ctx, "expert_dp", None) if getattr(param, "expert", False) else None
@@ -149,6 +153,9 @@ def state_to_save(model: nn.Module, optimizer: Optimizer | None, ctx) -> dict[st
         for name, p in model.named_parameters():
             if not getattr(p, "tied_copy", False) and writes(model_key(name), p, ctx):
                 state[model_key(name)] = Slab.of(p.detach(), placement(p, tp))
+    for name, b in model_buffers(model):  # replicated on every rank of the stage, never sharded
+        if writes(model_key(name), b, ctx):
+            state[model_key(name)] = Slab.of(b.detach(), placement(b, tp))
     for piece in weights if weights is not None and own_pieces else []:  # ZeRO-3: each its shard's pieces
         key = model_key(names[piece.param])
         if not getattr(piece.param, "tied_copy", False) and writes(key, piece.param, ctx, dp_copies=False):
@@ -162,6 +169,14 @@ def state_to_save(model: nn.Module, optimizer: Optimizer | None, ctx) -> dict[st
                 state[key] = piece_slab(piece, flat, tp)
     state[rng_key(_rank())] = _rng_state(ctx)
     return state
+
+
+def model_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's persistent buffers by global name (a MoE layer's ``expert_bias``):
+    model state beside the parameters, stored as ``model/<name>`` like a parameter that
+    is never sharded (not under ZeRO-3 either), and loaded with the weights."""
+    return [(f"{prefix}.{key}" if prefix else key, b) for prefix, module in model.named_modules()
+            for key, b in module._buffers.items() if b is not None and key not in module._non_persistent_buffers_set]
 
 
 def piece_slab(piece: StatePiece, flat: torch.Tensor, tp: TensorParallel) -> Slab:
@@ -404,6 +419,8 @@ def _request_weights(request: _Request, model: nn.Module, tp: TensorParallel,
         src = source_name(name, p)
         from_master = request.has(optim_key(src, "master")) and p.dtype in (torch.float32, torch.float64)
         request.add(optim_key(src, "master") if from_master else model_key(src), slab, f"weights for {name}")
+    for name, b in model_buffers(model):
+        request.add(model_key(name), Slab.of(b, placement(b, tp)), f"state {name}")
 
 
 def _request_optimizer(request: _Request, second: _Request, model: nn.Module, optimizer: Optimizer,

@@ -21,8 +21,8 @@ from torch import nn
 
 from gridtrain.checkpoint.errors import REDO, CheckpointError, first_line
 from gridtrain.checkpoint.manifest import is_trainer, is_weights, read_manifest
-from gridtrain.checkpoint.sharded import source_name
-from gridtrain.parallel.tensor_parallel import TensorParallel, shard, shard_spec, unshard
+from gridtrain.checkpoint.sharded import model_buffers, source_name
+from gridtrain.parallel.tensor_parallel import TensorParallel, shard, split_over, unshard
 from gridtrain.optim.interface import Optimizer
 
 
@@ -34,28 +34,28 @@ def _tp_of(ctx) -> TensorParallel:
 def _full(local: torch.Tensor, param: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """The whole tensor of which ``local`` is this rank's shard (shaped like ``param``),
     without vocabulary padding rows (their number depends on the layout)."""
-    spec = shard_spec(param)
-    if spec is None or tp.size == 1:
+    spec, group = split_over(param, tp)  # over tp, or an expert's slice over its etp group
+    if spec is None or group.size == 1:
         full = local.detach().cpu()
     else:
-        full = unshard([p.cpu() for p in tp.comm.all_gather_list(local.detach())], spec)
+        full = unshard([p.cpu() for p in group.all_gather_list(local.detach())], spec)
     return full[: getattr(param, "vocab_rows", full.shape[0])]
 
 
 def _local(full: torch.Tensor, param: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """This rank's shard of a saved whole tensor, re-padded to this layout's vocabulary."""
-    spec = shard_spec(param)
-    padded_rows = spec.full_shape(param.shape, tp.size)[0] if spec is not None else param.shape[0]
+    spec, group = split_over(param, tp)  # over tp, or an expert's slice over its etp group
+    padded_rows = spec.full_shape(param.shape, group.size)[0] if spec is not None else param.shape[0]
     if hasattr(param, "vocab_rows") and full.shape[0] < padded_rows:
         full = torch.cat([full, full.new_zeros((padded_rows - full.shape[0], *full.shape[1:]))])
-    return full if spec is None or tp.size == 1 else shard(full, spec, tp.rank, tp.size)
+    return full if spec is None or group.size == 1 else shard(full, spec, group.rank, group.size)
 
 
 def full_model_state(model: nn.Module, tp: TensorParallel) -> dict[str, torch.Tensor]:
     """This stage's whole weights by global name (TP shards gathered, padding dropped, a
     tied head copy left out); collective over the TP group."""
-    return {name: _full(p, p, tp) for name, p in model.named_parameters()
-            if not getattr(p, "tied_copy", False)}
+    return {**{name: _full(p, p, tp) for name, p in model.named_parameters() if not getattr(p, "tied_copy", False)},
+            **{name: b.detach().cpu() for name, b in model_buffers(model)}}  # replicated: a MoE's expert bias
 
 
 def gather_model(model: nn.Module, ctx) -> dict[str, torch.Tensor] | None:
@@ -69,10 +69,11 @@ def gather_model(model: nn.Module, ctx) -> dict[str, torch.Tensor] | None:
     first_tp = ctx.coords.tp == 0
     dense = first_tp and ctx.coords.dp == 0 and getattr(ctx.coords, "cp", 0) == 0
     experts = getattr(ctx, "expert_dp_cp", None)
-    expert_writer = first_tp and (experts.rank == 0 if experts is not None else dense)
+    folded = getattr(getattr(ctx, "ep", None), "folded", False)  # experts differ across tp too
+    expert_writer = (first_tp or folded) and (experts.rank == 0 if experts is not None else dense)
     params = dict(model.named_parameters())
     sent = {k: v for k, v in mine.items()
-            if (expert_writer if getattr(params[k], "expert", False) else dense)}
+            if (expert_writer if getattr(params.get(k), "expert", False) else dense)}
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(sent, parts, dst=0)
     return {k: v for part in parts for k, v in part.items()} if parts is not None else None

@@ -61,6 +61,8 @@ def whole_model(cfg: Config, weights: dict[str, torch.Tensor]) -> Decoder:
         for name, p in model.named_parameters():
             saved = weights[name]
             p[: saved.shape[0]].copy_(saved)  # padding rows stay zero
+        for name, b in checkpoint.model_buffers(model):  # a MoE's expert bias
+            b.copy_(weights[name])
     return model.to(device=resolve_device_type(cfg.training.device), dtype=sampling_dtype(cfg))
 
 

@@ -1,5 +1,6 @@
 """The ``gridtrain plot`` command: training loss, validation loss and tokens/s against
-step, for one or several runs, in one picture.
+step (and, for mixture-of-experts runs, the expert load: max/mean tokens per expert of
+the busiest MoE layer), for one or several runs, in one picture.
 
 Comparing runs (two layouts, two schedules, a resumed run) is the usual question after
 training, and the metrics files written by ``gridtrain train --metrics-file`` already
@@ -20,6 +21,8 @@ MISSING_MATPLOTLIB = "gridtrain plot needs matplotlib; pip install matplotlib"
 REQUIRED_KEYS = ("step", "loss")
 # panel title -> metrics key plotted in it
 PANELS = {"training loss": "loss", "validation loss": "valid_loss", "tokens/s": "tokens_per_s"}
+# drawn where some run has the key: MoE runs' busiest layer's tokens per expert, max/mean
+OPTIONAL_PANELS = {"MoE load (max/mean)": "max_load"}
 
 
 class PlotError(ValueError):
@@ -88,17 +91,20 @@ def run_labels(paths: list[str | Path]) -> list[str]:
 # ---- drawing ------------------------------------------------------------------------------
 
 def plot_runs(paths: list[str], out: str) -> None:
-    """Draw every run's training loss, validation loss and tokens/s against step into
-    ``out``, one panel each, one line per run (the same colour in every panel)."""
+    """Draw every run's training loss, validation loss and tokens/s (and the MoE load,
+    where a run has it) against step into ``out``, one panel each, one line per run (the
+    same colour in every panel)."""
     if not paths:
         raise PlotError("give at least one metrics file")
     _check_out(out)
     runs = [(label, read_metrics(p)) for label, p in zip(run_labels(paths), paths)]
+    panels = {**PANELS, **{title: key for title, key in OPTIONAL_PANELS.items()
+                           if any(series(rows, key)[0] for _, rows in runs)}}
     figure_cls, canvas_cls = _matplotlib()
-    fig = figure_cls(figsize=(15, 4.4), layout="constrained")
+    fig = figure_cls(figsize=(5 * len(panels), 4.4), layout="constrained")
     canvas = canvas_cls(fig)
     _check_format(out, canvas)
-    for ax, (title, key) in zip(fig.subplots(1, len(PANELS)), PANELS.items()):
+    for ax, (title, key) in zip(fig.subplots(1, len(panels)), panels.items()):
         _draw_panel(ax, title, key, runs)
     try:
         fig.savefig(out, dpi=110)

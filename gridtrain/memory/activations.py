@@ -41,7 +41,8 @@ def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int
                       mask_bytes: int = 1, dropout: bool = True, arch: str = "gpt2",
                       kv_hidden: int | None = None, attention: str = "math", cp: int = 1,
                       cp_comm: str = "ring", attn_hidden: int | None = None, qk_norm: str | None = None,
-                      mlp_bytes: float | None = None) -> float:
+                      mlp_bytes: float | None = None, value_hidden: int | None = None,
+                      latent: int = 0) -> float:
     """Activation bytes one transformer layer saves for backward, per micro-batch.
 
     Korthikanti et al. count, in 16-bit with 1-byte dropout masks and ffn = 4h,
@@ -97,6 +98,15 @@ def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int
     in the place of the dense MLP's intermediates (``(4|2) e ffn / t``): a MoE layer's
     router, permuted rows and expert intermediates (:func:`gridtrain.memory.moe.
     moe_activation_terms`).
+
+    Latent attention (MLA, models/mla.py): ``attn_hidden`` is the queries' and keys'
+    width (``n_head x qk_head_dim``; ``kv_hidden`` the rank's keys', every head its own),
+    ``value_hidden`` the values' (``n_head x v_head_dim``): the projection's input, the
+    op-by-op core's values and those selective recomputation keeps have it, while the
+    fused and cp cores take values padded to the keys' width and give an output that
+    wide. ``latent``: features per token that the down-projections leave, whole on every
+    tp rank and for the whole sequence (the norms' inputs and the up-projections'
+    inputs: ``2 q_lora_rank + 2 kv_lora_rank + qk_rope_head_dim``).
     """
     tokens = seq * batch
     if recompute == "full":
@@ -104,7 +114,7 @@ def korthikanti_bytes(*, seq: int, batch: int, hidden: int, heads: int, ffn: int
     t = _terms(seq=seq, hidden=hidden, heads=heads, ffn=ffn, tp=tp, sequence_parallel=sequence_parallel,
                element_bytes=element_bytes, mask_bytes=mask_bytes, dropout=dropout, arch=arch, kv_hidden=kv_hidden,
                attention=attention, cp=cp, cp_comm=cp_comm, attn_hidden=attn_hidden, qk_norm=qk_norm,
-               mlp_bytes=mlp_bytes)
+               mlp_bytes=mlp_bytes, value_hidden=value_hidden, latent=latent)
     if recompute == "selective":
         return tokens * (t["before_core"] + t["core_inputs"] + t["after_core"])
     return tokens * (t["before_core"] + t["q_k_v"] + t["scores"] + t["after_core"])
@@ -128,7 +138,7 @@ def _terms(*, seq: int, hidden: int, heads: int, ffn: int, tp: int, sequence_par
            element_bytes: int, mask_bytes: int, dropout: bool, arch: str = "gpt2",
            kv_hidden: int | None = None, attention: str = "math", cp: int = 1,
            cp_comm: str = "ring", attn_hidden: int | None = None, qk_norm: str | None = None,
-           mlp_bytes: float | None = None) -> dict[str, float]:
+           mlp_bytes: float | None = None, value_hidden: int | None = None, latent: int = 0) -> dict[str, float]:
     """Bytes per token of each part of a layer (see korthikanti_bytes)."""
     e, m, d = element_bytes, mask_bytes, int(dropout)
     sp = tp if sequence_parallel else 1
@@ -136,7 +146,10 @@ def _terms(*, seq: int, hidden: int, heads: int, ffn: int, tp: int, sequence_par
     fused = attention != "math"
     a = attn_hidden or hidden  # the query heads' width
     repeated = llama and kv_hidden is not None and kv_hidden < a / tp and not fused  # shared kv heads
-    core_inputs = e * a / tp + 2 * e * (kv_hidden if llama else a / tp)
+    kv = kv_hidden if llama else a / tp  # this rank's keys (and values, but latent attention's)
+    v = (value_hidden or a) / tp  # the values' width (of the output projection's input)
+    padded = e * a / tp + 2 * e * kv  # q, k and v as the fused kernels take them
+    core_inputs = padded - e * (kv - v) if value_hidden else padded
     mlp = (4 if llama else 2) * e * ffn / tp if mlp_bytes is None else mlp_bytes
     # the q/k norms' inputs; OLMoE's norm over a projection split over tp keeps its input
     # widened to fp32 and its normalised output instead (llama.ProjectionNorm)
@@ -144,14 +157,14 @@ def _terms(*, seq: int, hidden: int, heads: int, ffn: int, tp: int, sequence_par
     norms = per_feature * (a / tp + (kv_hidden if llama and kv_hidden is not None else a / tp)) if qk_norm else 0.0
     terms = {
         # first norm's input, q/k/v's input (and the q/k norms' inputs)
-        "before_core": 2 * e * hidden / sp + norms,
+        "before_core": 2 * e * hidden / sp + norms + e * latent,
         # the core's q, k, v (op by op, Llama's k and v repeated per query head); fused, its
         # inputs as they are and its own output
-        "q_k_v": core_inputs + e * a / tp if fused else 3 * e * a / tp,
+        "q_k_v": padded + e * a / tp if fused else 2 * e * a / tp + e * v,
         "core_inputs": core_inputs,  # kept by selective
         "scores": heads / tp * 4 if fused else heads * seq / tp * (e + d * (e + m)),  # fused: fp32 log-sum-exp
         "repeated_kv": 2 * e * a / tp if repeated else 0.0,
-        "after_core": e * a / tp + hidden * (2 * e + 2 * m * d) / sp + mlp,
+        "after_core": e * v + hidden * (2 * e + 2 * m * d) / sp + mlp,
     }
     if cp > 1:
         terms.update(_cp_core(hidden=a, heads=heads, tp=tp, e=e,
@@ -176,13 +189,14 @@ def _cp_core(*, hidden: int, heads: int, tp: int, e: int, kv_hidden: float, gath
 
 def layer_shape(m, *, batch: int, tp: int, sequence_parallel: bool, element_bytes: int,
                 mask_bytes: int, cp: int = 1, cp_comm: str = "ring", layer: int | None = None,
-                ep: int = 1) -> dict:
+                ep: int = 1, etp: int = 1) -> dict:
     """The keyword arguments of :func:`korthikanti_bytes` for model config ``m``
     (config.ModelConfig) at micro-batch ``batch`` on ``tp`` ranks; with ``cp`` > 1 for
     the ``seq_len / cp`` tokens of one cp rank (the keys ``cp`` and ``cp_comm`` are
     only there then: one rank's shape is the shape without context parallelism).
     ``layer``: the shape of that block, a MoE block's (``mlp_bytes``) where
-    ``m.is_moe_layer(layer)`` (``ep``: its expert-parallel size); without it, a dense
+    ``m.is_moe_layer(layer)`` (``ep``, ``etp``: its expert-parallel and expert-tensor-parallel
+    sizes); without it, a dense
     block's. ``attn_hidden`` and
     ``qk_norm`` only where the model has them (its own head size, q/k norms)."""
     kv_per_rank = max(m.kv_heads // tp, 1)  # whole kv heads per rank: replicated when tp exceeds them
@@ -193,6 +207,10 @@ def layer_shape(m, *, batch: int, tp: int, sequence_parallel: bool, element_byte
         shape.update(cp=cp, cp_comm=cp_comm)
     if m.n_head * m.head_dim != m.d_model:
         shape.update(attn_hidden=m.n_head * m.head_dim)
+    if getattr(m, "mla", False):  # latent attention: every head its own key and value
+        shape.update(attn_hidden=m.n_head * m.qk_head_dim, kv_hidden=m.n_head // tp * m.qk_head_dim,
+                     value_hidden=m.n_head * m.v_head_dim,
+                     latent=2 * m.q_lora_rank + 2 * m.kv_lora_rank + m.qk_rope_head_dim)
     if getattr(m, "qk_norm", None):
         shape.update(qk_norm=m.qk_norm)
     if layer is not None and m.is_moe_layer(layer):

@@ -62,14 +62,17 @@ def causal_bias(seq_len: int) -> torch.Tensor:
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout: float, training: bool,
                    rng: RNGStatesTracker, bias: torch.Tensor | None,
-                   documents: Documents | None = None) -> torch.Tensor:
+                   documents: Documents | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of ``q`` ``[b, heads, s, d]`` over ``k``, ``v`` ``[b, kv_heads, t, d]``
     (``heads`` a multiple of ``kv_heads``: query head i reads key/value head
     ``i // (heads / kv_heads)``; ``t >= s``: the queries are the last ``s`` of the ``t``
     positions, as when decoding with a :class:`KVCache`); dropout ``dropout`` on the
     probabilities while ``training``. ``bias`` (from :func:`causal_bias`) selects the
     op-by-op form. ``documents`` (:class:`Documents`; no cache): each query sees only its
-    own document's keys, in place of the causal mask (module docstring)."""
+    own document's keys, in place of the causal mask (module docstring). ``scale``: of
+    the scores (default ``1 / sqrt(d)``; latent attention's is its own, models/mla.py).
+    ``v`` may be narrower than ``q`` and ``k`` for the op-by-op form; the fused kernels
+    take one head width (:meth:`SelfAttention.core` pads values to it)."""
     p = dropout if training else 0.0
     group = q.shape[1] // k.shape[1]
     s, t = q.shape[-2], k.shape[-2]
@@ -78,14 +81,15 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout
     with rng.fork() if p > 0 else contextlib.nullcontext():
         if bias is None:
             if documents is not None:
-                return _per_document(q, k, v, documents.spans(), p)
+                return _per_document(q, k, v, documents.spans(), p, scale)
             # torch's is_causal aligns the mask top-left: after cached positions, say which keys each query sees
             mask = None if s == t else torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p,
-                                                  enable_gqa=group > 1)
+                                                  enable_gqa=group > 1, scale=scale)
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        scores = torch.matmul(q, k.transpose(-2, -1)) * scale
         if documents is not None:  # -inf outside the mask (adding 0 inside it changes nothing)
             scores = scores.masked_fill(~documents.visible(), float("-inf"))
         else:
@@ -94,17 +98,19 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout
         return torch.matmul(F.dropout(probs, p, training), v)
 
 
-def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans, dropout: float) -> torch.Tensor:
+def _per_document(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans, dropout: float,
+                  scale: float | None = None) -> torch.Tensor:
     """Causal attention within each document's span (``spans``: :meth:`Documents.spans`):
     the fused block kernel without dropout, else ``scaled_dot_product_attention`` per
     document (in the caller's RNG fork) joined along the sequence."""
     if dropout == 0:
-        return attention_blocks.document_attention(q, k, v, spans)
+        return attention_blocks.document_attention(q, k, v, spans, scale)
     gqa = q.shape[1] != k.shape[1]
     rows = []
     for sel, row in attention_blocks.row_groups(spans):
         rows.append(torch.cat([F.scaled_dot_product_attention(q[sel, :, a:e], k[sel, :, a:e], v[sel, :, a:e],
-                                                              is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+                                                              is_causal=True, dropout_p=dropout, enable_gqa=gqa,
+                                                              scale=scale)
                                for a, e in row], dim=2))
     return torch.cat(rows) if len(rows) > 1 else rows[0]
 
@@ -177,6 +183,7 @@ class SelfAttention(nn.Module):
         self.cp = cp or ContextParallel()
         self.local_heads = cfg.n_head // tp.size
         self.head_dim = cfg.head_dim
+        self.scale: float | None = None  # of the scores: None is 1 / sqrt(query width)
         self.dropout = cfg.dropout
         self.math = cfg.attention == "math"
         if self.math:
@@ -184,7 +191,8 @@ class SelfAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cache: LayerCache | None = None, documents: Documents | None = None) -> torch.Tensor:
-        """The core over ``[b, heads, s, d]`` inputs, as ``[b, s, heads * d]``; with a
+        """The core over ``[b, heads, s, d]`` inputs (values may be narrower: latent
+        attention's), as ``[b, s, heads * d_v]``; with a
         ``cache``, ``k`` and ``v`` join the cached ones and the queries attend over all;
         with ``documents``, each query sees only its own document's keys. Selective
         recomputation replays the core with the micro-batch's ``documents`` bound in."""
@@ -193,22 +201,39 @@ class SelfAttention(nn.Module):
                 raise ValueError("a key/value cache holds one sequence: generation takes no documents")
             y = self.core(*cache.append(q, k, v))
         elif self.cp.size > 1:
-            y = context_parallel.attention(q, k, v, self.cp, None if documents is None else documents.spans())
+            y = context_parallel.attention(q, k, _to_width(v, q.shape[-1]), self.cp,
+                                           None if documents is None else documents.spans(), self.scale)
+            y = _cut(y, v.shape[-1])
         elif self.recompute.selective:
             core = self.core if documents is None else functools.partial(self.core, documents=documents)
             y = self.recompute.checkpoint(core, q, k, v)
         else:
             y = self.core(q, k, v, documents)
         b, _, s, _ = q.shape
-        return y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
+        return y.transpose(1, 2).reshape(b, s, -1)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              documents: Documents | None = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d) + causal) v with dropout on the probabilities, [b, heads, s, d];
-        with ``documents``, the document mask in place of the causal one."""
-        return core_attention(q, k, v, dropout=self.dropout, training=self.training, rng=self.tp.rng,
-                              bias=self.causal_bias if self.math else None,
-                              documents=documents)
+        with ``documents``, the document mask in place of the causal one. Values narrower
+        than the queries (latent attention's) are padded with zeros to the query width
+        for the fused kernels, which take one head width, and the output cut back (inside
+        the core, so selective recomputation keeps the narrow values)."""
+        y = core_attention(q, k, v if self.math else _to_width(v, q.shape[-1]), dropout=self.dropout,
+                           training=self.training, rng=self.tp.rng, bias=self.causal_bias if self.math else None,
+                           documents=documents, scale=self.scale)
+        return _cut(y, v.shape[-1])
+
+
+def _to_width(v: torch.Tensor, width: int) -> torch.Tensor:
+    """Values ``[..., d_v]`` padded with zeros to ``width`` (the queries'), for kernels that
+    take one head width: the padded columns of the output are zero and are cut off."""
+    return v if v.shape[-1] == width else F.pad(v, (0, width - v.shape[-1]))
+
+
+def _cut(y: torch.Tensor, width: int) -> torch.Tensor:
+    """The first ``width`` columns of a core's output (the values' own, before padding)."""
+    return y if y.shape[-1] == width else y[..., :width]
 
 
 class KVCache:

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gridtrain.models import llama
+from gridtrain.models import llama, mla
+from gridtrain.models import mtp as multi_token  # (``mtp``: the counts' keyword)
 from gridtrain.runtime import activation_meter as memory
 from gridtrain.models.head_loss import fused_head_loss, worth_fusing
 from gridtrain.models.attention import Documents, KVCache, LayerCache, SelfAttention
@@ -101,8 +102,10 @@ class Block(nn.Module):
         is_llama = cfg.arch == "llama"
         norm = llama.rms_norm if is_llama else layer_norm
         self.ln1 = norm(cfg, tp)
-        self.attn = (llama.Attention(cfg, tp, recompute, rotary, cp) if is_llama
-                     else CausalSelfAttention(cfg, tp, recompute, cp))
+        if is_llama:  # grouped-query attention, or latent attention (--attention mla)
+            self.attn = (mla.LatentAttention if cfg.mla else llama.Attention)(cfg, tp, recompute, rotary, cp)
+        else:
+            self.attn = CausalSelfAttention(cfg, tp, recompute, cp)
         self.ln2 = norm(cfg, tp)
         dense = llama.SwiGLU if is_llama else MLP
         if cfg.is_moe_layer(layer):
@@ -208,8 +211,9 @@ class Decoder(nn.Module):
         self.padded_vocab = cfg.padded_vocab_size(tp.size)
         self.embedding = Embedding(cfg, self.padded_vocab, tp, cp) if has_embedding else None
         rotary = llama.Rotary(cfg) if cfg.arch == "llama" else None  # one table for all blocks
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, tp, recompute, rotary, cp, layer=i, ep=ep)
-                                     for c in self.chunks for i in c.layer_ids})
+        def block(i: int) -> Block:
+            return Block(cfg, tp, recompute, rotary, cp, layer=i, ep=ep)
+        self.blocks = nn.ModuleDict({str(i): block(i) for c in self.chunks for i in c.layer_ids})
         self.final_norm = (llama.rms_norm if cfg.arch == "llama" else layer_norm)(cfg, tp) if has_head else None
         if has_head and not (cfg.tie_embeddings and has_embedding):
             # Untied head, or a last pipeline stage that keeps its own copy of the tied
@@ -220,14 +224,29 @@ class Decoder(nn.Module):
             self.head.tied_copy = cfg.tie_embeddings
         else:
             self.head = None
+        # multi-token prediction (mtp.py) on the stage with the head; where that stage holds
+        # neither the token table nor a tied head copy of it, a copy of the table for its lookups
+        self.mtp = nn.ModuleList([multi_token.MTPModule(cfg, tp, block(i)) for i in multi_token.layer_ids(cfg)]) \
+            if has_head and cfg.mtp_layers else None
+        copied = has_embedding or (self.head is not None and self.head.tied_copy)
+        self.embedding_copy = multi_token.embedding_copy(cfg, self.padded_vocab, tp) \
+            if self.mtp is not None and not copied else None
+        self.mtp_loss_sum: torch.Tensor | None = None  # this step's so far (mtp.take_loss_sum)
         self.compiled_loss: Callable | None = None  # see compile_blocks
 
     def output_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.head is None else self.head
 
+    def input_weight(self) -> torch.Tensor:
+        """This rank's token table for lookups: the embedding's, else a last stage's copy
+        (the tied head, or ``embedding_copy``) for multi-token prediction."""
+        if self.embedding is not None:
+            return self.embedding.word.weight
+        return self.embedding_copy if self.embedding_copy is not None else self.head
+
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *,
                 chunk: int = 0, cache: KVCache | None = None, documents: torch.Tensor | None = None,
-                reduction: str = "none") -> torch.Tensor:
+                reduction: str = "none", tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids in, logits ``[b, s, vocab]`` out, or per-token losses ``[b, s]`` (at
         least fp32) when labels are given; with ``reduction="sum"`` their sum, a scalar,
         computed by the fused, chunked head + loss (head_loss.py: the micro-batch's logits
@@ -241,7 +260,12 @@ class Decoder(nn.Module):
         whole under context parallelism, where ``inputs`` are this rank's chunks). Then
         attention stays within each document and positions restart at 0 at each one:
         every document's tokens get the numbers they would get alone. Every chunk of a
-        pipeline takes them (each stage's attention is masked)."""
+        pipeline takes them (each stage's attention is masked).
+
+        Multi-token prediction (``cfg.mtp_layers``, mtp.py) runs in training only (the
+        module in train mode, ``reduction="sum"``, gradients enabled): its loss joins the
+        returned main loss's backward, not its value. A last chunk without the embedding
+        then needs the micro-batch's ``tokens`` (a first chunk's are its ``inputs``)."""
         spec = self.chunks[chunk]
         if cache is not None:
             self._check_cache(cache, inputs.shape[1])
@@ -263,17 +287,29 @@ class Decoder(nn.Module):
             return x
         with memory.layer_scope("head"):
             x = self.final_norm(x)
-            if labels is not None and reduction == "sum" and self.fuses_loss(labels.numel()):
-                return fused_head_loss(x, self.output_weight(), labels, self.cfg.vocab_size, self.tp,
-                                       self.loss_chunks)
-            logits = parallel_lm_logits(x, self.output_weight(), self.tp, tied_in_place=self.head is None)
-            if labels is None:
-                return gather_logits(logits, self.cfg.vocab_size, self.tp)
-            if self.compiled_loss is not None:
-                losses = self.compiled_loss(logits, labels, self.cfg.vocab_size)
-            else:
-                losses = vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
-            return losses.sum() if reduction == "sum" else losses
+            out = self.head_loss(x, labels, reduction)
+        if (self.mtp is not None and labels is not None and reduction == "sum" and self.training
+                and torch.is_grad_enabled()):
+            out = multi_token.add_mtp_loss(self, out, x, inputs if spec.pre_process else tokens, labels, docs)
+        return out
+
+    def head_loss(self, x: torch.Tensor, labels: torch.Tensor | None, reduction: str = "none") -> torch.Tensor:
+        """The output head on normed hidden states ``x``: gathered logits without labels,
+        else per-token losses or (``reduction="sum"``) their sum, by the fused, chunked
+        head where :meth:`fuses_loss` says so (the main head's and each MTP depth's)."""
+        if labels is not None and reduction == "sum" and self.fuses_loss(labels.numel()):
+            return fused_head_loss(x, self.output_weight(), labels, self.cfg.vocab_size, self.tp, self.loss_chunks)
+        # a head weight used once per micro-batch defers its gradient under a split backward; one
+        # that is also the lookup table, or serves the MTP depths too, must not (a count per backward)
+        in_place = self.head is None or self.mtp is not None
+        logits = parallel_lm_logits(x, self.output_weight(), self.tp, tied_in_place=in_place)
+        if labels is None:
+            return gather_logits(logits, self.cfg.vocab_size, self.tp)
+        if self.compiled_loss is not None:
+            losses = self.compiled_loss(logits, labels, self.cfg.vocab_size)
+        else:
+            losses = vocab_parallel_cross_entropy(logits, labels, self.cfg.vocab_size, self.tp)
+        return losses.sum() if reduction == "sum" else losses
 
     def fuses_loss(self, tokens: int) -> bool:
         """Whether the summed loss of a micro-batch of ``tokens`` tokens runs through the
@@ -301,9 +337,11 @@ class Decoder(nn.Module):
     def new_cache(self, batch: int) -> KVCache:
         """An empty key/value cache for ``batch`` sequences of up to ``seq_len`` tokens
         (the positions GPT-2's table and Llama's rotary table hold), in the model's dtype
-        and on its device."""
+        and on its device; with latent attention, a cache of latents (mla.LatentCache)."""
         self._check_cache(None, 0)
         weight = self.output_weight()
+        if self.cfg.mla:
+            return mla.new_cache(self.cfg, batch, dtype=weight.dtype, device=weight.device)
         return KVCache(self.cfg.n_layer, batch, self.cfg.kv_heads, self.cfg.head_dim, self.cfg.seq_len,
                        dtype=weight.dtype, device=weight.device)
 
@@ -370,11 +408,12 @@ def parameter_seed(seed: int, name: str) -> int:
 
 def _init_std(name: str, param: torch.Tensor, cfg: ModelConfig) -> float | None:
     """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer); None =
-    constant (biases 0; norms 1, the query/key norms included)."""
+    constant (biases 0; norms 1: the block norms, the final norm, and every ``*_norm``:
+    query/key norms, latent attention's latent norms)."""
     if getattr(param, "residual_projection", False):
         return 0.02 / math.sqrt(2 * cfg.n_layer)
-    if (name.endswith(".bias") or ".ln" in name or name.startswith("final_norm")
-            or name.endswith((".q_norm.weight", ".k_norm.weight"))):
+    if (name.endswith(".bias") or ".ln" in name or name.startswith("final_norm") or name.endswith("_norm.weight")
+            or name.endswith((".enorm.weight", ".hnorm.weight"))):  # multi-token prediction's input norms
         return None
     return 0.02
 
@@ -412,8 +451,9 @@ def init_parameters(model: Decoder, seed: int) -> None:
 
 
 def canonical_name(name: str) -> str:
-    """A last stage's copy of the tied table starts from the same numbers as the original."""
-    return "embedding.word.weight" if name == "head" else name
+    """A last stage's copy of the tied table (the head, or multi-token prediction's
+    ``embedding_copy``) starts from the same numbers as the original."""
+    return "embedding.word.weight" if name in ("head", "embedding_copy") else name
 
 
 def mlp_parameters(cfg: ModelConfig, width: int, tp: int = 1) -> int:
@@ -430,14 +470,15 @@ def block_parameters(cfg: ModelConfig, tp: int = 1, layer: int = 0, ep: int = 1)
     """Parameters of block ``layer`` on one TP rank (and, for a MoE block, one ep rank).
     GPT-2: two LayerNorms (whole), column-parallel QKV (weights and biases / tp),
     row-parallel projection (weight / tp, bias whole); Llama: two RMSNorms and the
-    attention of llama.attention_parameters. Then the MLP: a dense block's
+    attention of llama.attention_parameters (mla.attention_parameters for latent
+    attention). Then the MLP: a dense block's
     (:func:`mlp_parameters`), or a MoE block's router ``[E, d]`` (whole), its ``E / ep``
     experts (whole, ``moe_ffn_size`` wide) and its shared experts (one MLP ``S x H``
     wide, split over tp). Dense models' blocks are all alike; a MoE model's layer 0 is a
     MoE block."""
     d = cfg.d_model
     if cfg.arch == "llama":
-        attention = 2 * d + llama.attention_parameters(cfg, tp)
+        attention = 2 * d + (mla if cfg.mla else llama).attention_parameters(cfg, tp)
     else:
         attention = 4 * d + (3 * d * d + 3 * d) // tp + d * d // tp + d
     if not cfg.is_moe_layer(layer):
@@ -447,21 +488,37 @@ def block_parameters(cfg: ModelConfig, tp: int = 1, layer: int = 0, ep: int = 1)
             + (mlp_parameters(cfg, shared, tp) if shared else 0))
 
 
-def count_parameters(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
-    """Parameters of the whole (unpadded) model, from its shape alone (every expert)."""
+def count_parameters(cfg: ModelConfig, *, exclude_embeddings: bool = False, mtp: bool = True) -> int:
+    """Parameters of the whole (unpadded) model, from its shape alone (every expert);
+    with ``mtp`` (default) the multi-token prediction modules' too (:func:`mtp_parameters`:
+    what the model holds). Published sizes leave them out (DeepSeek-V3's 671B is without
+    its MTP module): ``mtp=False``."""
     d = cfg.d_model
     norm = d if cfg.arch == "llama" else 2 * d  # the final norm: RMSNorm has no bias
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     total = sum(block_parameters(cfg, layer=i) for i in range(cfg.n_layer)) + norm + head
+    total += mtp_parameters(cfg) if mtp else 0
     return total if exclude_embeddings else total + embedding_parameters(cfg)
 
 
-def active_parameters(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
+def active_parameters(cfg: ModelConfig, *, exclude_embeddings: bool = False, mtp: bool = True) -> int:
     """Parameters one token goes through: :func:`count_parameters` with ``k`` of the ``E``
     experts of each MoE layer (router and shared experts included): Mixtral 8x7B's 12.9B
-    of 46.7B. The same as count_parameters for a dense model."""
-    unused = len(cfg.moe_layers) * (cfg.n_experts - cfg.moe_top_k) * mlp_parameters(cfg, cfg.moe_ffn_size)
-    return count_parameters(cfg, exclude_embeddings=exclude_embeddings) - unused
+    of 46.7B. The same as count_parameters for a dense model. ``mtp``: as there (the MTP
+    blocks' MoE layers count ``k`` experts too)."""
+    moe_layers = len(cfg.moe_layers) + (sum(map(cfg.is_moe_layer, multi_token.layer_ids(cfg))) if mtp else 0)
+    unused = moe_layers * (cfg.n_experts - cfg.moe_top_k) * mlp_parameters(cfg, cfg.moe_ffn_size)
+    return count_parameters(cfg, exclude_embeddings=exclude_embeddings, mtp=mtp) - unused
+
+
+def mtp_parameters(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> int:
+    """The multi-token prediction modules' parameters (mtp.py) on one TP rank (and ep
+    rank): per depth three RMSNorms and the ``[d, 2d]`` projection (replicated over TP)
+    and its block (:func:`block_parameters` of layer ``n_layer + k - 1``). The embedding
+    and the head are the main model's: not counted again (a last stage's copy of the
+    table neither, as a tied head copy is not)."""
+    d = cfg.d_model
+    return sum(3 * d + 2 * d * d + block_parameters(cfg, tp, layer=i, ep=ep) for i in multi_token.layer_ids(cfg))
 
 
 def embedding_parameters(cfg: ModelConfig) -> int:
@@ -471,9 +528,10 @@ def embedding_parameters(cfg: ModelConfig) -> int:
 
 def parameter_costs(cfg: ModelConfig, ep: int = 1) -> tuple[list[float], float, float]:
     """Parameters per block (a MoE block's ``E / ep`` experts), in the embedding and in the
-    head (untied copy counted): the costs of ``--pp-partition parameters``."""
+    head (untied copy counted; with the multi-token prediction modules, which run with
+    it on the last stage): the costs of ``--pp-partition parameters``."""
     d = cfg.d_model
-    head = cfg.vocab_size * d + (d if cfg.arch == "llama" else 2 * d)
+    head = cfg.vocab_size * d + (d if cfg.arch == "llama" else 2 * d) + mtp_parameters(cfg, ep=ep)
     blocks = [float(block_parameters(cfg, layer=i, ep=ep)) for i in range(cfg.n_layer)]
     return blocks, embedding_parameters(cfg), head
 
@@ -498,7 +556,8 @@ def profile_units(cfg: ModelConfig, micro_batch_size: int, steps: int = 3, *,
     embedding = timed(lambda: model.embedding(tokens).sum().backward())
     blocks = [timed(lambda b=b: b(hidden.requires_grad_()).sum().backward()) for b in model.blocks.values()]
     head_chunk = Decoder(cfg, layer_ids=[], pre_process=False).to(device=device, dtype=dtype)
-    head = timed(lambda: head_chunk(hidden.requires_grad_(), tokens).sum().backward())
+    with_mtp = dict(tokens=tokens, reduction="sum") if cfg.mtp_layers else {}  # the MTP depths run with the head
+    head = timed(lambda: head_chunk(hidden.requires_grad_(), tokens, **with_mtp).sum().backward())
     return blocks, embedding, head
 
 
@@ -510,17 +569,21 @@ def training_flops_per_token(cfg: ModelConfig) -> float:
     weighted sum; the logits add 2 d V. Backward costs twice the forward. This is the
     formula of Narayanan et al. (2021): 72 B s L d^2 (1 + s/(6d)) + 6 B s d V per batch.
     Llama's grouped-query attention and three-matrix MLP: llama.attention_flops_per_token
-    and 6 d ffn. A MoE layer counts what a token goes through (active parameters): the
-    router's 2 d E, and k routed experts plus the shared ones in place of the dense MLP.
+    (mla.attention_flops_per_token for latent attention) and 6 d ffn. A MoE layer counts
+    what a token goes through (active parameters): the router's 2 d E, and k routed
+    experts plus the shared ones in place of the dense MLP. Each multi-token prediction
+    depth adds its block (layer ``n_layer + k - 1``), its ``[d, 2d]`` projection (4 d^2)
+    and another pass through the head (2 d V).
     """
     d, s, V = cfg.d_model, cfg.seq_len, cfg.vocab_size
     if cfg.arch == "llama":
-        attention, mlp = llama.attention_flops_per_token(cfg), 6.0 * d
+        attention, mlp = (mla if cfg.mla else llama).attention_flops_per_token(cfg), 6.0 * d
     else:
         attention, mlp = 8.0 * d * d + 4.0 * s * d, 4.0 * d
     moe = 2.0 * d * cfg.n_experts + mlp * cfg.moe_ffn_size * (cfg.moe_top_k + cfg.moe_shared_experts)
-    layers = sum(attention + (moe if cfg.is_moe_layer(i) else mlp * cfg.ffn_size) for i in range(cfg.n_layer))
-    return 3.0 * (layers + 2 * d * V)
+    blocks = range(cfg.n_layer + cfg.mtp_layers)  # the MTP blocks follow the main ones (mtp.layer_ids)
+    layers = sum(attention + (moe if cfg.is_moe_layer(i) else mlp * cfg.ffn_size) for i in blocks)
+    return 3.0 * (layers + (1 + cfg.mtp_layers) * 2 * d * V + cfg.mtp_layers * 4 * d * d)
 
 
 @torch.no_grad()

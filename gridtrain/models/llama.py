@@ -129,7 +129,14 @@ def head_norm(cfg: ModelConfig, tp: TensorParallel) -> RMSNorm:
     gradients are partial sums: one slice replicated on all tp ranks (ShardSpec), summed
     over TP after backward (grads.allreduce_replicated_grads). It acts on whole
     sequences (after the TP entry), so sequence parallelism adds nothing."""
-    norm = RMSNorm(cfg.head_dim, cfg.layernorm_eps)
+    return replicated_norm(cfg.head_dim, cfg.layernorm_eps, tp)
+
+
+def replicated_norm(width: int, eps: float, tp: TensorParallel) -> RMSNorm:
+    """An RMSNorm over ``width`` features after the TP entry, whole on every TP rank, each
+    copy applied to that rank's heads' share only (:func:`head_norm`; latent attention's
+    latent norms): one slice replicated on all tp ranks, its gradients summed over TP."""
+    norm = RMSNorm(width, eps)
     norm.weight.tp_spec = ShardSpec(0, replicas=tp.size)
     return norm
 
@@ -164,10 +171,20 @@ class ProjectionNorm(nn.Module):
 # ---- rotary position embeddings ------------------------------------------------------------------
 
 
-def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """The rotation frequency of each of the ``head_dim / 2`` pairs, in fp32:
-    ``theta^(-2i/head_dim)``, with Llama 3's scaling when ``cfg.rope_scaling == "llama3"``."""
-    dim = cfg.head_dim
+def rotary_width(cfg: ModelConfig) -> int:
+    """How many features of a head turn with its position: the whole head, or latent
+    attention's rotary part (``qk_rope_head_dim``, models/mla.py)."""
+    return cfg.qk_rope_head_dim if cfg.mla else cfg.head_dim
+
+
+def rope_frequencies(cfg: ModelConfig, dim: int | None = None) -> torch.Tensor:
+    """The rotation frequency of each of the ``dim / 2`` pairs (default
+    :func:`rotary_width`), in fp32: ``theta^(-2i/dim)``, with Llama 3's scaling when
+    ``cfg.rope_scaling == "llama3"``, YaRN's (:func:`yarn_frequencies`) when ``"yarn"``."""
+    dim = dim or rotary_width(cfg)
+    if cfg.rope_scaling == "yarn":
+        return yarn_frequencies(dim, cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_positions,
+                                cfg.rope_beta_fast, cfg.rope_beta_slow)
     freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if cfg.rope_scaling == "llama3":
         freqs = llama3_scaled(freqs, cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
@@ -188,21 +205,60 @@ def llama3_scaled(freqs: torch.Tensor, factor: float, low_freq_factor: float, hi
     return torch.where(wavelength < original_max_positions / high_freq_factor, freqs, out)
 
 
-class Rotary(nn.Module):
-    """cos and sin of every position's angles, ``[seq_len, head_dim]`` (each frequency
-    twice: the two halves of a head turn together), computed once in fp32 as Hugging Face
-    does and cast with the model; one instance is shared by all of a model's blocks."""
+def yarn_frequencies(dim: int, theta: float, factor: float, original_max_positions: int, beta_fast: float,
+                     beta_slow: float) -> torch.Tensor:
+    """YaRN's frequencies (rope_type "yarn"; Peng et al. 2023), as transformers'
+    ``_compute_yarn_parameters`` computes them (truncated correction range): pairs that
+    turn more than ``beta_fast`` times over the original context keep their frequency
+    (extrapolation), those turning fewer than ``beta_slow`` times are divided by
+    ``factor`` (interpolation), with a linear ramp over the pairs between."""
+    def correction_dim(rotations: float) -> float:  # the pair that turns ``rotations`` times over the context
+        return dim * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    def __init__(self, cfg: ModelConfig):
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does: no division by zero
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    kept = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    return interpolation * (1 - kept) + extrapolation * kept
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale ``0.1 mscale ln(factor) + 1`` (1 for ``factor <= 1``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rotary_attention_factor(cfg: ModelConfig) -> float:
+    """What YaRN multiplies cos and sin by (transformers' ``attention_factor``):
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` where both are set, else
+    ``mscale(factor)``; 1 without YaRN."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return float(yarn_mscale(cfg.rope_factor, cfg.rope_mscale) / yarn_mscale(cfg.rope_factor,
+                                                                                 cfg.rope_mscale_all_dim))
+    return yarn_mscale(cfg.rope_factor)
+
+
+class Rotary(nn.Module):
+    """cos and sin of every position's angles, ``[seq_len, dim]`` (``dim``: default
+    :func:`rotary_width`; each frequency twice: the two halves turn together), computed
+    once in fp32 as Hugging Face does (times YaRN's :func:`rotary_attention_factor`) and
+    cast with the model; one instance is shared by all of a model's blocks."""
+
+    def __init__(self, cfg: ModelConfig, dim: int | None = None):
         super().__init__()
         with torch.device("cpu"):  # derived from the config: real even in a model built on the meta device
-            angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float32), rope_frequencies(cfg))
+            angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float32), rope_frequencies(cfg, dim))
             angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+            factor = rotary_attention_factor(cfg)
+        self.register_buffer("cos", angles.cos() * factor if factor != 1 else angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin() * factor if factor != 1 else angles.sin(), persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` ``[b, heads, s, head_dim]`` at positions offset..offset+s-1 (or at
+        """``x`` ``[b, heads, s, dim]`` at positions offset..offset+s-1 (or at
         ``positions``: ``[s]``, a context-parallel rank's true positions, or ``[b, s]``,
         each token's own, e.g. its position within its document), rotated."""
         if positions is not None:
@@ -213,6 +269,18 @@ class Rotary(nn.Module):
             end = offset + x.shape[-2]
             cos, sin = self.cos[offset:end], self.sin[offset:end]
         return x * cos + rotate_half(x) * sin
+
+
+def rotary_positions(cp: ContextParallel, s: int, device: torch.device, cache: LayerCache | None,
+                     documents: Documents | None) -> tuple[int, torch.Tensor | None]:
+    """Where ``s`` tokens of an attention layer's input sit, as :meth:`Rotary.forward`
+    takes it: after the cached tokens (``offset``), each at its position within its
+    document (``[b, s]``, this cp rank's chunks), or this cp rank's chunks' true
+    positions (``[s]``); None: positions ``offset`` on."""
+    offset = 0 if cache is None else cache.offset
+    if documents is not None:
+        return offset, documents.local_positions(cp)
+    return offset, cp.positions(s, device) if cp.size > 1 else None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -261,11 +329,7 @@ class Attention(SelfAttention):
         k = k.view(b, s, self.local_kv_heads, self.head_dim)
         if self.qk_norm == "head":  # each head by itself
             q, k = self.q_norm(q), self.k_norm(k)
-        offset = 0 if cache is None else cache.offset  # positions after the cached tokens
-        if documents is not None:  # [b, s]: within each document (this cp rank's chunks)
-            positions = documents.local_positions(self.cp)
-        else:
-            positions = self.cp.positions(s, x.device) if self.cp.size > 1 else None  # this cp rank's chunks
+        offset, positions = rotary_positions(self.cp, s, x.device, cache, documents)
         q = self.rotary(q.transpose(1, 2), offset, positions)
         k = self.rotary(k.transpose(1, 2), offset, positions)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)

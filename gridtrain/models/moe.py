@@ -1,12 +1,17 @@
 """A mixture-of-experts MLP: a router picks ``k`` of ``E`` expert MLPs for each token.
 
-Mixtral, Qwen3-MoE and OLMoE layers (docs/moe.md), in place of a block's dense MLP:
+Mixtral, Qwen3-MoE, OLMoE and DeepSeek-V3 layers (docs/moe.md), in place of a block's
+dense MLP:
 
-* **router**: a linear map to ``E`` logits (no bias), softmax over the experts in at
-  least fp32, the top ``k``; with ``moe_norm_topk`` (Mixtral, Qwen3-MoE) the ``k`` weights
-  are renormalised to sum to 1, without it (OLMoE) they are the probabilities as they
-  are. Those are the two normalisations supported (no sigmoid routers, no grouped
-  top-k, no aux-loss-free bias);
+* **router** (:func:`route`): a linear map to ``E`` logits (no bias), scores in at least
+  fp32, the top ``k``: softmax over the experts, or each expert's sigmoid
+  (``moe_router``, DeepSeek-V3). With ``moe_norm_topk`` (Mixtral, Qwen3-MoE, DeepSeek-V3)
+  the ``k`` weights are renormalised to sum to 1, without it (OLMoE) they are the scores
+  as they are; times ``moe_routed_scale``. DeepSeek's selection: group-limited routing
+  (``moe_groups``, ``moe_group_top_k``: a token's experts come from its best groups)
+  and the aux-loss-free bias (``expert_bias``, a buffer added to the scores for the
+  choice only, moved after each step towards balance by ``moe_expert_bias_rate``:
+  :meth:`MoE.update_expert_bias`);
 * **experts**: ``E`` MLPs of the architecture's kind (SwiGLU for Llama, GELU with biases
   for GPT-2), ``moe_ffn_size`` wide, kept whole on a rank (no expert tensor
   parallelism): each rank of an expert-parallel group holds ``E / ep`` of them, keyed by
@@ -15,8 +20,9 @@ Mixtral, Qwen3-MoE and OLMoE layers (docs/moe.md), in place of a block's dense M
 * **shared experts** (``moe_shared_experts S``): one dense MLP ``S x H`` wide through which
   every token goes, split over tp as a dense MLP is;
 * **load balancing**: the Switch/GShard loss and the capacity, from the routing counts of
-  the whole global micro-batch (parallel/experts.py), so every layout trains the same
-  model.
+  the whole global micro-batch, and DeepSeek-V3's sequence-wise loss, from each
+  sequence's counts summed over the ranks holding its tokens (parallel/experts.py), so
+  every layout trains the same model.
 
 **The local experts run as grouped GEMMs** (``torch._grouped_mm``: fp32 and bf16 on CPU,
 bf16 on CUDA; the per-expert loop for fp64, the parity reference): SwiGLU experts as two
@@ -47,24 +53,33 @@ from torch import nn
 
 from gridtrain.config import ModelConfig
 from gridtrain.parallel.meta import on_meta
-from gridtrain.parallel.experts import (ExpertParallel, capacity_order, dispatch_combine, grouped_gemm_fits,
-                                       grouped_mm, permutation, start_counts_exchange, with_aux_loss)
+from gridtrain.parallel.experts import (ExpertParallel, RoutingLog, capacity_order, dispatch_combine,
+                                       grouped_gemm_fits, grouped_mm, permutation, start_counts_exchange,
+                                       with_aux_loss)
 from gridtrain.parallel.recompute import Recomputation
-from gridtrain.parallel.tensor_parallel import TensorParallel
+from gridtrain.parallel.comm import CommGroup, gather_rows, reduce_scatter_rows, single
+from gridtrain.parallel.tensor_parallel import ShardSpec, TensorParallel
 
 
 class Expert(nn.Module):
     """One expert: SwiGLU (``down(silu(gate(x)) * up(x))``, no biases) for Llama, GELU
-    (``proj(gelu(fc(x)))`` with biases) for GPT-2; whole on its rank."""
+    (``proj(gelu(fc(x)))`` with biases) for GPT-2; whole on its rank, or under expert
+    tensor parallelism (``etp``, a group of more than one rank; SwiGLU only) this rank's
+    slice of it: ``1 / etp`` of the hidden width, gate and up by rows, down by columns
+    (its output a partial sum over the etp group, summed by the MoE layer)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, etp: CommGroup | None = None):
         super().__init__()
-        d, h = cfg.d_model, cfg.moe_ffn_size
+        etp = etp or single("etp")
+        d, h = cfg.d_model, cfg.moe_ffn_size // etp.size
         self.llama = cfg.arch == "llama"
         if self.llama:
             self.gate = nn.Linear(d, h, bias=False)
             self.up = nn.Linear(d, h, bias=False)
             self.down = nn.Linear(h, d, bias=False)
+            if etp.size > 1:  # where each slice lies in the whole expert (checkpoints, initialisation)
+                for linear, dim in ((self.gate, 0), (self.up, 0), (self.down, 1)):
+                    linear.weight.etp_shard = (ShardSpec(dim), etp)
         else:
             self.fc = nn.Linear(d, h)
             self.proj = nn.Linear(h, d)
@@ -238,13 +253,42 @@ class Router(nn.Module):
         return F.linear(x, self.weight)
 
 
-def route(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, k: int, renormalize: bool, *, sigmoid: bool = False,
+          bias: torch.Tensor | None = None, groups: int = 1, group_top_k: int | None = None,
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits [N, E] -> (probabilities [N, E] in at least fp32, the top-k experts
-    [N, k], their weights [N, k] in the logits' dtype)."""
-    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-    top, chosen = probs.topk(k, dim=-1)
+    [N, k], their weights [N, k] in the logits' dtype).
+
+    Scores in at least fp32: the softmax (Mixtral, Qwen3-MoE, OLMoE) or each expert's
+    sigmoid (DeepSeek-V3); the probabilities the balance losses take are the softmax, or
+    the sigmoid scores over their sum. The experts are chosen by the scores plus ``bias``
+    (aux-loss-free balancing; none: the scores), among the ``group_top_k`` best of
+    ``groups`` groups of consecutive experts (a group's score: its two best choice scores
+    for sigmoid, DeepSeek-V3; its best for softmax, DeepSeek-V2). The weights are the
+    scores (without bias) of the chosen experts, with ``renormalize`` over their sum
+    (sigmoid: plus 1e-20, as Hugging Face's DeepseekV3TopkRouter), times ``scale``."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if sigmoid:
+        scores = torch.sigmoid(x)
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    else:
+        scores = probs = torch.softmax(x, dim=-1)
+    with torch.no_grad():
+        choice = scores if bias is None else scores + bias
+        top_groups = group_top_k or groups
+        if top_groups < groups:
+            n, e = choice.shape
+            by_group = choice.view(n, groups, e // groups)
+            group_scores = by_group.topk(2, dim=-1).values.sum(-1) if sigmoid else by_group.amax(-1)
+            kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_scores.topk(top_groups, -1)[1],
+                                                                             True)
+            choice = choice.masked_fill(~kept.repeat_interleave(e // groups, dim=1), float("-inf"))
+        chosen = choice.topk(k, dim=-1).indices
+    top = scores.gather(1, chosen)
     if renormalize:
-        top = top / top.sum(dim=-1, keepdim=True)
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20) if sigmoid else top / top.sum(dim=-1, keepdim=True)
+    if scale != 1.0:
+        top = top * scale
     return probs, chosen, top.to(logits.dtype)
 
 
@@ -260,20 +304,41 @@ class MoE(nn.Module):
                              f"--n-experts")
         self.cfg, self.layer, self.tp, self.ep, self.recompute = cfg, layer, tp, ep, recompute
         self.router = Router(cfg)
-        self.experts = nn.ModuleDict({str(e): Expert(cfg) for e in ep.local_experts(cfg.n_experts)})
+        self.experts = nn.ModuleDict({str(e): Expert(cfg, ep.etp) for e in ep.local_experts(cfg.n_experts)})
         for p in [*self.router.parameters(), *self.experts.parameters()]:
             p.sequence_parallel = tp.sequence_parallel  # partial sums over tp under SP
         for p in self.experts.parameters():
             p.expert = True  # reduced over the expert-data-parallel group, not dp x cp
+            if ep.folded:  # the expert grid spans tp: a rank's experts are its own, not copies of its tp peers'
+                p.tp_distinct, p.sequence_parallel = True, False
         self.shared = shared
         self.grouped_gemm = True  # False: the per-expert loop in every dtype (tests compare the two)
+        # aux-loss-free balancing's per-expert selection bias (Hugging Face's
+        # e_score_correction_bias): model state, not a parameter (no gradient, no optimizer
+        # state), the same on every rank, in at least fp32; real even in a model built on
+        # the meta device (it moves with the model)
+        bias = None
+        if cfg.moe_router == "sigmoid" or cfg.moe_expert_bias_rate > 0:
+            with torch.device("cpu"):
+                bias = torch.zeros(cfg.n_experts, dtype=torch.float32)
+        self.register_buffer("expert_bias", bias)
+
+    def _apply(self, fn, recurse=True):
+        """Casts leave the expert bias in at least fp32 (bf16 would round its steps away)."""
+        bias = self.expert_bias
+        super()._apply(fn, recurse)
+        if bias is not None and self.expert_bias.dtype.itemsize < 4:
+            self.expert_bias = bias.to(self.expert_bias.device)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         b, s, d = x.shape
         tokens = x.reshape(-1, d)
         logits = self.router(tokens)
-        probs, chosen, weights = route(logits, cfg.moe_top_k, cfg.moe_norm_topk)
+        probs, chosen, weights = route(logits, cfg.moe_top_k, cfg.moe_norm_topk, sigmoid=cfg.moe_router == "sigmoid",
+                                       bias=self.expert_bias, groups=cfg.moe_groups,
+                                       group_top_k=cfg.moe_group_top_k, scale=cfg.moe_routed_scale)
         capacity = None
         if cfg.moe_capacity_factor is not None and self.training:  # inference is dropless
             order, used, capacity, counts = capacity_order(
@@ -282,16 +347,28 @@ class MoE(nn.Module):
         else:
             order, counts = permutation(chosen, cfg.n_experts)
             used = counts
+        # expert tensor parallelism: the etp group pools its rows (each member runs its slice
+        # of its experts on all of them) while the routing statistics stay this rank's own
+        etp = self.ep.etp
+        rows, picks, gains = (tokens, chosen, weights) if etp.size == 1 else \
+            (gather_rows(tokens, etp), etp.all_gather(chosen, 0), gather_rows(weights, etp))
+        if etp.size > 1:
+            order, used = permutation(picks, cfg.n_experts)
         exchange = start_counts_exchange(used, self.ep)  # first: the dispatch waits on it
         # the global micro-batch's counts (before capacity) and probability sums travel
         # while the experts run
         stats = torch.cat([counts.to(torch.float64), probs.detach().sum(0).to(torch.float64)])
         summed = self.ep.start_global_sum(stats)
+        # the sequence-wise loss's per-sequence counts and probability sums, likewise
+        per_sequence = self.ep.start_sequence_sum(_sequence_stats(chosen, probs, b, cfg.n_experts)) \
+            if cfg.moe_seq_aux_loss_coeff > 0 and self.training else None
         grouped = self._run_grouped if self.grouped(tokens.dtype, tokens.device) else None
-        out, _, received = dispatch_combine(tokens, chosen, weights, cfg.n_experts, self.ep,
-                                            lambda e, rows: self.experts[str(e)](rows), (order, used),
+        out, _, received = dispatch_combine(rows, picks, gains, cfg.n_experts, self.ep,
+                                            lambda e, r: self.experts[str(e)](r), (order, used),
                                             run_grouped=grouped, exchange=exchange, dropless=capacity is None)
-        out = self._balance(out, probs, summed(), received, capacity).view(b, s, d)
+        out = reduce_scatter_rows(out, etp)  # the slices' partial outputs summed, each member its own rows
+        out = self._balance(out, probs, summed(), received, capacity,
+                            per_sequence() if per_sequence is not None else None).view(b, s, d)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
@@ -302,7 +379,7 @@ class MoE(nn.Module):
         ``grouped_gemm`` was turned off; otherwise (fp64: the parity reference) the
         per-expert loop."""
         return self.grouped_gemm and len(self.experts) > 0 and \
-            grouped_gemm_fits(dtype, device, self.cfg.d_model, self.cfg.moe_ffn_size)
+            grouped_gemm_fits(dtype, device, self.cfg.d_model, self.cfg.moe_ffn_size // self.ep.etp.size)
 
     def lay_out_parameters(self) -> None:
         """Put the local experts' parameters one expert after another in one storage
@@ -337,21 +414,77 @@ class MoE(nn.Module):
                                     *[p for ps in per_expert for p in ps[2:]])
 
     def _balance(self, out: torch.Tensor, probs: torch.Tensor, stats: torch.Tensor, received: int | torch.Tensor,
-                 capacity: torch.Tensor | None) -> torch.Tensor:
+                 capacity: torch.Tensor | None, per_sequence: torch.Tensor | None = None) -> torch.Tensor:
         """From the global micro-batch's counts (before capacity) and probability sums
-        (``stats``): the step's routing log (with the assignments beyond ``capacity``),
-        and the load-balancing loss's gradient joined to ``out``."""
+        (``stats``), and each of this rank's sequences' (``per_sequence`` [b, 2E], summed
+        over the ranks holding the sequence; None without the sequence-wise loss): the
+        step's routing log (with the assignments beyond ``capacity``), and the balance
+        losses' gradients joined to ``out``."""
         cfg, e = self.cfg, self.cfg.n_experts
         assignments = stats[:e].sum()
         tokens = assignments / cfg.moe_top_k
         f = stats[:e] / assignments  # fraction of the assignments each expert got
+        sequence = self._sequence_loss(probs, per_sequence) if per_sequence is not None else None
         if self.training and not (self.recompute is not None and self.recompute.rebuilding):
             aux_value = e * (f * stats[e:] / tokens).sum()
             dropped = torch.zeros((), dtype=torch.float64, device=stats.device) if capacity is None else \
                 (stats[:e] - capacity).clamp(min=0).sum()
-            self.ep.log.record(self.layer, stats[:e], aux_value, dropped, received)
-        if cfg.moe_aux_loss_coeff == 0.0 or not self.training:  # a training objective: not in evaluation
+            self.ep.log.record(self.layer, stats[:e], aux_value, dropped, received,
+                               sequence[1] if sequence is not None else None, self.expert_bias)
+        if not self.training:  # training objectives: not in evaluation
+            return out
+        if sequence is not None:
+            out = with_aux_loss(out, sequence[0], cfg.moe_seq_aux_loss_coeff * self.ep.aux_grad_scale)
+        if cfg.moe_aux_loss_coeff == 0.0:
             return out
         # this rank's share: its tokens' probabilities against the global fractions
         local = e * (f.to(probs.dtype) * probs.sum(0)).sum() / tokens.to(probs.dtype)
         return with_aux_loss(out, local, cfg.moe_aux_loss_coeff * self.ep.aux_grad_scale)
+
+    def _sequence_loss(self, probs: torch.Tensor, per_sequence: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's sequence-wise balance loss (without its coefficient): the mean over
+        the global micro-batch's ``B`` sequences of ``sum_i f_i P_i``, with ``f_i = E / (k T)
+        x`` the times expert ``i`` was chosen among the sequence's ``T`` tokens and ``P_i``
+        the mean of its probability over them. Returns (this rank's share, with gradient:
+        its tokens' probabilities against their sequences' ``f``; summed over the ranks it
+        is the loss), and this rank's share of the value (its sequences' mean, divided over
+        the cp x sp ranks that hold them and the global micro-batch's sequences: the shares
+        summed over the token groups give the mean)."""
+        e, ep = self.cfg.n_experts, self.ep
+        b = per_sequence.shape[0]
+        length = probs.shape[0] // b * ep.cp_size * ep.sp_size  # T: a sequence's tokens, all ranks
+        sequences = b * ep.dp_size  # B
+        f = per_sequence[:, :e] * (e / (self.cfg.moe_top_k * length))  # [b, E]
+        local = (f.to(probs.dtype) * probs.view(b, -1, e).sum(1)).sum() / (length * sequences)
+        value = (f * per_sequence[:, e:]).sum() / (length * sequences * ep.cp_size * ep.sp_size)
+        return local, value
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts: torch.Tensor) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3), after an optimizer step: each expert's bias
+        moves by ``moe_expert_bias_rate`` towards balance, ``+G`` where the step's load
+        (``counts`` [E]: assignments of the step's global micro-batches, the same on every
+        rank) is below the mean, ``-G`` above it. Exact arithmetic on counts every layout
+        shares, so every layout holds the same bias."""
+        rate = self.cfg.moe_expert_bias_rate
+        if rate > 0 and self.expert_bias is not None:
+            self.expert_bias += rate * torch.sign(counts.mean() - counts).to(self.expert_bias.dtype)
+
+
+def _sequence_stats(chosen: torch.Tensor, probs: torch.Tensor, batch: int, n_experts: int) -> torch.Tensor:
+    """Per sequence of this rank's ``batch`` (tokens sequence-major): how many of its
+    assignments went to each expert, then each expert's probability summed over its
+    tokens; [batch, 2E], fp64."""
+    experts = chosen.reshape(batch, -1)
+    counts = torch.zeros(batch, n_experts, dtype=torch.float64, device=chosen.device)
+    counts.scatter_add_(1, experts, torch.ones(experts.shape, dtype=torch.float64, device=chosen.device))
+    sums = probs.detach().reshape(batch, -1, n_experts).sum(1).to(torch.float64)
+    return torch.cat([counts, sums], dim=1)
+
+
+def update_expert_biases(model: nn.Module, log: RoutingLog) -> None:
+    """Every MoE layer of ``model`` moves its expert bias from the step's routing counts
+    (``log``, recorded during the step: :meth:`MoE.update_expert_bias`)."""
+    for module in model.modules():
+        if isinstance(module, MoE) and module.layer in log.layers:
+            module.update_expert_bias(log.layers[module.layer].counts)

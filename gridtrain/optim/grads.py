@@ -69,10 +69,12 @@ class StepScalars:
     loss: float  # mean token loss of the global batch
     grad_norm: float  # global gradient norm before clipping
     finite: bool  # every rank's gradients finite (checked for fp16 only; else True)
+    mtp_loss: float | None = None  # multi-token prediction's loss, normalised as ``loss`` (None: none)
 
 
 def step_scalars(optimizer: Optimizer, ctx: DistributedContext, loss: torch.Tensor | None, *,
-                 check_finite: bool, max_norm: float) -> StepScalars:
+                 check_finite: bool, max_norm: float, mtp: bool = False,
+                 mtp_loss: torch.Tensor | None = None) -> StepScalars:
     """Step 4's numbers in one reduction and one host read, instead of a collective (or
     two) and a read for each: this rank's share of the squared global norm, of the mean
     loss (``loss``: this DP rank's loss sum over the global token count, on the last
@@ -84,20 +86,24 @@ def step_scalars(optimizer: Optimizer, ctx: DistributedContext, loss: torch.Tens
     the norm (interface.py: TP-replicated copies beyond the first TP rank, the tied head
     copy and DP replicas beyond the first are not); the loss comes from the first TP rank
     of the last stage of every DP replica. An fp16 overflow anywhere makes the flag sum
-    positive.
+    positive. ``mtp`` (a run with multi-token prediction: every rank alike): the vector
+    gains the MTP loss, ``mtp_loss`` shared as ``loss`` is (None where not computed).
     """
     device = ctx.device
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    parts = [optimizer.grad_norm_squared().to(device=device, dtype=torch.float64),
-             loss.to(device=device, dtype=torch.float64) if loss is not None and ctx.tp.rank == 0 else zero,
-             optimizer.nonfinite().to(device=device) if check_finite else zero]
+    def share(x: torch.Tensor | None) -> torch.Tensor:  # a last stage's loss, from its first TP rank
+        return x.to(device=device, dtype=torch.float64) if x is not None and ctx.tp.rank == 0 else zero
+
+    parts = [optimizer.grad_norm_squared().to(device=device, dtype=torch.float64), share(loss),
+             optimizer.nonfinite().to(device=device) if check_finite else zero] + ([share(mtp_loss)] if mtp else [])
     sums = torch.stack(parts)
     ctx.mp.all_reduce(sums)
     ctx.dp_cp.all_reduce(sums)
     # the dry run's stand-in: a norm above the clip limit (so clipping runs), finite
-    stand_in = [(2.0 * max_norm if max_norm > 0 else 1.0) ** 2, 0.0, 0.0]
-    norm_sq, mean_loss, bad = host_sync.read("step_scalars", sums, lambda t: t.tolist(), stand_in=stand_in)
-    return StepScalars(mean_loss, math.sqrt(norm_sq) if norm_sq >= 0 else float("nan"), bad == 0.0)
+    stand_in = [(2.0 * max_norm if max_norm > 0 else 1.0) ** 2, 0.0, 0.0] + ([0.0] if mtp else [])
+    norm_sq, mean_loss, bad, *mtp_mean = host_sync.read("step_scalars", sums, lambda t: t.tolist(), stand_in=stand_in)
+    return StepScalars(mean_loss, math.sqrt(norm_sq) if norm_sq >= 0 else float("nan"), bad == 0.0,
+                       mtp_mean[0] if mtp else None)
 
 
 Parts = Callable[[nn.Parameter], list[torch.Tensor]]
@@ -161,15 +167,19 @@ def allreduce_replicated_grads(model: nn.Module, tp: TensorParallel, parts: Part
 
 
 def tied_parameter(model: nn.Module, embedding: CommGroup | None) -> nn.Parameter | None:
-    """This stage's copy of a token table tied to the output head across pipeline stages
-    (the first stage's table, the last stage's head copy), or None: no pipeline, no
-    embedding group, an untied model (Llama's default) or a middle stage."""
-    if embedding is None or embedding.size == 1 or not getattr(getattr(model, "cfg", None), "tie_embeddings", True):
+    """This stage's copy of a token table shared across pipeline stages (the first
+    stage's table; the last stage's copy: the tied head, or multi-token prediction's
+    ``embedding_copy``), or None: no pipeline, no embedding group, a model whose last
+    stage keeps no copy (untied, Llama's default, without multi-token prediction) or a
+    middle stage."""
+    cfg = getattr(model, "cfg", None)
+    shared = getattr(cfg, "tie_embeddings", True) or getattr(cfg, "mtp_layers", 0) > 0
+    if embedding is None or embedding.size == 1 or not shared:
         return None
-    tied = getattr(model, "head", None)
-    if tied is None or not getattr(tied, "tied_copy", False):
-        tied = model.embedding.word.weight
-    return tied
+    for copy in (getattr(model, "head", None), getattr(model, "embedding_copy", None)):
+        if copy is not None and getattr(copy, "tied_copy", False):
+            return copy
+    return model.embedding.word.weight
 
 
 def sum_tied_embedding_grads(model: nn.Module, embedding: CommGroup | None, parts: Parts = _whole) -> None:

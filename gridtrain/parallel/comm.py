@@ -551,6 +551,8 @@ gather_last_dim = _mapping("gather_last_dim", lambda c, x: c.all_gather(x, -1), 
 scatter_to_seq = _mapping("scatter_to_seq", lambda c, x: c.own_slice(x, 1), lambda c, g: c.all_gather(g, 1))
 gather_from_seq = _mapping("gather_from_seq", lambda c, x: c.all_gather(x, 1), lambda c, g: c.reduce_scatter(g, 1))
 reduce_scatter_seq = _mapping("reduce_scatter_seq", lambda c, x: c.reduce_scatter(x, 1), lambda c, g: c.all_gather(g, 1))
+gather_rows = _mapping("gather_rows", lambda c, x: c.all_gather(x, 0), lambda c, g: c.reduce_scatter(g, 0))
+reduce_scatter_rows = _mapping("reduce_scatter_rows", lambda c, x: c.reduce_scatter(x, 0), lambda c, g: c.all_gather(g, 0))
 
 
 class _AllToAll(torch.autograd.Function):

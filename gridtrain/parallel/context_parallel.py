@@ -355,13 +355,14 @@ class _CPAttention(torch.autograd.Function):
     group; ``cp.mode`` says how the other ranks' blocks arrive (see :func:`attention`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, documents: tuple[Spans, ...] | None = None):
+    def forward(ctx, q, k, v, cp: ContextParallel, documents: tuple[Spans, ...] | None = None,
+                scale: float | None = None):
         with _named(cp, "forward"):
-            return _CPAttention._forward(ctx, q, k, v, cp, documents)
+            return _CPAttention._forward(ctx, q, k, v, cp, documents, scale)
 
     @staticmethod
-    def _forward(ctx, q, k, v, cp: ContextParallel, documents: tuple[Spans, ...] | None):
-        scale = 1.0 / math.sqrt(q.shape[-1])
+    def _forward(ctx, q, k, v, cp: ContextParallel, documents: tuple[Spans, ...] | None, scale: float | None):
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         size, rank = cp.size, cp.rank
         kernel = _kernel(q)
 
@@ -391,7 +392,7 @@ class _CPAttention(torch.autograd.Function):
                     _forward_blocks(qh, gathered[src], visible_pairs(size, rank, src), acc, scale, blocks(src), kernel)
             saved = (gathered,)
         out = torch.cat([a[0] for a in acc], dim=2).to(q.dtype)
-        ctx.cp, ctx.kv_dtype, ctx.documents, ctx.kernel = cp, k.dtype, documents, kernel
+        ctx.cp, ctx.kv_dtype, ctx.documents, ctx.kernel, ctx.scale = cp, k.dtype, documents, kernel, scale
         ctx.save_for_backward(q, out, acc[0][1], acc[1][1], *saved)
         return out
 
@@ -403,8 +404,7 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dout):
         q, out, lse0, lse1, *saved = ctx.saved_tensors
-        cp, size, rank, kernel = ctx.cp, ctx.cp.size, ctx.cp.rank, ctx.kernel
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        cp, size, rank, kernel, scale = ctx.cp, ctx.cp.size, ctx.cp.rank, ctx.kernel, ctx.scale
         qh, doh, oh = q.chunk(2, dim=2), dout.contiguous().chunk(2, dim=2), out.chunk(2, dim=2)
         lse = [lse0, lse1]
         dqh = [torch.zeros(h.shape, dtype=lse0.dtype, device=h.device) for h in qh]
@@ -432,7 +432,8 @@ class _CPAttention(torch.autograd.Function):
             dkv = torch.stack([_backward_blocks(qh, doh, oh, lse, gathered[src], visible_pairs(size, rank, src),
                                                 dqh, scale, blocks(src), kernel) for src in range(size)])
             own = _Timed(cp.transfers, cp.comm.start_reduce_scatter(dkv, dim=0), dkv.device).wait()[0]
-        return torch.cat(dqh, dim=2).to(q.dtype), own[0].to(ctx.kv_dtype), own[1].to(ctx.kv_dtype), None, None
+        return (torch.cat(dqh, dim=2).to(q.dtype), own[0].to(ctx.kv_dtype), own[1].to(ctx.kv_dtype), None, None,
+                None)
 
 
 def _ring_step(cp: ContextParallel, block: torch.Tensor) -> _Timed:
@@ -455,7 +456,8 @@ def _named(cp: ContextParallel, phase: str):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
-              documents: torch.Tensor | tuple[Spans, ...] | None = None) -> torch.Tensor:
+              documents: torch.Tensor | tuple[Spans, ...] | None = None,
+              scale: float | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries ``q`` ``[b, heads, 2n, d]`` over the
     keys and values ``k``, ``v`` ``[b, kv_heads, 2n, d]`` of every rank of ``cp``: the
     same numbers as one process attending over the whole sequence, for this rank's
@@ -474,11 +476,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     ``documents`` (``--document-mask``): the whole sequence's document spans per row
     (:func:`attention_blocks.document_spans`; document ids ``[b, seq_len]`` are turned
     into them here): each query sees only its own document's keys (module docstring,
-    "Documents").
+    "Documents"). ``scale``: of the scores (default ``1 / sqrt(d)``). Keys and values
+    travel stacked in one message, so they have one head width (latent attention pads
+    its values to the query width: models/attention.py).
 
     Outside ``torch.compile``'s graphs (a compiled block breaks around it: see
     split_backward.outside_compiled_graphs, which imports dynamo only when compiling):
     its point-to-point sends are not traceable."""
     if isinstance(documents, torch.Tensor):
         documents = attention_blocks.document_spans(documents)
-    return outside_compiled_graphs(_CPAttention.apply, q, k, v, cp, documents)
+    return outside_compiled_graphs(_CPAttention.apply, q, k, v, cp, documents, scale)

@@ -134,7 +134,7 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
     timeout_s = cfg.training.dist_timeout_s
     groups = create_process_groups(grid, rank, timeout=timedelta(seconds=watchdog.backstop_timeout_s(timeout_s)),
-                                   zero_shard_size=p.zero_shard_size, ep=p.ep)
+                                   zero_shard_size=p.zero_shard_size, ep=p.ep, etp=p.etp)
     device = rank_device(resolve_device_type(cfg.training.device), backend=cfg.training.backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -169,7 +169,9 @@ def setup_distributed(cfg: Config) -> DistributedContext:
                               bytes=counter, recorder=recorder,
                               cp=ContextParallel(cp, p.cp_comm) if cp is not None else ContextParallel(mode=p.cp_comm),
                               dp_x_cp=dp_x_cp, zero_shard=comm("zero_shard"), zero_replica=comm("zero_replica"),
-                              ep=_expert_parallel(comm("ep") or single("ep"), tp, dp_x_cp or dp, coords, grid.cp),
+                              ep=_expert_parallel(comm("ep") or single("ep"), tp, dp_x_cp or dp, coords, grid.cp,
+                                                  grid.folds_experts(p.ep, p.etp), comm("etp") or single("etp"),
+                                                  cp=cp),
                               expert_dp=comm("expert_dp"))
 
 
@@ -185,14 +187,19 @@ def _comm(groups: ProcessGroups, kind: str, counter: ByteCounter, device: torch.
     return CommGroup.of(kind, group, counter, device=device)
 
 
-def _expert_parallel(comm: CommGroup, tp: TensorParallel, dp_cp: CommGroup, coords, cp_size: int) -> ExpertParallel:
+def _expert_parallel(comm: CommGroup, tp: TensorParallel, dp_cp: CommGroup, coords, cp_size: int,
+                     folded: bool = False, etp: CommGroup | None = None,
+                     cp: CommGroup | None = None) -> ExpertParallel:
     """The ep group (one rank when --ep is 1), the groups a global micro-batch's tokens
     are spread over (dp x cp, and tp under sequence parallelism: without it the tp ranks
-    hold the same tokens) and where this rank's tokens sit in it."""
+    hold the same tokens), those one sequence's tokens are (``cp``'s group, and tp under
+    sequence parallelism) and where this rank's tokens sit in it."""
     spread = (dp_cp, tp.comm) if tp.sequence_parallel else (dp_cp,)
     sp = tp.sequence_parallel
+    sequence = ((cp,) if cp is not None else ()) + ((tp.comm,) if sp else ())
     return ExpertParallel(comm, spread, dp_rank=coords.dp, cp_size=cp_size, cp_rank=coords.cp,
-                          sp_size=tp.size if sp else 1, sp_rank=tp.rank if sp else 0)
+                          sp_size=tp.size if sp else 1, sp_rank=tp.rank if sp else 0, folded=folded,
+                          etp=etp or single("etp"), sequence_groups=sequence, dp_size=dp_cp.size // cp_size)
 
 
 def shutdown() -> None:

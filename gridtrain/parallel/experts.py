@@ -63,6 +63,11 @@ with the same number of micro-batches per step computes the same loss. (Statisti
 whole global batch would need every micro-batch routed before any backward: GPipe's
 memory; 1F1B runs a micro-batch's backward before later ones exist.)
 
+DeepSeek-V3's sequence-wise balance loss takes the same statistics per sequence: each
+rank's per-sequence counts and probability sums are all-reduced over the groups that
+split a sequence (:meth:`ExpertParallel.start_sequence_sum`: cp, and tp under sequence
+parallelism), started beside the global sum; sequences on other dp ranks are theirs.
+
 The loss's gradient is injected at the layer's output (:func:`with_aux_loss`), scaled so
 that, after the data-parallel average, each layer contributes ``coeff x (1 / m) x
 d aux / d theta`` per micro-batch: the aux loss is summed over layers and averaged over the
@@ -92,6 +97,10 @@ class LayerStats:
     # rows this rank's experts received (its own and its ep peers'), all micro-batches; a
     # device tensor where counting them would need a host read (capacity at ep 1)
     received: int | torch.Tensor = 0
+    # DeepSeek-V3's sequence-wise balance loss (without the coefficient), this rank's share
+    # of the global micro-batches' mean (step_routing sums the shares over the token groups)
+    seq_aux: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # the expert bias the step routed with (aux-loss-free balancing)
 
 
 @dataclass
@@ -107,36 +116,50 @@ class RoutingLog:
         self.layers.clear()
 
     def record(self, layer: int, counts: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor,
-               received: int | torch.Tensor) -> None:
+               received: int | torch.Tensor, seq_aux: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None) -> None:
         s = self.layers.get(layer)
         if s is None:
-            self.layers[layer] = LayerStats(counts.clone(), aux.clone(), dropped.clone(), 1, received)
+            self.layers[layer] = LayerStats(counts.clone(), aux.clone(), dropped.clone(), 1, received,
+                                            None if seq_aux is None else seq_aux.clone(),
+                                            None if bias is None else bias.clone())
             return
         s.counts += counts
         s.aux += aux
         s.dropped += dropped
         s.micro_batches += 1
         s.received += received
+        if seq_aux is not None:
+            s.seq_aux += seq_aux
 
 
 @dataclass
 class ExpertParallel(OnGroup):
     """What a MoE layer needs from the grid: its expert-parallel group (``comm``; one rank
     when ``--ep`` is 1), the groups a global micro-batch's tokens are spread over
-    (``token_groups``: dp x cp, plus tp under sequence parallelism), the gradient scale of
-    the load-balancing loss this step, and the step's routing log."""
+    (``token_groups``: dp x cp, plus tp under sequence parallelism) and those one
+    sequence's tokens are spread over (``sequence_groups``: cp, plus tp under sequence
+    parallelism), the gradient scale of the load-balancing loss this step, and the step's
+    routing log."""
 
     comm: CommGroup = field(default_factory=lambda: single("ep"))
     token_groups: tuple[CommGroup, ...] = ()
+    sequence_groups: tuple[CommGroup, ...] = ()
     aux_grad_scale: float = 1.0  # set by the trainer each step: dp x cp x loss scale / micro-batches
     log: RoutingLog = field(default_factory=RoutingLog)
     # where this rank's tokens sit in the global micro-batch (capacity's drop order):
     # its dp index, its cp group and, under sequence parallelism, its tp share
     dp_rank: int = 0
+    dp_size: int = 1
     cp_size: int = 1
     cp_rank: int = 0
     sp_size: int = 1
     sp_rank: int = 0
+    # MoE parallel folding (grid.ProcessGrid.folds_experts): the ep group spans tp ranks, whose
+    # experts then differ (never summed over tp, counted and written by every tp rank)
+    folded: bool = False
+    # expert tensor parallelism (--etp): the ranks that split each of this rank's experts' MLPs
+    etp: CommGroup = field(default_factory=lambda: single("etp"))
 
     def local_experts(self, n_experts: int) -> range:
         """The experts this rank holds: ``E / ep`` consecutive ones."""
@@ -176,16 +199,26 @@ class ExpertParallel(OnGroup):
         """Start summing ``t`` over every rank holding tokens of this global micro-batch;
         returns the wait, which gives ``t`` summed (the first group's all-reduce travels
         meanwhile: the experts' dispatch and compute hide it)."""
-        groups = self.token_groups
-        pending = groups[0].start_all_reduce(t) if groups else None
+        return _start_sum(t, self.token_groups)
 
-        def wait() -> torch.Tensor:
-            if pending is not None:
-                pending.wait()
-            for g in groups[1:]:
-                g.all_reduce(t)
-            return t
-        return wait
+    def start_sequence_sum(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """:meth:`start_global_sum` over the ranks holding parts of this rank's sequences
+        (their cp chunks and, under sequence parallelism, tp shares): per-sequence sums."""
+        return _start_sum(t, self.sequence_groups)
+
+
+def _start_sum(t: torch.Tensor, groups: tuple[CommGroup, ...]) -> Callable[[], torch.Tensor]:
+    """Start summing ``t`` in place over ``groups`` (the first one's all-reduce now, the
+    others' at the wait); returns the wait, which gives ``t`` summed."""
+    pending = groups[0].start_all_reduce(t) if groups else None
+
+    def wait() -> torch.Tensor:
+        if pending is not None:
+            pending.wait()
+        for g in groups[1:]:
+            g.all_reduce(t)
+        return t
+    return wait
 
 
 # ---- permutation ------------------------------------------------------------------------------------
@@ -453,11 +486,16 @@ def with_aux_loss(out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.T
 class LayerRouting:
     """One MoE layer over one step: assignments per expert (all ranks, every micro-batch),
     its load-balancing loss (mean over the step's global micro-batches, without the
-    coefficient; 1.0 is perfect balance) and the assignments capacity dropped."""
+    coefficient; 1.0 is perfect balance), the assignments capacity dropped, DeepSeek-V3's
+    sequence-wise balance loss (mean over the global micro-batches' sequences, without
+    the coefficient; 0 when off) and the expert bias the step routed with (None without
+    one)."""
 
     tokens_per_expert: list[int]
     aux_loss: float
     dropped: int = 0
+    seq_aux_loss: float = 0.0
+    expert_bias: list[float] | None = None
 
     @property
     def max_load(self) -> float:
@@ -466,26 +504,43 @@ class LayerRouting:
         return max(self.tokens_per_expert) / mean if mean else 0.0
 
     def as_json(self) -> dict:
-        return {"tokens_per_expert": self.tokens_per_expert, "max_load": self.max_load, "aux_loss": self.aux_loss,
-                "dropped": self.dropped}
+        row = {"tokens_per_expert": self.tokens_per_expert, "max_load": self.max_load, "aux_loss": self.aux_loss,
+               "dropped": self.dropped}
+        if self.seq_aux_loss:
+            row["seq_aux_loss"] = self.seq_aux_loss
+        if self.expert_bias is not None:
+            row["expert_bias"] = self.expert_bias
+        return row
 
 
 def step_routing(log: RoutingLog, moe_layers: list[int], n_experts: int, pp: CommGroup,
-                 device: torch.device) -> dict[int, LayerRouting]:
+                 device: torch.device, token_groups: tuple[CommGroup, ...] = ()) -> dict[int, LayerRouting]:
     """Every MoE layer's routing this step, the same on every rank: each stage fills the
-    rows of its own layers (their counts are global already), one all-reduce over the
-    pipeline brings them together, one host read (``moe_routing_stats``)."""
+    rows of its own layers (their counts are global already; the sequence-wise loss's
+    shares are summed over ``token_groups`` first, where any layer has them), one
+    all-reduce over the pipeline brings them together, one host read
+    (``moe_routing_stats``). A row: the counts, the load-balancing loss, the drops, the
+    sequence-wise loss, whether the layer has an expert bias, the bias."""
     if not moe_layers:
         return {}
-    rows = torch.zeros(len(moe_layers), n_experts + 2, dtype=torch.float64, device=device)
+    e = n_experts
+    rows = torch.zeros(len(moe_layers), 2 * e + 4, dtype=torch.float64, device=device)
     for i, layer in enumerate(moe_layers):
         s = log.layers.get(layer)
         if s is not None:
-            rows[i, :n_experts] = s.counts
-            rows[i, n_experts] = s.aux / max(1, s.micro_batches)
-            rows[i, n_experts + 1] = s.dropped
+            rows[i, :e] = s.counts
+            rows[i, e] = s.aux / max(1, s.micro_batches)
+            rows[i, e + 1] = s.dropped
+            if s.seq_aux is not None:
+                rows[i, e + 2] = s.seq_aux / max(1, s.micro_batches)
+            if s.bias is not None:
+                rows[i, e + 3] = 1.0
+                rows[i, e + 4:] = s.bias
+    if any(s.seq_aux is not None for s in log.layers.values()):  # the same on every rank of a stage
+        rows[:, e + 2] = _start_sum(rows[:, e + 2].contiguous(), token_groups)()
     pp.all_reduce(rows)
     table = host_sync.read("moe_routing_stats", rows, lambda t: t.tolist(),
-                           stand_in=lambda: [[1.0] * n_experts + [1.0, 0.0]] * len(moe_layers))
-    return {layer: LayerRouting([int(c) for c in row[:n_experts]], row[n_experts], int(row[n_experts + 1]))
+                           stand_in=lambda: [[1.0] * e + [1.0, 0.0, 0.0, 0.0] + [0.0] * e] * len(moe_layers))
+    return {layer: LayerRouting([int(c) for c in row[:e]], row[e], int(row[e + 1]), row[e + 2],
+                                row[e + 4:] if row[e + 3] else None)
             for layer, row in zip(moe_layers, table)}

@@ -232,16 +232,45 @@ class ProcessGrid:
         same shard (the same place in their runs of ``size``), ordered by (pp, tp, place)."""
         return self._strided(size)
 
-    def all_ep_groups(self, ep: int) -> list[list[int]]:
-        """Expert-parallel groups: runs of ``ep`` consecutive dp x cp members (same tp and
-        pp), each holding every expert once between them; ordered by (pp, tp, run)."""
-        return self._runs(ep)
+    def folds_experts(self, ep: int, etp: int = 1) -> bool:
+        """Whether the expert grid (``etp x ep`` ranks per copy of the experts) is laid
+        over all tp x cp x dp ranks of a stage (MoE parallel folding, as Megatron-core's)
+        rather than over the dp x cp ranks of each tp index: where dp x cp cannot hold it
+        (``ep x etp`` does not divide dp x cp). Folded, a rank's experts differ from its
+        tp neighbours'; unfolded, the tp ranks of a dp x cp position hold the same ones."""
+        return ep * etp > 1 and (self.dp * self.cp) % (ep * etp) != 0
 
-    def all_expert_dp_groups(self, ep: int) -> list[list[int]]:
-        """Expert-data-parallel groups: the dp x cp members holding the same experts (the
-        same place in their ep runs), over which expert gradients are reduced; ordered by
-        (pp, tp, place)."""
-        return self._strided(ep)
+    def _expert_bases(self, ep: int, etp: int) -> list[list[int]]:
+        """The rank lists an expert grid tiles: each stage's ranks when folded, else each
+        dp x cp group (one per (pp, tp))."""
+        return self._stages() if self.folds_experts(ep, etp) else self.all_dp_cp_groups()
+
+    def all_etp_groups(self, ep: int, etp: int) -> list[list[int]]:
+        """Expert-tensor-parallel groups: runs of ``etp`` consecutive members of each base
+        (:meth:`_expert_bases`), which split each of their experts' MLPs between them."""
+        return [g[i:i + etp] for g in self._expert_bases(ep, etp) for i in range(0, len(g), etp)]
+
+    def all_ep_groups(self, ep: int, etp: int = 1) -> list[list[int]]:
+        """Expert-parallel groups, each holding every expert once between them (each
+        expert split over its etp group): within each run of ``ep x etp`` consecutive
+        members of a base, the members at the same place of their etp runs. Unfolded with
+        etp 1: runs of ``ep`` consecutive dp x cp members (same tp and pp), ordered by (pp,
+        tp, run); folded: runs of ``ep`` consecutive ranks of each stage (tp fastest)."""
+        n = ep * etp
+        return [g[b + j:b + n:etp] for g in self._expert_bases(ep, etp) for b in range(0, len(g), n)
+                for j in range(etp)]
+
+    def all_expert_dp_groups(self, ep: int, etp: int = 1) -> list[list[int]]:
+        """Expert-data-parallel groups: the members of a base at the same place of their
+        runs of ``ep x etp`` (they hold the same expert slices), over which expert
+        gradients are reduced; ordered by (pp, tp, place) unfolded."""
+        n = ep * etp
+        return [g[i::n] for g in self._expert_bases(ep, etp) for i in range(n)]
+
+    def _stages(self) -> list[list[int]]:
+        """The ranks of each pipeline stage, in rank order (tp fastest, then cp, then dp)."""
+        n = self.tp * self.cp * self.dp
+        return [list(range(p * n, (p + 1) * n)) for p in range(self.pp)]
 
     def _runs(self, size: int) -> list[list[int]]:
         """Each dp x cp group cut into runs of ``size`` consecutive members."""
@@ -327,7 +356,7 @@ class GroupKind:
 
 
 def _group_kinds(grid: ProcessGrid, zero_shard_size: int | None = None,
-                 ep: int = 1) -> list[tuple[str, list[list[int]]]]:
+                 ep: int = 1, etp: int = 1) -> list[tuple[str, list[list[int]]]]:
     """Every kind of group with all of its rank lists, in the one order all ranks use.
     The cp and dp x cp groups exist only when cp > 1 (with cp 1 the dp group is the
     dp x cp group); the hybrid-sharding groups only when ``zero_shard_size`` cuts dp x cp;
@@ -345,18 +374,21 @@ def _group_kinds(grid: ProcessGrid, zero_shard_size: int | None = None,
     if zero_shard_size is not None and zero_shard_size < grid.dp * grid.cp:
         kinds += [("zero_shard", grid.all_zero_shard_groups(zero_shard_size)),
                   ("zero_replica", grid.all_zero_replica_groups(zero_shard_size))]
-    if ep > 1:
-        kinds += [("ep", grid.all_ep_groups(ep)), ("expert_dp", grid.all_expert_dp_groups(ep))]
+    if ep * etp > 1:
+        kinds += [("ep", grid.all_ep_groups(ep, etp)), ("expert_dp", grid.all_expert_dp_groups(ep, etp))]
+    if etp > 1:
+        kinds += [("etp", grid.all_etp_groups(ep, etp))]
     return kinds
 
 
-def group_plan(grid: ProcessGrid, zero_shard_size: int | None = None, ep: int = 1) -> list[GroupKind]:
+def group_plan(grid: ProcessGrid, zero_shard_size: int | None = None, ep: int = 1,
+               etp: int = 1) -> list[GroupKind]:
     """Every kind of group the run uses, in the one order all ranks walk, each marked with
     the kind whose torch groups serve it (:class:`GroupKind`): one-rank groups are not
     made, and a kind with the same groups as an earlier one shares them."""
     plan: list[GroupKind] = []
     made: dict[frozenset, str] = {}  # the groups of each kind that is made -> its name
-    for name, rank_lists in _group_kinds(grid, zero_shard_size, ep):
+    for name, rank_lists in _group_kinds(grid, zero_shard_size, ep, etp):
         groups = tuple(tuple(sorted(g)) for g in rank_lists)
         if all(len(g) == 1 for g in groups):
             plan.append(GroupKind(name, groups, None))
@@ -467,6 +499,7 @@ def create_process_groups(
     timeout: timedelta | None = None,
     zero_shard_size: int | None = None,
     ep: int = 1,
+    etp: int = 1,
 ) -> ProcessGroups:
     """Make this rank's groups of every kind of :func:`group_plan` and return them.
 
@@ -484,7 +517,7 @@ def create_process_groups(
     ``--timeout`` plus a margin, so that the watchdog's hang report comes first.
     """
     _check_world(grid, rank)
-    plan = group_plan(grid, zero_shard_size, ep)
+    plan = group_plan(grid, zero_shard_size, ep, etp)
     split = splits_communicators(backend)
     made = {k.name: _make(k, rank, grid.world_size, split, timeout, backend) for k in plan if k.made_as == k.name}
     members = {k.name: mine for k in plan if (mine := k.group_of(rank)) is not None}

@@ -89,11 +89,22 @@ def shard_spec(param: torch.Tensor) -> ShardSpec | None:
     return getattr(param, "tp_spec", None)
 
 
+def split_over(param: torch.Tensor, tp: "TensorParallel") -> tuple[ShardSpec | None, "CommGroup"]:
+    """How ``param`` is split and over which group: its TP spec over ``tp``'s group, or,
+    for an expert's slice under expert tensor parallelism (``--etp``), its spec over its
+    etp group (``param.etp_shard``: (spec, group), set by models/moe.py). What places a
+    rank's piece in the whole tensor (checkpoints, initialisation, gathers) asks this."""
+    etp = getattr(param, "etp_shard", None)
+    return etp if etp is not None else (shard_spec(param), tp.comm)
+
+
 def is_tp_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
     """True for a copy of a parameter that another TP rank also holds, on any rank but
     the first of those holding it: count it only once (replicated parameters, and
     replicated slices such as shared key/value heads)."""
     spec = shard_spec(param)
+    if getattr(param, "tp_distinct", False):  # folded experts: each tp rank holds its own
+        return False
     if spec is None:
         return tp_rank != 0
     return tp_rank % spec.replicas != 0
@@ -250,12 +261,20 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _param(self.rows, dim, spec=ShardSpec(0))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return F.embedding(tokens, self.weight)
-        local = tokens - self.start
-        outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.tp.leave(out.masked_fill(outside.unsqueeze(-1), 0.0))
+        return vocab_parallel_embedding(tokens, self.weight, self.tp)
+
+
+def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The lookup of ``tokens`` in a table whose rows are split over TP (``weight``: this
+    rank's ``padded_vocab / tp`` rows): each rank looks up its own rows, zeros elsewhere,
+    summed over TP (reduce-scattered over the sequence under sequence parallelism)."""
+    if tp.size == 1:
+        return F.embedding(tokens, weight)
+    rows = weight.shape[0]
+    local = tokens - tp.rank * rows
+    outside = (local < 0) | (local >= rows)
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    return tp.leave(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
 def parallel_lm_logits(x: torch.Tensor, weight: torch.Tensor, tp: TensorParallel, *,

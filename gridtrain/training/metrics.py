@@ -90,11 +90,15 @@ def tensorboard_scalars(record: StepRecord, extra: dict | None = None) -> dict[s
         scalars[f"valid/{name}/loss"] = float(value)
     if extra.get("loss_scale") is not None:
         scalars["train/loss_scale"] = float(extra["loss_scale"])
+    if extra.get("mtp_loss") is not None:
+        scalars["train/mtp_loss"] = float(extra["mtp_loss"])
     for group, n in (extra.get("comm_bytes") or {}).items():
         scalars[f"comm_bytes/{group}"] = float(n)
     for layer, r in (extra.get("moe") or {}).items():
         scalars[f"moe/layer{layer}/max_load"] = float(r["max_load"])
         scalars[f"moe/layer{layer}/aux_loss"] = float(r["aux_loss"])
+        if "seq_aux_loss" in r:
+            scalars[f"moe/layer{layer}/seq_aux_loss"] = float(r["seq_aux_loss"])
     return scalars
 
 
@@ -133,7 +137,9 @@ class MetricsLogger:
             for tag, value in tensorboard_scalars(record, extra).items():
                 self._writer.add_scalar(tag, value, global_step=record.step)
         bar = self._progress()
-        bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}", refresh=False)
+        load = {"load": f"{extra['max_load']:.2f}"} if extra and "max_load" in extra else {}  # MoE: max/mean
+        mtp = {"mtp": f"{extra['mtp_loss']:.4f}"} if extra and extra.get("mtp_loss") is not None else {}
+        bar.set_postfix(loss=f"{record.loss:.4f}", **mtp, tok_s=f"{record.tokens_per_s:,.0f}", **load, refresh=False)
         bar.update(1)
 
     def print(self, message: str) -> None:

@@ -63,6 +63,7 @@ class TrainResult:
     trace_events: list[tuple[int, str, float, float]] = field(default_factory=list)  # (step, action, start, end)
     memory: list[StageMemory] = field(default_factory=list)  # every stage's, measured at step 1
     routing: list[dict[int, LayerRouting]] = field(default_factory=list)  # MoE layers' routing, per step
+    mtp_losses: list[float] = field(default_factory=list)  # multi-token prediction's loss, per step (if any)
     startup: Startup | None = None  # the launch to the first step, every rank's peak memory by then
     # ZeRO-3's parameters stay sharded after the run: this makes them whole (Trainer.gather_weights)
     gather_weights: Callable[[], None] = lambda: None
@@ -141,8 +142,11 @@ class RunReport:
         if self._startup_pending:
             extra["startup"], self._startup_pending = result.startup.as_json(), False
         result.routing.append(out.routing)
+        if out.mtp_loss is not None:  # apart from ``loss``, which stays the main head's
+            result.mtp_losses.append(extra.setdefault("mtp_loss", out.mtp_loss))
         if out.routing:
             extra["moe"] = {str(layer): r.as_json() for layer, r in out.routing.items()}
+            extra["max_load"] = max(r.max_load for r in out.routing.values())  # the busiest layer's (plotted)
         if trainer.scaler is not None:
             extra["loss_scale"] = trainer.scaler.scale
             result.skipped_steps = trainer.scaler.skipped
@@ -291,8 +295,10 @@ def routing_summary(steps: list[dict[int, LayerRouting]]) -> str:
         rows = [s[layer] for s in steps if layer in s]
         load = sum(r.max_load for r in rows) / len(rows)
         aux = sum(r.aux_loss for r in rows) / len(rows)
+        seq_aux = sum(r.seq_aux_loss for r in rows) / len(rows)
         dropped = sum(r.dropped for r in rows)
-        parts.append(f"layer {layer} load {load:.2f}, aux {aux:.3f}" + (f", {dropped} dropped" if dropped else ""))
+        parts.append(f"layer {layer} load {load:.2f}, aux {aux:.3f}" + (f", seq aux {seq_aux:.3f}" if seq_aux else "")
+                     + (f", {dropped} dropped" if dropped else ""))
     return "experts (max/mean tokens per expert, load-balancing loss; mean over steps): " + "; ".join(parts)
 
 

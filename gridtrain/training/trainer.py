@@ -21,6 +21,8 @@ token of the global batch. Each micro-batch's summed loss is scaled by
 ``dp x cp / global_tokens`` before backward, so that averaging gradients over the
 dp x cp group yields exactly that mean's gradient for any number of DP ranks, cp ranks
 and micro-batches (cp ranks hold the same parameters and part of every sequence).
+Multi-token prediction's loss (models/mtp.py) is normalised by the same token count,
+joins backward only, and is reported apart (``StepOutput.mtp_loss``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from gridtrain.optim.interface import Optimizer
 from gridtrain.checkpoint.huggingface import open_source
 from gridtrain.checkpoint.materialise import Start
 from gridtrain.models.decoder import IGNORE_INDEX, Block, compile_blocks
+from gridtrain.models.mtp import take_loss_sum
+from gridtrain.models.moe import update_expert_biases
 from gridtrain.optim.optimizer import AdamW, build_optimizer, counts_towards_norm, lr_at, set_lr
 from gridtrain.parallel.pipeline.runtime import PipelineStage, StageStats
 from gridtrain.parallel.pipeline.schedules import build_schedule, uses_split_backward
@@ -74,6 +78,7 @@ class StepOutput:
     stage: StageStats  # what this rank's pipeline stage did
     loss_scale: float | None = None  # fp16: the loss scale this step ran with
     routing: dict[int, LayerRouting] = field(default_factory=dict)  # MoE layers' routing, by layer index
+    mtp_loss: float | None = None  # multi-token prediction: mean over depths of each depth's loss (mtp.py)
 
 
 @dataclass
@@ -130,21 +135,26 @@ class Trainer:
         ctx.ep.log.reset()
         loss_sum, stats = self.pipeline.run(batches, ctx.dp_cp.size / global_tokens * scale,
                                             lambda: reduce_gradients(self.model, self.reducer, ctx))
-        routing = step_routing(ctx.ep.log, self.cfg.model.moe_layers, self.cfg.model.n_experts, ctx.pp, ctx.device)
+        routing = step_routing(ctx.ep.log, self.cfg.model.moe_layers, self.cfg.model.n_experts, ctx.pp, ctx.device,
+                               ctx.ep.token_groups)
         if self.scaler is not None:
             self.optimizer.unscale(scale)
         max_norm = self.cfg.optim.grad_clip
+        mtp_sum = take_loss_sum(self.model)  # the last stage's, normalised as the main loss (mtp.py)
         s = step_scalars(self.optimizer, ctx, loss_sum / global_tokens if holds_loss else None,
-                         check_finite=self.scaler is not None, max_norm=max_norm)
+                         check_finite=self.scaler is not None, max_norm=max_norm, mtp=self.cfg.model.mtp_layers > 0,
+                         mtp_loss=mtp_sum / global_tokens if mtp_sum is not None else None)
         used_scale = self.loss_scale
         if self.scaler is not None:
             self.scaler.update(s.finite)
             if not s.finite:
-                return StepOutput(s.loss, float("inf"), stats, used_scale, routing)
+                return StepOutput(s.loss, float("inf"), stats, used_scale, routing, s.mtp_loss)
         self.optimizer.clip_to(s.grad_norm, max_norm)
         if math.isfinite(s.loss) and math.isfinite(s.grad_norm):  # never apply a NaN (stops.py stops the run)
             self.optimizer.step()
-        return StepOutput(s.loss, s.grad_norm, stats, used_scale, routing)
+            if self.cfg.model.moe_expert_bias_rate > 0:  # aux-loss-free balancing, from the step's counts
+                update_expert_biases(self.model, ctx.ep.log)
+        return StepOutput(s.loss, s.grad_norm, stats, used_scale, routing, s.mtp_loss)
 
     @property
     def source_names(self) -> list[str]:
@@ -376,8 +386,9 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext, micro_b
     attach_buckets(units, reducer)
     by_module = {id(u.module): u for u in units}
     chunks = getattr(model, "chunks", None)
+    mtp = [by_module[id(m.block)] for m in getattr(model, "mtp", None) or ()]  # after the head's chunk's blocks
     sequences = None if chunks is None else \
-        [[by_module[id(model.blocks[str(i)])] for i in c.layer_ids] for c in chunks]
+        [[by_module[id(model.blocks[str(i)])] for i in c.layer_ids] + (mtp if c.post_process else []) for c in chunks]
     shards = ParameterShards(model, reducer, units, ctx.shard_group, keep_gathered=p.zero3_keep_gathered,
                              sequences=sequences, fill=start_from.shard_filler(model, ctx) if start_from else None)
     reducer.after_grad = shards.after_grad

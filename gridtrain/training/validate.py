@@ -119,8 +119,8 @@ def _validate_llama(m: ModelConfig) -> None:
     _require(m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
              f"model.rope_high_freq_factor {m.rope_high_freq_factor} must exceed model.rope_low_freq_factor "
              f"{m.rope_low_freq_factor}")
-    _require(m.rope_scaling != "yarn" or m.rope_beta_fast > m.rope_beta_slow,
-             f"model.rope_beta_fast {m.rope_beta_fast} must exceed model.rope_beta_slow {m.rope_beta_slow}")
+    _require(m.rope_scaling != "yarn" or m.rope_beta_fast >= m.rope_beta_slow,  # equal: Kimi K2's 1.0 and 1.0
+             f"model.rope_beta_fast {m.rope_beta_fast} must be at least model.rope_beta_slow {m.rope_beta_slow}")
     if m.mla:
         _require(m.qk_rope_head_dim % 2 == 0,
                  f"--qk-rope-head-dim {m.qk_rope_head_dim} is odd: rotary embeddings turn pairs of dimensions; "
@@ -151,7 +151,7 @@ def _validate_new_parts(m: ModelConfig, d: DataConfig) -> None:
     top_groups = m.moe_group_top_k or m.moe_groups
     _require(top_groups <= m.moe_groups,
              f"--moe-group-top-k {top_groups} exceeds --moe-groups {m.moe_groups}; choose at most every group")
-    _require(m.moe_top_k <= top_groups * (m.n_experts // m.moe_groups),
+    _require(m.moe_groups == 1 or m.moe_top_k <= top_groups * (m.n_experts // m.moe_groups),
              f"--moe-top-k {m.moe_top_k} exceeds the {top_groups * (m.n_experts // m.moe_groups)} experts of the "
              f"{top_groups} groups a token may use; raise --moe-group-top-k or lower --moe-top-k")
     _require(m.moe_groups == 1 or m.n_experts // m.moe_groups >= 2,
@@ -244,14 +244,31 @@ def _validate_experts(m: ModelConfig, p: ParallelConfig, t: TrainingConfig, repl
     what MoE does not compose with yet is refused."""
     if m.n_experts == 0:
         _require(p.ep == 1, f"--ep {p.ep} splits experts, and this model has none; pass --n-experts or drop --ep")
+        _require(p.etp == 1, f"--etp {p.etp} splits experts, and this model has none; pass --n-experts or drop "
+                             f"--etp")
         return
     _require(m.moe_top_k <= m.n_experts,
              f"--moe-top-k {m.moe_top_k} exceeds --n-experts {m.n_experts}; route to at most every expert")
     _require(m.n_experts % p.ep == 0,
              f"--ep {p.ep} does not divide --n-experts {m.n_experts}; choose an ep that divides the expert count")
-    _require(replicas % p.ep == 0,
-             f"--ep {p.ep} does not divide the {replicas} data-parallel x cp ranks it is carved from; choose an ep "
-             f"that divides dp x cp")
+    stage = replicas * p.tp  # the tp x cp x dp ranks of a pipeline stage, over which experts may fold
+    _require(stage % (p.ep * p.etp) == 0,
+             f"--ep {p.ep} x --etp {p.etp} does not divide the {stage} tp x cp x dp ranks of a pipeline stage the "
+             f"expert grid is laid over; choose ep x etp dividing tp x cp x dp")
+    folded = replicas % (p.ep * p.etp) != 0  # grid.ProcessGrid.folds_experts: the expert groups span tp ranks
+    _require(not folded or p.sequence_parallel,
+             f"--ep {p.ep} x --etp {p.etp} does not divide the {replicas} data-parallel x cp ranks, so experts fold "
+             f"over tp, and without --sequence-parallel the tp ranks hold the same tokens; pass --sequence-parallel "
+             f"(or ep x etp dividing dp x cp)")
+    if p.etp > 1:
+        _require(m.moe_ffn_size % p.etp == 0,
+                 f"--etp {p.etp} does not divide the experts' width {m.moe_ffn_size}; choose an etp that divides "
+                 f"--moe-ffn-hidden")
+        _require(m.arch == "llama", f"--etp {p.etp} with --arch gpt2: GPT-2 experts' output bias is not split over "
+                                    f"etp; use --etp 1 or --arch llama")
+        _require(m.moe_capacity_factor is None,
+                 f"--etp {p.etp} with --moe-capacity-factor: capacity drops by token order, which pooling tokens "
+                 f"over the etp group does not keep yet; drop one of them")
     _require(m.moe_shared_experts == 0 or (m.moe_shared_experts * m.moe_ffn_size) % p.tp == 0,
              f"--tp {p.tp} does not divide the shared experts' width {m.moe_shared_experts * m.moe_ffn_size}; "
              f"choose a tp that divides it")

@@ -199,6 +199,8 @@ class PipelineStage:
             x = batch["tokens"] if first else self.inputs[(mb, chunk)]
             # the last chunk returns its summed loss (the Decoder's fused, chunked head + loss)
             extra = {"reduction": "sum"} if last else {}
+            if last and getattr(self.model, "mtp", None) is not None:  # multi-token prediction embeds later tokens
+                extra["tokens"] = batch["tokens"]
             if batch is not None and "documents" in batch:  # --document-mask: every chunk's attention
                 extra["documents"] = batch["documents"]
             out = self.model(x, batch["labels"] if last else None, chunk=chunk, **extra)
