@@ -152,6 +152,7 @@ def test_the_logged_aux_loss_is_one_for_perfect_balance():
     (dict(n_experts=8, etp=2, nproc=2, moe_ffn_hidden=33), "--etp 2 does not divide the experts' width 33"),
     (dict(n_experts=8, etp=2, nproc=2, arch="gpt2", n_kv_head=None), "--etp 2 with --arch gpt2"),
     (dict(n_experts=8, etp=2, nproc=2, moe_capacity_factor=1.0), "--etp 2 with --moe-capacity-factor"),
+    (dict(n_experts=8, etp=2, nproc=4, zero=1, zero_shard_size=2), "--zero-shard-size with --etp 2"),
     (dict(n_experts=4, moe_top_k=5), "--moe-top-k 5 exceeds --n-experts 4"),
     (dict(n_experts=8, ep=2, nproc=4, zero=1, zero_shard_size=2), "--zero-shard-size with --ep 2"),
     (dict(n_experts=8, compile=True), "--compile with --n-experts"),

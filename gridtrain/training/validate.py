@@ -275,6 +275,9 @@ def _validate_experts(m: ModelConfig, p: ParallelConfig, t: TrainingConfig, repl
     _require(p.ep == 1 or p.zero_shard_size is None,
              f"--zero-shard-size with --ep {p.ep}: hybrid sharding of experts over their own group is not built "
              f"yet; drop one of them")
+    _require(p.etp == 1 or p.zero_shard_size is None,
+             f"--zero-shard-size with --etp {p.etp}: hybrid sharding of experts over their own group is not built "
+             f"yet; drop one of them")
     _require(not t.compile, "--compile with --n-experts: MoE layers size their tensors by the routing counts "
                             "(host reads inside the block); not compiled yet, drop --compile")
 
