@@ -38,7 +38,7 @@ ISSUE_KEYS = {"dp", "tp", "pp", "vpp", "micro_batch_size", "schedule", "recomput
               "memory_gb_per_gpu", "fits"}
 CP_KEYS = {"cp", "cp_comm"}  # context parallelism's (tests/test_planner_cp.py)
 ZERO_KEYS = {"zero_shard_size", "zero3_keep_gathered"}  # ZeRO-2/3 and hybrid sharding's (tests/test_planner_zero.py)
-EP_KEYS = {"ep"}  # expert parallelism's (tests/test_planner_moe.py)
+EP_KEYS = {"ep", "etp"}  # expert (tensor) parallelism's (tests/test_planner_moe.py, test_planner_deepseek.py)
 
 
 # ---- communication ---------------------------------------------------------------------------------

@@ -530,17 +530,22 @@ def test_ep_sizes_divide_the_group_and_the_experts():
 
 
 def test_layouts_keep_the_rules():
-    """ep divides dp x cp and the experts; beside ep > 1 every ZeRO stage (ZeRO-3 kept
-    gathered or not), over the whole group only (no hybrid sharding); every valid ep of a
-    layout is there; a dense model's layouts are all ep 1."""
+    """ep x etp divides the stage's tp x cp x dp ranks and ep the experts (folded over tp
+    where it does not divide dp x cp: then with SP); beside ep > 1 every ZeRO stage
+    (ZeRO-3 kept gathered or not), over the whole group only (no hybrid sharding); every
+    valid ep of a layout is there; a dense model's layouts are all ep 1."""
     job = Job(replace(SMALL, n_experts=4), 64, H100)
     every = list(layouts(job, 32))
     assert {lay.ep for lay in every} == {1, 2, 4}
     for lay in every:
-        group = lay.dp * lay.cp
-        assert group % lay.ep == 0 and 4 % lay.ep == 0
-        if lay.ep > 1:
+        stage = lay.tp * lay.dp * lay.cp
+        assert stage % (lay.ep * lay.etp) == 0 and 4 % lay.ep == 0
+        assert lay.folded == ((lay.dp * lay.cp) % (lay.ep * lay.etp) != 0)
+        assert not (lay.folded and lay.tp > 1) or lay.sequence_parallel
+        assert lay.tp == 1 or lay.sequence_parallel  # MoE with tp: SP
+        if lay.ep * lay.etp > 1:
             assert lay.zero_shard_size is None
+    assert any(lay.folded for lay in every) and any(lay.etp > 1 for lay in every)
     with_ep = {(lay.zero, lay.zero3_keep_gathered) for lay in every if lay.ep > 1}
     assert with_ep == {(0, False), (1, False), (2, False), (3, True), (3, False)}
     assert any(lay.zero_shard_size for lay in every if lay.ep == 1)  # hybrid sharding at ep 1 still

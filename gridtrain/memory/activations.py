@@ -215,7 +215,7 @@ def layer_shape(m, *, batch: int, tp: int, sequence_parallel: bool, element_byte
         shape.update(qk_norm=m.qk_norm)
     if layer is not None and m.is_moe_layer(layer):
         shape.update(mlp_bytes=moe_mlp_bytes_per_token(m, tp=tp, sequence_parallel=sequence_parallel and tp > 1,
-                                                       element_bytes=element_bytes, ep=ep))
+                                                       element_bytes=element_bytes, ep=ep, etp=etp))
     return shape
 
 

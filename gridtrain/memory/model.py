@@ -27,7 +27,17 @@ of each MoE block it holds; with ``ep`` > 1 their gradients are reduced and ZeRO
 their state (ZeRO-1 the optimizer's, ZeRO-2 the gradients too, ZeRO-3 the parameters
 too) over the expert-data-parallel group (``dp x cp / ep``), the rest over ``dp x cp``;
 a MoE block keeps its router's, permutation's and experts' tensors instead of the dense
-MLP's.
+MLP's. Under expert tensor parallelism (``etp``) a rank's experts are ``1 / etp`` slices
+and their group is ``dp x cp / (ep x etp)``; where the expert grid folds over the tp ranks
+(``grid.folds_experts``) it is ``tp x dp x cp / (ep x etp)``; any ``ep x etp`` > 1 puts
+the experts in buckets of their own.
+
+DeepSeek-V3's other parts: latent attention's blocks (their parameters from
+``mla.attention_parameters``, their activations from the latent terms of
+:mod:`gridtrain.memory.activations`), dense first layers (``is_moe_layer``), and the
+multi-token prediction modules on the stage that ends the model (:func:`mtp_blocks`:
+their blocks among the stage's, their norms and projections, the table's copy where the
+stage does not embed, their activations beside the head's).
 
 The dry run measures the same quantities on fake tensors, and the tests hold them equal
 (the activation peak within a few percent: the norms' per-token statistics are left
@@ -50,11 +60,12 @@ from gridtrain.memory import activations
 from gridtrain.memory.cp import wide_bytes
 from gridtrain.memory.moe import dense_block_parameters, edp_size, moe_block_parameters
 from gridtrain.memory.zero import zero_state_bytes
+from gridtrain.models import mtp as multi_token
 from gridtrain.models.decoder import ChunkSpec, parameter_costs
 from gridtrain.parallel.distributed import TORCH_DTYPES
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.parallel.pipeline.partition import UnitCosts, partition
-from gridtrain.parallel.pipeline.schedules import B, F, build_schedule
+from gridtrain.parallel.pipeline.schedules import ORDERS, B, F, check_sizes
 from gridtrain.parallel.recompute import policy_from
 
 
@@ -63,13 +74,27 @@ from gridtrain.parallel.recompute import policy_from
 def block_partition(cfg: Config, grid: ProcessGrid, costs: UnitCosts | None = None) -> list[list[int]]:
     """Global block ids of each of the ``pp x vpp`` virtual stages: ``--pp-layers``, or
     the ``--pp-partition`` method's split (uniform; parameters, from the model's shape).
-    A measured (``time``) partition has no closed form: its ``costs`` must be given."""
+    A measured (``time``) partition has no closed form: its ``costs`` must be given.
+    The split by parameters is remembered per model shape and stage count
+    (:data:`_PARTITIONS`): balancing 61 blocks over the stages takes about 10 ms, and the
+    planner asks for the same few splits thousands of times."""
     explicit, method = cfg.parallel.pp_layers, cfg.parallel.pp_partition
+    parts = grid.pp * cfg.parallel.vpp
     if explicit is None and costs is None:
         if method == "time":
             raise ValueError("no closed form for --pp-partition time (measured)")
-        costs = parameter_costs(cfg.model) if method == "parameters" else None
-    return partition(cfg.model.n_layer, grid.pp * cfg.parallel.vpp, explicit=explicit, costs=costs)
+        if method == "parameters":
+            key = (repr(cfg.model), parts)
+            if key not in _PARTITIONS:
+                if len(_PARTITIONS) >= 1024:
+                    _PARTITIONS.clear()
+                _PARTITIONS[key] = partition(cfg.model.n_layer, parts, costs=parameter_costs(cfg.model))
+            return [list(stage) for stage in _PARTITIONS[key]]
+    return partition(cfg.model.n_layer, parts, explicit=explicit, costs=costs)
+
+
+# the split by parameters of each (model shape, virtual stages) asked for (block_partition)
+_PARTITIONS: dict[tuple[str, int], list[list[int]]] = {}
 
 
 def chunks_of_stage(cfg: Config, grid: ProcessGrid, stage: int,
@@ -108,25 +133,50 @@ def expert_parallel(cfg: Config) -> int:
     return getattr(cfg.parallel, "ep", 1) or 1
 
 
+def expert_tensor_parallel(cfg: Config) -> int:
+    """The expert-tensor-parallel size (``cfg.parallel.etp``; 1 where the configuration has none)."""
+    return getattr(cfg.parallel, "etp", 1) or 1
+
+
+def experts_apart(cfg: Config) -> bool:
+    """Whether a rank's experts are reduced over a group of their own, in buckets of their
+    own (the runtime's expert-data-parallel group exists): ``ep x etp`` > 1."""
+    return expert_parallel(cfg) * expert_tensor_parallel(cfg) > 1
+
+
 def expert_shards(cfg: Config, grid: ProcessGrid) -> int:
     """The ranks an expert's gradient is reduced (and ZeRO shards its state) over: the
-    expert-data-parallel group, ``dp x cp / ep``."""
-    return edp_size(grid.dp, grid.cp, expert_parallel(cfg))
+    expert-data-parallel group, ``dp x cp / (ep x etp)``, or folded over the tp ranks too
+    (``grid.folds_experts``: ``ep x etp`` does not divide dp x cp) ``tp x dp x cp / (ep x
+    etp)``."""
+    ep, etp = expert_parallel(cfg), expert_tensor_parallel(cfg)
+    return edp_size(grid.dp, grid.cp, ep, etp, grid.tp if grid.folds_experts(ep, etp) else 1)
+
+
+def mtp_blocks(m: ModelConfig, ends: bool) -> list[int]:
+    """The multi-token prediction blocks' layer ids (models/mtp.py: ``n_layer`` .. ``n_layer
+    + N - 1``) on a stage that ``ends`` the model (they run with the head); none elsewhere."""
+    return list(multi_token.layer_ids(m)) if ends and getattr(m, "mtp_layers", 0) else []
 
 
 def _holds(cfg: Config, grid: ProcessGrid, rank: int) -> tuple[int, bool, bool]:
-    """How many blocks rank ``rank`` holds, and whether it holds the embedding and the head."""
+    """How many blocks rank ``rank`` holds (the multi-token prediction modules' blocks
+    included, on the stage with the head), and whether it holds the embedding and the head."""
     chunks = chunks_of_stage(cfg, grid, grid.coords(rank).pp)
-    return (sum(len(c.layer_ids) for c in chunks), any(c.pre_process for c in chunks),
-            any(c.post_process for c in chunks))
+    ends = any(c.post_process for c in chunks)
+    return (sum(len(c.layer_ids) for c in chunks) + len(mtp_blocks(cfg.model, ends)),
+            any(c.pre_process for c in chunks), ends)
 
 
 def moe_blocks_held(cfg: Config, grid: ProcessGrid, rank: int) -> int:
-    """How many of rank ``rank``'s blocks are MoE blocks (none for a dense model)."""
+    """How many of rank ``rank``'s blocks are MoE blocks (none for a dense model; the
+    multi-token prediction blocks included)."""
     if not cfg.model.n_experts:
         return 0
     chunks = chunks_of_stage(cfg, grid, grid.coords(rank).pp)
-    return sum(cfg.model.is_moe_layer(i) for c in chunks for i in c.layer_ids)
+    ends = any(c.post_process for c in chunks)
+    return sum(cfg.model.is_moe_layer(i) for i in [*(i for c in chunks for i in c.layer_ids),
+                                                   *mtp_blocks(cfg.model, ends)])
 
 
 # ---- parameters, gradients, optimizer state ------------------------------------------------------
@@ -142,14 +192,14 @@ def stage_parameter_split(cfg: Config, grid: ProcessGrid, rank: int) -> tuple[in
     """Rank ``rank``'s parameters as (dense, experts): the ones reduced over ``dp x cp``
     and its experts, reduced over the expert-data-parallel group
     (:func:`expert_shards`); experts 0 for a dense model."""
-    moe, ep = moe_blocks_held(cfg, grid, rank), expert_parallel(cfg)
-    n = stage_parameters(cfg.model, grid.tp, *_holds(cfg, grid, rank), moe_blocks=moe, ep=ep)
-    experts = moe * moe_block_parameters(cfg.model, grid.tp, ep)[1]
+    moe, ep, etp = moe_blocks_held(cfg, grid, rank), expert_parallel(cfg), expert_tensor_parallel(cfg)
+    n = stage_parameters(cfg.model, grid.tp, *_holds(cfg, grid, rank), moe_blocks=moe, ep=ep, etp=etp)
+    experts = moe * moe_block_parameters(cfg.model, grid.tp, ep, etp)[1]
     return n - experts, experts
 
 
 def stage_parameters(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: bool, *, moe_blocks: int = 0,
-                     ep: int = 1) -> int:
+                     ep: int = 1, etp: int = 1) -> int:
     """Parameters of a TP rank holding ``blocks`` blocks, and the embedding and the head
     if it ``embeds`` and ``ends``: per block (models.decoder.block_parameters), GPT-2's
     column-parallel QKV and MLP expansion (weights and biases / t), row-parallel
@@ -159,17 +209,25 @@ def stage_parameters(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: b
     position table where it embeds; the final norm and, unless it also embeds, a copy of
     the (tied) table or the untied head where it ends. ``moe_blocks`` of the blocks are
     MoE blocks (gridtrain.memory.moe.moe_block_parameters: their dense part and
-    ``E / ep`` experts)."""
+    ``E / ep`` experts, each ``1 / etp`` of one). Latent attention's blocks count
+    mla.attention_parameters (q_a, kv_a and their norms whole, the rest by heads).
+    Multi-token prediction (``m.mtp_layers``, models/mtp.py) where it ends: its blocks are
+    among ``blocks`` (and ``moe_blocks``), and per depth three RMSNorms and the ``[d, 2d]``
+    projection, whole on every tp rank; a stage that ends but does not embed an untied
+    model keeps a copy of its token table for the depths' lookups (``embedding_copy``; a
+    tied model's head copy serves)."""
     d = m.d_model
     table = m.padded_vocab_size(tp) // tp * d
     n = dense_block_parameters(m, tp) * (blocks - moe_blocks)
     if moe_blocks:
-        n += sum(moe_block_parameters(m, tp, ep)) * moe_blocks
+        n += sum(moe_block_parameters(m, tp, ep, etp)) * moe_blocks
     gpt2 = m.arch == "gpt2"
     if embeds:
         n += table + (m.seq_len * d if gpt2 else 0)
     if ends:
         n += (2 * d if gpt2 else d) + (table if not (m.tie_embeddings and embeds) else 0)
+        depths = getattr(m, "mtp_layers", 0)
+        n += depths * (3 * d + 2 * d * d) + (table if depths and not embeds and not m.tie_embeddings else 0)
     return n
 
 
@@ -211,13 +269,13 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
     holds = _holds(cfg, grid, rank)
     m, par = cfg.model, cfg.parallel
     dense, experts = stage_parameter_split(cfg, grid, rank)
-    moe, ep = moe_blocks_held(cfg, grid, rank), expert_parallel(cfg)
+    moe, ep, etp = moe_blocks_held(cfg, grid, rank), expert_parallel(cfg), expert_tensor_parallel(cfg)
     n = dense + experts
-    blocks = (holds[0] - moe) * dense_block_parameters(m, grid.tp) + moe * sum(moe_block_parameters(m, grid.tp, ep))
-    largest = max(dense_block_parameters(m, grid.tp) if holds[0] > moe else 0,
-                  sum(moe_block_parameters(m, grid.tp, ep)) if moe else 0)
+    moe_block = sum(moe_block_parameters(m, grid.tp, ep, etp))
+    blocks = (holds[0] - moe) * dense_block_parameters(m, grid.tp) + moe * moe_block
+    largest = max(dense_block_parameters(m, grid.tp) if holds[0] > moe else 0, moe_block if moe else 0)
     dtype, keep = TORCH_DTYPES[cfg.training.dtype], bool(getattr(par, "zero3_keep_gathered", False))
-    apart = ep > 1 and experts > 0  # the experts in buckets of their own
+    apart = experts_apart(cfg) and experts > 0  # the experts in buckets of their own
     own = dense if apart else n
     padded = _padded_buffer(cfg, grid, holds, own) if par.zero else own
     bucket = _largest_bucket(cfg, grid, holds, moe, padded) if m.n_experts and par.zero >= 2 else None
@@ -278,37 +336,47 @@ def _largest_bucket(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool
     (Dense models keep :func:`gridtrain.memory.zero.zero_state_bytes`' ``bucket_mb``
     bound for ZeRO-3 too, as planned before experts; the runtime's ZeRO-3 buckets are
     its units there as well.)"""
-    m, tp, ep = cfg.model, grid.tp, expert_parallel(cfg)
+    m, tp, etp, apart = cfg.model, grid.tp, expert_tensor_parallel(cfg), experts_apart(cfg)
     w = wide_bytes(TORCH_DTYPES[cfg.training.dtype].itemsize)
     blocks, embeds, ends = holds
-    moe_dense, experts = moe_block_parameters(m, tp, ep)
+    moe_dense, experts = moe_block_parameters(m, tp, expert_parallel(cfg), etp)
     cap = int(cfg.parallel.bucket_mb * 2 ** 20) // w
     if cfg.parallel.zero == 3:
         root = stage_parameters(m, tp, 0, embeds, ends)
         whole = [dense_block_parameters(m, tp)] if blocks > moe_blocks else []
         if moe_blocks:
-            whole += [moe_dense, experts] if ep > 1 else [moe_dense + experts]
+            whole += [moe_dense, experts] if apart else [moe_dense + experts]
         return max([root, *whole])
-    if ep == 1:
+    if not apart:
         return None
-    return min(max(dense, experts if moe_blocks else 0), cap + largest_parameter(m, tp, holds, moe_blocks))
+    return min(max(dense, experts if moe_blocks else 0), cap + largest_parameter(m, tp, holds, moe_blocks, etp))
 
 
-def largest_parameter(m: ModelConfig, tp: int, holds: tuple[int, bool, bool], moe_blocks: int = 0) -> int:
+def largest_parameter(m: ModelConfig, tp: int, holds: tuple[int, bool, bool], moe_blocks: int = 0,
+                      etp: int = 1) -> int:
     """The largest parameter tensor of a tp rank holding ``holds`` (:func:`_holds`),
     ``moe_blocks`` of its blocks MoE blocks: the token table (or the head, or a tied
-    table's copy) where it embeds or ends, GPT-2's position table, attention's largest
-    projection, the dense MLP's matrices, an expert's, the shared experts'."""
+    table's copy, or multi-token prediction's copy of it) where it embeds or ends, GPT-2's
+    position table, attention's largest projection (latent attention's: q or q_b, kv_b
+    and proj by heads, q_a and kv_a whole), the dense MLP's matrices, an expert's (its
+    ``1 / etp`` slice), the shared experts', multi-token prediction's ``[d, 2d]``
+    projection."""
     blocks, embeds, ends = holds
     d = m.d_model
     sizes = [m.padded_vocab_size(tp) // tp * d if embeds or ends else 0,
-             m.seq_len * d if m.arch == "gpt2" and embeds else 0]
-    if blocks:
+             m.seq_len * d if m.arch == "gpt2" and embeds else 0,
+             2 * d * d if ends and getattr(m, "mtp_layers", 0) else 0]
+    if blocks and getattr(m, "mla", False):
+        h = m.n_head
+        sizes += [(m.q_lora_rank or d) * h * m.qk_head_dim // tp, m.kv_lora_rank * h * (m.qk_nope_head_dim
+                  + m.v_head_dim) // tp, h * m.v_head_dim * d // tp, m.q_lora_rank * d,
+                  (m.kv_lora_rank + m.qk_rope_head_dim) * d]
+    elif blocks:
         sizes.append(d * m.n_head * m.head_dim // tp if m.arch == "llama" else 3 * d * d // tp)
     if blocks > moe_blocks:
         sizes.append(d * m.ffn_size // tp)
     if moe_blocks:
-        sizes += [d * m.moe_ffn_size, d * m.moe_shared_experts * m.moe_ffn_size // tp]
+        sizes += [d * (m.moe_ffn_size // etp), d * m.moe_shared_experts * m.moe_ffn_size // tp]
     return max(sizes)
 
 
@@ -323,7 +391,8 @@ def _padded_buffer(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool]
 
     _, embeds, ends = holds
     m = cfg.model
-    if m.tie_embeddings and grid.pp > 1 and (embeds or ends):
+    # the table the first and last stage share: a tied head, or multi-token prediction's lookups
+    if (m.tie_embeddings or getattr(m, "mtp_layers", 0)) and grid.pp > 1 and (embeds or ends):
         table = m.padded_vocab_size(grid.tp) // grid.tp * m.d_model
         return up(n - table) + up(table)
     return up(n)
@@ -332,16 +401,24 @@ def _padded_buffer(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool]
 def _parameter_tensors(cfg: Config, holds: tuple[int, bool, bool], moe_blocks: int = 0) -> int:
     """Parameter tensors of a rank holding ``holds`` (:func:`_holds`; AdamW keeps one
     step count per tensor), ``moe_blocks`` of its blocks MoE blocks: the MLP's tensors
-    replaced by the router's weight, each of its ``E / ep`` experts' and the shared MLP's."""
+    replaced by the router's weight, each of its ``E / ep`` experts' and the shared MLP's.
+    Latent attention: q_a, its norm and q_b (or q), kv_a, its norm, kv_b and proj in the
+    place of q, k, v and proj. Multi-token prediction, where it ends: per depth its block
+    (among ``blocks``), three norms and the projection, and the table's copy on a stage
+    that does not embed an untied model."""
     blocks, embeds, ends = holds
     m = cfg.model
     gpt2 = m.arch == "gpt2"
     # GPT-2: 2 LayerNorms x 2, 4 linears x (weight, bias); Llama: 2 RMSNorms, 7 linears
     n = (12 if gpt2 else 9) * blocks + (2 * blocks if getattr(m, "qk_norm", None) else 0)
+    if getattr(m, "mla", False):
+        n += blocks * (3 if m.q_lora_rank else 1)
     mlp = 4 if gpt2 else 3  # GPT-2: two linears with biases; Llama: gate, up, down
     n += moe_blocks * (1 - mlp + mlp * (m.n_experts // expert_parallel(cfg) + (m.moe_shared_experts > 0)))
     n += (2 if gpt2 else 1) if embeds else 0  # token (and position) table
     n += ((2 if gpt2 else 1) + (0 if cfg.model.tie_embeddings and embeds else 1)) if ends else 0
+    depths = getattr(m, "mtp_layers", 0) if ends else 0
+    n += 4 * depths + (1 if depths and not embeds and not m.tie_embeddings else 0)
     return n
 
 
@@ -373,7 +450,8 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     # of the dense MLP's (memory.moe.moe_activation_terms)
     moe_shape = activations.layer_shape(m, batch=t.micro_batch_size, tp=grid.tp, sequence_parallel=sp,
                                         element_bytes=e, mask_bytes=shape["mask_bytes"], cp=cp, cp_comm=cp_comm,
-                                        layer=m.moe_layers[0], ep=expert_parallel(cfg)) if m.n_experts else shape
+                                        layer=m.moe_layers[0], ep=expert_parallel(cfg),
+                                        etp=expert_tensor_parallel(cfg)) if m.n_experts else shape
 
     def shape_of(i: int) -> dict:
         return moe_shape if m.is_moe_layer(i) else shape
@@ -394,9 +472,17 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     positions = local // sp_div * 8 if m.arch == "gpt2" else 0  # Llama's are rotary (no lookup)
     embedding = tokens * 8 + positions + (tokens * 9 if grid.tp > 1 else 0) \
         + (tokens * m.d_model * shape["mask_bytes"] / sp_div if m.dropout > 0 else 0.0)
+    # multi-token prediction (models/mtp.py) on the chunk that ends the model, per depth: the
+    # shifted tokens' lookup (as the embedding's), their embedding (the first norm's input),
+    # the projection's [d, 2d] input, the block (its input alone under full recomputation)
+    # and a head and loss as the main one's; the main hidden state the second norm reads
+    # is the head's already
+    kept = {"full": "full", "selective": "selective"}.get(policy.mode, "none")
+    mtp = sum(activations.korthikanti_bytes(recompute=kept, **shape_of(i)) + tokens * (8 + (9 if grid.tp > 1 else 0))
+              + 3 * tokens * m.d_model * e / sp_div + head for i in mtp_blocks(m, True))
     cost = [sum(activations.expected_by_layer(policy.block_runs(c.layer_ids), policy.mode, micro_batches, False,
                                               shape_of=shape_of if m.n_experts else None, **shape).values())
-            + (head if c.post_process else 0.0) + (embedding if c.pre_process else 0.0)
+            + (head + mtp if c.post_process else 0.0) + (embedding if c.pre_process else 0.0)
             for c in chunks]
     # with full recomputation, B rebuilds one region (the longest) on top of what is held;
     # its input is already counted (kept), and on the chunk that ends the model the
@@ -453,5 +539,6 @@ def _forwards_and_backwards(schedule: str, pp: int, micro_batches: int, vpp: int
     """The (kind, chunk) of each F and B of one stage's action list, in order: all the
     activation walk reads. Cached: the planner walks thousands of layouts that share a
     few schedules, and building the action lists is most of a walk's time."""
-    actions = build_schedule(schedule, pp, micro_batches, vpp)[stage]
-    return tuple((a.kind, a.chunk) for a in actions if a.kind in (F, B))
+    check_sizes(schedule, pp, micro_batches, vpp)
+    # the stage's compute order alone: build_schedule adds only communication around it, for every stage
+    return tuple((a.kind, a.chunk) for a in ORDERS[schedule](pp, micro_batches, vpp, stage) if a.kind in (F, B))

@@ -70,9 +70,11 @@ def mlp_parameters(m: ModelConfig, width: int, tp: int = 1) -> int:
     return (d * width + width) // tp + width * d // tp + d
 
 
-def expert_parameters(m: ModelConfig) -> int:
-    """One expert's MLP (whole: experts are not split over tp)."""
-    return mlp_parameters(m, m.moe_ffn_size)
+def expert_parameters(m: ModelConfig, etp: int = 1) -> int:
+    """One expert's MLP on one rank: whole (experts are not split over tp), or under expert
+    tensor parallelism (``etp`` > 1, SwiGLU) its ``1 / etp`` slice: gate and up by rows,
+    down by columns, ``3 d H / etp``."""
+    return mlp_parameters(m, m.moe_ffn_size // etp)
 
 
 def router_parameters(m: ModelConfig) -> int:
@@ -107,34 +109,48 @@ def dense_block_parameters(m: ModelConfig, tp: int = 1) -> int:
     return block_parameters(dense, tp) + qk_norm_parameters(dense, tp)
 
 
-def moe_block_parameters(m: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+def moe_block_parameters(m: ModelConfig, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[int, int]:
     """A MoE block on one tp and ep rank, as (dense part, experts): attention, norms,
     router and shared MLP (the dense part, reduced over ``dp x cp``), and the rank's
-    ``E / ep`` experts (reduced over the expert-data-parallel group)."""
+    ``E / ep`` experts, each its ``1 / etp`` slice (reduced over the expert-data-parallel
+    group)."""
     dense = dense_block_parameters(m, tp) - mlp_parameters(m, m.ffn_size, tp) + router_parameters(m) \
         + shared_expert_parameters(m, tp)
-    return dense, m.n_experts // ep * expert_parameters(m)
+    return dense, m.n_experts // ep * expert_parameters(m, etp)
 
 
-def layer_parameters(m: ModelConfig, layer: int, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+def layer_parameters(m: ModelConfig, layer: int, tp: int = 1, ep: int = 1, etp: int = 1) -> tuple[int, int]:
     """Block ``layer`` on one tp and ep rank, as (dense part, experts)."""
     if m.is_moe_layer(layer):
-        return moe_block_parameters(m, tp, ep)
+        return moe_block_parameters(m, tp, ep, etp)
     return dense_block_parameters(m, tp), 0
 
 
-def moe_total_parameters(m: ModelConfig) -> int:
+def mtp_layers(m: ModelConfig) -> range:
+    """The multi-token prediction modules' blocks (models/mtp.py): layers ``n_layer`` ..
+    ``n_layer + N - 1``, MoE where ``is_moe_layer`` says so; none without MTP."""
+    return range(m.n_layer, m.n_layer + getattr(m, "mtp_layers", 0))
+
+
+def moe_total_parameters(m: ModelConfig, mtp: bool = True) -> int:
     """Parameters of the whole (unpadded) model, every expert counted: embedding, blocks,
-    final norm and (untied) head."""
-    outside = count_parameters(dense_model(m)) - m.n_layer * block_parameters(dense_model(m))
-    return outside + sum(sum(layer_parameters(m, i)) for i in range(m.n_layer))
+    final norm and (untied) head; with ``mtp`` (as ``models.decoder.count_parameters``)
+    the multi-token prediction modules: per depth three norms, the ``[d, 2d]``
+    projection and a block (published sizes leave them out: ``mtp=False``)."""
+    dense = dense_model(m)
+    outside = count_parameters(dense, mtp=False) - m.n_layer * block_parameters(dense)
+    blocks = range(m.n_layer + (len(mtp_layers(m)) if mtp else 0))
+    depths = len(mtp_layers(m)) if mtp else 0
+    return outside + sum(sum(layer_parameters(m, i)) for i in blocks) + depths * (3 * m.d_model + 2 * m.d_model ** 2)
 
 
-def moe_active_parameters(m: ModelConfig) -> int:
+def moe_active_parameters(m: ModelConfig, mtp: bool = True) -> int:
     """Parameters one token goes through: :func:`moe_total_parameters` with ``k`` of the
-    ``E`` experts of each MoE layer (the router and the shared experts included)."""
+    ``E`` experts of each MoE layer (the router and the shared experts included; the
+    multi-token prediction blocks' too, with ``mtp``)."""
     unused = (m.n_experts - m.moe_top_k) * expert_parameters(m) if m.n_experts else 0
-    return moe_total_parameters(m) - len(m.moe_layers) * unused
+    layers = len(m.moe_layers) + (sum(map(m.is_moe_layer, mtp_layers(m))) if mtp else 0)
+    return moe_total_parameters(m, mtp) - layers * unused
 
 
 # ---- FLOPs ----------------------------------------------------------------------------------------
@@ -149,14 +165,16 @@ def mlp_flops_per_token(m: ModelConfig, width: int) -> float:
 def model_flops_per_token(m: ModelConfig) -> float:
     """Training FLOPs per token (forward and backward, 3x the forward, no recomputation),
     counting active parameters: the dense model's (``models.decoder.
-    training_flops_per_token``) with each MoE layer's MLP replaced by the router
-    (``2 d E``), ``k`` expert MLPs and the shared MLP. The dense model's own for a model
-    without experts."""
+    training_flops_per_token``: latent attention's own, the multi-token prediction
+    depths' blocks, projections and heads) with each MoE layer's MLP (the MTP blocks'
+    too) replaced by the router (``2 d E``), ``k`` expert MLPs and the shared MLP. The
+    dense model's own for a model without experts."""
     if not m.n_experts:
         return training_flops_per_token(m)
     per_moe_layer = 2.0 * m.d_model * m.n_experts + mlp_flops_per_token(m, m.moe_ffn_size) \
         * (m.moe_top_k + m.moe_shared_experts) - mlp_flops_per_token(m, m.ffn_size)
-    return training_flops_per_token(dense_model(m)) + 3.0 * len(m.moe_layers) * per_moe_layer
+    layers = len(m.moe_layers) + sum(map(m.is_moe_layer, mtp_layers(m)))
+    return training_flops_per_token(dense_model(m)) + 3.0 * layers * per_moe_layer
 
 
 # ---- what a rank routes and sends -----------------------------------------------------------------
@@ -217,23 +235,27 @@ def moe_step_all_to_all(m: ModelConfig, *, micro_batch_size: int, micro_batches:
     return MoeTraffic(payload, payload * (ep - 1) / ep, forward, 2, micro_batches * moe_layers * (forward + 2))
 
 
-def edp_size(dp: int, cp: int, ep: int) -> int:
-    """The expert-data-parallel group: the ``dp x cp / ep`` ranks holding the same experts."""
-    return dp * cp // ep
+def edp_size(dp: int, cp: int, ep: int, etp: int = 1, folded_tp: int = 1) -> int:
+    """The expert-data-parallel group: the ranks holding the same expert slices, ``dp x cp
+    / (ep x etp)``; where the expert grid is folded over the tp ranks too
+    (``grid.ProcessGrid.folds_experts``: ``folded_tp`` the tp size), ``tp x dp x cp / (ep x
+    etp)``."""
+    return folded_tp * dp * cp // (ep * etp)
 
 
 # ---- activations ----------------------------------------------------------------------------------
 
 
 def moe_activation_terms(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool = False,
-                         element_bytes: int = 2, ep: int = 1) -> dict[str, float]:
+                         element_bytes: int = 2, ep: int = 1, etp: int = 1) -> dict[str, float]:
     """Bytes a MoE layer saves for backward beyond its attention, per token of the rank's
     sequence shard (:mod:`gridtrain.memory.activations` multiplies by the tokens), with
     balanced routing (a rank's experts receive as many rows as it sends). They take the
     place of the dense MLP's intermediates (parallel/experts.py, models/moe.py):
 
-    * ``router``: the softmax's fp32 probabilities ``[N, E]``, per routed row the top-k
-      probability in fp32 and the combine weight in the model dtype, and with
+    * ``router``: the softmax's fp32 probabilities ``[N, E]`` (a sigmoid router's scores,
+      and the fp32 sum per token that turns them into probabilities), per routed row the
+      top-k probability in fp32 and the combine weight in the model dtype, and with
       ``moe_norm_topk`` the renormalisation's fp32 sum per token;
     * ``indices``: ``ROUTING_INDICES`` int64 indices per routed row, one more under
       ep > 1 (the received rows' regrouping);
@@ -248,17 +270,26 @@ def moe_activation_terms(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool
 
     ``N`` is a ``1 / tp`` share of the tokens under sequence parallelism (each tp rank
     routes its own) and all of them without (the tp ranks repeat the work), so all but
-    ``shared`` are divided by tp only under SP. Measured on the runtime's own layer (the
-    dry run, tests/test_planner_moe.py) these are exact."""
+    ``shared`` are divided by tp only under SP.
+
+    Expert tensor parallelism (``etp`` > 1): the etp group pools its members' rows (and
+    their combine weights) before the dispatch, so everything kept per routed row but the
+    top-k's choices and probabilities is over ``etp`` times the rank's own rows (the rows,
+    the combine weights, the permutation's, gather's and sum's indices), while the
+    experts' intermediates stay the same bytes (``etp`` times the rows, ``H / etp`` wide).
+    Measured on the runtime's own layer (the dry run, tests/test_planner_moe.py) these are
+    exact (beyond them a few ``[E]`` vectors of the balance losses)."""
     e, w = element_bytes, wide_bytes(element_bytes)
     k, d, h = m.moe_top_k, m.d_model, m.moe_ffn_size
     sp = tp if sequence_parallel else 1
     per_element = 4 if m.arch == "llama" else 2
     apart = int(ep > 1)
     norm = w if getattr(m, "moe_norm_topk", True) else 0
-    return {"router": (w * m.n_experts + k * (w + e) + norm) / sp,
-            "indices": (ROUTING_INDICES + apart) * INDEX_BYTES * k / sp,
-            "rows": (3 + apart) * k * d * e / sp,
+    sigmoid = w if getattr(m, "moe_router", "softmax") == "sigmoid" else 0
+    pooled = ROUTING_INDICES - 1 + apart  # per routed row: indices over the etp group's pooled rows
+    return {"router": (w * m.n_experts + sigmoid + k * (w + e * etp) + norm) / sp,
+            "indices": (1 + pooled * etp) * INDEX_BYTES * k / sp,
+            "rows": (3 + apart) * k * d * e * etp / sp,
             "experts": per_element * e * k * h / sp,
             "shared": per_element * e * m.moe_shared_experts * h / tp}
 

@@ -33,8 +33,10 @@ def add_plan_parser(sub) -> None:
     g.add_argument("--tp", type=int)
     g.add_argument("--cp", type=int, help="context parallel: ranks that split each sequence (1: none)")
     g.add_argument("--cp-comm", choices=CP_COMM, help="how the cp ranks' attention exchanges keys and values")
-    g.add_argument("--ep", type=int, help="expert parallel: ranks of a dp x cp group that split each MoE layer's "
-                                          "experts (1: none)")
+    g.add_argument("--ep", type=int, help="expert parallel: ranks that split each MoE layer's experts (1: none); "
+                                          "ep x etp divides tp x cp x dp (folded over tp where it does not divide "
+                                          "dp x cp)")
+    g.add_argument("--etp", type=int, help="expert tensor parallel: ranks that split each expert's MLP (1: none)")
     g.add_argument("--pp", type=int)
     g.add_argument("--vpp", type=int)
     g.add_argument("--micro-batch-size", type=int)
@@ -82,6 +84,7 @@ def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
              f"--cp {lay.cp}" if lay.cp > 1 else "",
              f"--cp-comm {lay.cp_comm}" if lay.cp > 1 and lay.cp_comm != "ring" else "",
              f"--ep {lay.ep}" if lay.ep > 1 or p.moe else "",
+             f"--etp {lay.etp}" if lay.etp > 1 else "",
              f"--vpp {lay.vpp}" if lay.vpp > 1 else "",
              f"--pp-layers {','.join(map(str, p.pp_layers))}" if lay.pp_partition != "uniform" else "",
              f"--recompute {lay.recompute}",
@@ -93,7 +96,8 @@ def describe(p: Prediction) -> str:
     lay = p.layout
     name = (f"dp {lay.dp}" + (f" x cp {lay.cp} ({lay.cp_comm})" if lay.cp > 1 else "")
             + f" x tp {lay.tp} x pp {lay.pp}" + (f" x vpp {lay.vpp}" if lay.vpp > 1 else "")
-            + (f", ep {lay.ep}" if lay.ep > 1 or p.moe else "")
+            + (f", ep {lay.ep}" if lay.ep > 1 or p.moe else "") + (f" x etp {lay.etp}" if lay.etp > 1 else "")
+            + (" (folded)" if lay.folded else "")
             + (f" (layers {','.join(map(str, p.pp_layers))})" if lay.pp_partition != "uniform" else "")
             + f", micro-batch {lay.micro_batch_size}, {lay.schedule}, recompute {lay.recompute}"
             + (", SP" if lay.sequence_parallel else "") + (f", {lay.zero_name()}" if lay.zero else ""))
@@ -122,18 +126,22 @@ def plan_command(args: argparse.Namespace) -> int:
     fixed = Fixed(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
                   schedule=args.schedule, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                   zero=args.zero, cp=args.cp, cp_comm=args.cp_comm, zero_shard_size=args.zero_shard_size,
-                  zero3_keep_gathered=args.zero3_keep_gathered, ep=args.ep)
+                  zero3_keep_gathered=args.zero3_keep_gathered, ep=args.ep, etp=args.etp)
     best = search(job, args.gpus, fixed, top=args.top)
     if not best:
         raise ConfigError(f"plan: no layout of {args.gpus} GPUs divides this model and batch with the given "
                           "fields; change --gpus, --global-batch-size or the fixed layout flags")
     if args.json:
-        print(json.dumps({"layouts": [p.as_json() for p in best]}, indent=1))
+        print(json.dumps({"layouts": [{**p.as_json(), "command": torchrun_command(args, p, job.node)} for p in best]},
+                         indent=1))
     else:
         experts = (f", {model.n_experts} experts (top {model.moe_top_k}) in {len(model.moe_layers)} layers"
                    if model.n_experts else "")
+        extras = (", latent attention" if getattr(model, "mla", False) else "") \
+            + (f", {model.mtp_layers} MTP" if getattr(model, "mtp_layers", 0) else "")
         print(f"gridtrain plan: {args.gpus} x {hw.name} ({job.node} per node), {model.arch} {model.n_layer} layers "
-              f"d {model.d_model}{experts}, seq {model.seq_len}, global batch {args.global_batch_size}, {args.dtype}")
+              f"d {model.d_model}{extras}{experts}, seq {model.seq_len}, global batch {args.global_batch_size}, "
+              f"{args.dtype}")
         for i, p in enumerate(best, 1):
             print(f"{i}. {describe(p)}\n    {torchrun_command(args, p, job.node)}")
     if args.explain:
@@ -196,4 +204,4 @@ def _zero_label(lay) -> str:
 
 def _cp_label(lay) -> str:
     return (f" cp{lay.cp}{'' if lay.cp_comm == 'ring' else ' ag'}" if lay.cp > 1 else "") \
-        + (f" ep{lay.ep}" if lay.ep > 1 else "")
+        + (f" ep{lay.ep}" if lay.ep > 1 else "") + (f" etp{lay.etp}" if lay.etp > 1 else "")

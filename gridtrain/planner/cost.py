@@ -17,7 +17,11 @@ experts) is modelled as gridtrain runs it:
   op-by-op attention core (``attention="math"``) also writes its ``s x s`` scores per
   local head and passes over them (scale, causal bias, softmax, dropout:
   ``SCORE_PASSES_*``), which for a small hidden size is a large share of a block;
-  torch's fused kernel (``sdpa``) keeps no scores.
+  torch's fused kernel (``sdpa``) keeps no scores. Latent attention (models/mla.py): its
+  down-projections (q_a, kv_a) whole on every tp rank, q_b, kv_b and proj by heads, the
+  core ``qk_head_dim`` deep and ``v_head_dim`` wide. Multi-token prediction
+  (models/mtp.py) runs on the chunk that ends the model: per depth a lookup, the ``[d,
+  2d]`` projection, a block and the head and loss again (:func:`head_cost`).
   Recomputation adds what the layout recomputes: full, the whole forward of each block
   again in B; selective, the attention core's forward;
 * **tensor-parallel communication**, in each F and B and not overlapped (gridtrain
@@ -80,18 +84,25 @@ experts) is modelled as gridtrain runs it:
   experts run (only what outlasts the dispatch, the experts' GEMMs and the combine is
   exposed), under SP the one over tp follows; without shared experts the block's TP
   collectives are attention's only. Expert gradients are reduced over the
-  expert-data-parallel group (``dp x cp / ep``), every ZeRO stage sharding their state
-  over it (ZeRO-2/3's per-micro-batch reduce-scatters and ZeRO-3's gathers of a MoE
-  block's experts run over that group's link, after its dense bucket's), and under
-  sequence parallelism summed over tp after the backward;
+  expert-data-parallel group (``dp x cp / (ep x etp)``, folded ``tp x dp x cp / (ep x
+  etp)``: :attr:`Layout.expert_dp`), every ZeRO stage sharding their state over it
+  (ZeRO-2/3's per-micro-batch reduce-scatters and ZeRO-3's gathers of a MoE block's
+  experts run over that group's link, after its dense bucket's), and under sequence
+  parallelism summed over tp after the backward (not where the experts are folded over
+  tp: a rank's experts are then its own). Expert tensor parallelism (``etp``): the etp
+  group pools its rows before the dispatch (an all-gather, and a reduce-scatter of the
+  partial outputs after the combine, each way: :func:`etp_seconds`), so the all-to-alls
+  carry ``etp`` times the rank's rows and each expert slice runs ``H / etp`` wide on
+  them; the expert grid's groups lie ``tp`` apart in a dp x cp group, or neighbours where
+  folded over a stage's ranks (:attr:`Layout.expert_stride`);
 * **the optimizer**: one memory-bound pass over the owned master weights, moments and
   gradients;
 * **memory** per GPU: the memory model (memory/model.py, which the dry run is checked
   against: expected_state_bytes: parameters, gradients, optimizer state for every ZeRO
   stage, ZeRO-3's gathered parameters and ZeRO-2/3's gradient staging;
   expected_activation_peak: the schedule's action list walked with each chunk's
-  activation bytes for the recompute mode), for the first and last pipeline stage,
-  whichever is larger.
+  activation bytes for the recompute mode), for the first and last pipeline stage and
+  the stage holding the most parameters, whichever is largest.
 
 Everything is per GPU and in seconds and bytes; the constants are named and the
 hardware's are in hardware.py (a ``cpu`` entry measured on the host, profile.py).
@@ -105,7 +116,7 @@ from functools import lru_cache
 
 from gridtrain.config import Config, ModelConfig
 from gridtrain.memory.cp import kv_elements, kv_heads_per_rank, ring_transfers, wide_bytes
-from gridtrain.memory.model import (chunks_of_stage, expected_activation_peak, expected_state_bytes,
+from gridtrain.memory.model import (chunks_of_stage, expected_activation_peak, expected_state_bytes, mtp_blocks,
                                     stage_parameter_split, stage_parameters)
 from gridtrain.memory.moe import (all_to_all_payload, dense_block_parameters, model_flops_per_token,
                                   moe_block_parameters, routed_tokens)
@@ -148,10 +159,32 @@ class Layout:
     zero_shard_size: int | None = None  # ZeRO shards within groups of this many dp x cp ranks (HSDP); None: all
     zero3_keep_gathered: bool = False  # ZeRO-3: a stage's parameters stay gathered through the step
     ep: int = 1  # expert parallel: each MoE layer's experts split over this many of a dp x cp group
+    etp: int = 1  # expert tensor parallel: each expert's MLP split over this many ranks
 
     @property
     def gpus(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def folded(self) -> bool:
+        """Whether the expert grid (``etp x ep`` ranks a copy of the experts) is laid over
+        all tp x cp x dp ranks of a stage (``grid.ProcessGrid.folds_experts``): where ep x
+        etp does not divide dp x cp. Folded over tp > 1 needs sequence parallelism."""
+        return self.ep * self.etp > 1 and (self.dp * self.cp) % (self.ep * self.etp) != 0
+
+    @property
+    def expert_stride(self) -> int:
+        """Ranks between neighbours of the expert grid's base list (an etp group's
+        members): 1 folded (a stage's ranks, tp fastest), tp unfolded (a dp x cp group).
+        An ep group's members are ``etp`` times that apart, an expert-data-parallel
+        group's ``ep x etp`` times."""
+        return 1 if self.folded else self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel group (the ranks holding the same expert slices): ``dp
+        x cp / (ep x etp)``, folded ``tp x dp x cp / (ep x etp)``."""
+        return (self.tp if self.folded else 1) * self.dp * self.cp // (self.ep * self.etp)
 
     @property
     def zero_shard(self) -> int:
@@ -231,7 +264,7 @@ class Prediction:
 
     def as_json(self) -> dict:
         lay = self.layout
-        return {"dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp,
+        return {"dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp,
                 "micro_batch_size": lay.micro_batch_size, "schedule": lay.schedule, "recompute": lay.recompute,
                 "sequence_parallel": lay.sequence_parallel, "zero": lay.zero, "cp_comm": lay.cp_comm,
                 "zero_shard_size": lay.zero_shard_size, "zero3_keep_gathered": lay.zero3_keep_gathered,
@@ -262,9 +295,18 @@ def gemm_seconds(m: int, n: int, k: int, hw, dtype: str, batch: int = 1) -> floa
 def block_gemms(m: ModelConfig, tokens: int, tp: int, mlp: bool = True) -> list[tuple[int, int, int]]:
     """(m, n, k) of the GEMMs of one block's forward on one TP rank, for ``tokens`` rows
     (``mlp=False``: the attention's only). Llama's q and output projection are ``n_head x
-    head_dim`` wide (``d`` unless the model sets its own head size)."""
+    head_dim`` wide (``d`` unless the model sets its own head size). Latent attention
+    (models/mla.py): q_a (or q) and kv_a on the whole sequence and whole on every rank,
+    q_b, kv_b and proj by heads."""
     d = m.d_model
-    if m.arch == "llama":
+    if getattr(m, "mla", False):  # latent attention: the down-projections whole on every tp rank
+        h = m.n_head // tp
+        q = [(tokens, m.q_lora_rank, d), (tokens, h * m.qk_head_dim, m.q_lora_rank)] if m.q_lora_rank \
+            else [(tokens, h * m.qk_head_dim, d)]
+        attention = q + [(tokens, m.kv_lora_rank + m.qk_rope_head_dim, d),
+                         (tokens, h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                         (tokens, d, h * m.v_head_dim)]
+    elif m.arch == "llama":
         a = m.n_head * m.head_dim
         kv = max(1, m.kv_heads // tp) * m.head_dim  # replicated when tp exceeds the kv heads
         attention = [(tokens, a // tp, d), (tokens, kv, d), (tokens, kv, d), (tokens, d, a // tp)]
@@ -284,10 +326,16 @@ def mlp_gemms(m: ModelConfig, tokens: int, width: int) -> list[tuple[int, int, i
 
 def attention_core_seconds(m: ModelConfig, b: int, tp: int, hw, dtype: str, seq: int | None = None) -> float:
     """Scores and weighted sum of one block's forward: two batched GEMMs per local head,
-    ``seq`` queries over as many keys (default: the model's sequence)."""
+    ``seq`` queries over as many keys (default: the model's sequence). Latent attention:
+    scores ``qk_head_dim`` deep, values ``v_head_dim`` wide (the fused kernels take them
+    padded to the keys' width)."""
     heads = b * max(1, m.n_head // tp)
     s, hd = seq or m.seq_len, m.head_dim
-    return gemm_seconds(s, s, hd, hw, dtype, heads) + gemm_seconds(s, hd, s, hw, dtype, heads)
+    vd = hd
+    if getattr(m, "mla", False):  # queries and keys qk_head_dim wide, values v_head_dim (padded, fused)
+        hd = m.qk_head_dim
+        vd = m.v_head_dim if m.attention == "math" else hd
+    return gemm_seconds(s, s, hd, hw, dtype, heads) + gemm_seconds(s, vd, s, hw, dtype, heads)
 
 
 def attention_score_seconds(m: ModelConfig, b: int, tp: int, hw, dtype: str) -> tuple[float, float]:
@@ -399,12 +447,13 @@ HOST_SYNC_S = 2e-5
 def moe_routing(job: Job, lay: Layout) -> tuple[int, int, float]:
     """A MoE layer on one rank, per micro-batch: the tokens it routes (its ``1 / tp``
     share under SP, all of its ``b S / cp`` without), the rows its ``E / ep`` experts
-    process in all (balanced routing: as many as it sends, ``N k``) and the rows per
-    expert (``N k ep / E``)."""
+    process in all (balanced routing: as many as it sends, ``N k``; under expert tensor
+    parallelism its etp group's pooled rows, ``etp N k``, each through its ``1 / etp``
+    slices) and the rows per expert (``N k ep etp / E``)."""
     m = job.model
     n = routed_tokens(lay.micro_batch_size, m.seq_len, tp=lay.tp, cp=lay.cp,
                       sequence_parallel=lay.sequence_parallel)
-    rows = n * m.moe_top_k
+    rows = n * m.moe_top_k * lay.etp
     return n, rows, rows * lay.ep / m.n_experts
 
 
@@ -430,32 +479,35 @@ def moe_elementwise_seconds(job: Job, lay: Layout) -> float:
     ``MOE_ROW_PASSES`` (and under ep > 1 ``EP_ROW_PASSES``) over the routed rows,
     ``EXPERT_ACT_PASSES`` over the experts' intermediates, ``ROUTER_PASSES`` over the
     fp32 router probabilities, and the launches (``MOE_KERNELS``, ``EXPERT_KERNELS`` per
-    local expert)."""
+    local expert). Under expert tensor parallelism the rows are the etp group's pooled
+    ones, the intermediates ``H / etp`` wide."""
     m, hw = job.model, job.hardware
     e = DTYPE_BYTES[job.dtype]
     n, rows, _ = moe_routing(job, lay)
     passes = MOE_ROW_PASSES + (EP_ROW_PASSES if lay.ep > 1 else 0)
-    moved = (passes * rows * m.d_model * e + EXPERT_ACT_PASSES * rows * m.moe_ffn_size * e
+    moved = (passes * rows * m.d_model * e + EXPERT_ACT_PASSES * rows * (m.moe_ffn_size // lay.etp) * e
              + ROUTER_PASSES * n * m.n_experts * 4)
     return moved / hw.memory_bandwidth + (MOE_KERNELS + m.n_experts // lay.ep * EXPERT_KERNELS) * hw.kernel_s
 
 
 def all_to_all_seconds(job: Job, lay: Layout, nbytes: float) -> float:
     """One all-to-all over the ep group of a send buffer of ``nbytes`` (the rank's own
-    share included; balanced: ``nbytes / ep`` to each member). Its members are ``tp``
-    apart: within a node (``tp x ep`` fits one) every share travels over NVLink at once;
-    across nodes the shares for the members on other nodes leave through the GPU's own
-    NIC while those for its node's members cross NVLink, the slower of the two, plus
-    one latency (the sends are posted together)."""
+    share included; balanced: ``nbytes / ep`` to each member). Its members are ``etp x
+    tp`` apart (folded over a stage's ranks: ``etp``; :attr:`Layout.expert_stride`):
+    within a node (the group spans one) every share travels over NVLink at once; across
+    nodes the shares for the members on other nodes leave through the GPU's own NIC
+    while those for its node's members cross NVLink, the slower of the two, plus one
+    latency (the sends are posted together)."""
     ep = lay.ep
     if ep == 1:
         return 0.0
     hw, node = job.hardware, job.node
     share = nbytes / ep
-    if lay.tp * ep <= node:
+    stride = lay.etp * lay.expert_stride
+    if stride * ep <= node:
         latency, bandwidth = hw.nvlink.rates("all_to_all")
         return (ep - 1) * share / bandwidth + latency
-    local = max(1, node // lay.tp)  # the group's members on one node
+    local = max(1, node // stride)  # the group's members on one node
     nv_bandwidth = hw.nvlink.rates("all_to_all")[1]
     latency, bandwidth = hw.network.rates("all_to_all")
     return max((local - 1) * share / nv_bandwidth, (ep - local) * share / bandwidth) + latency
@@ -479,10 +531,29 @@ def tiny_all_reduce_seconds(job: Job, lay: Layout) -> float:
 
 
 def expert_gemm_seconds(job: Job, lay: Layout) -> float:
-    """The forward GEMMs of a rank's ``E / ep`` experts (of :func:`moe_gemm_seconds`)."""
+    """The forward GEMMs of a rank's ``E / ep`` experts (of :func:`moe_gemm_seconds`),
+    each its ``1 / etp`` slice on the etp group's pooled rows."""
     m, hw, dt = job.model, job.hardware, job.dtype
     rows = max(1, round(moe_routing(job, lay)[2]))
-    return m.n_experts // lay.ep * sum(gemm_seconds(r, c, k, hw, dt) for r, c, k in mlp_gemms(m, rows, m.moe_ffn_size))
+    return m.n_experts // lay.ep * sum(gemm_seconds(r, c, k, hw, dt)
+                                       for r, c, k in mlp_gemms(m, rows, m.moe_ffn_size // lay.etp))
+
+
+def etp_seconds(job: Job, lay: Layout) -> float:
+    """Expert tensor parallelism's row collectives of one MoE layer, each way (forward:
+    the etp group's all-gather of its members' rows, ``etp N d`` elements with their
+    choices and weights, and the reduce-scatter of the experts' partial outputs; backward
+    the two conjugates), synchronous, over the link the etp group spans (its members
+    :attr:`Layout.expert_stride` apart). Nothing at etp 1."""
+    if lay.etp == 1:
+        return 0.0
+    m = job.model
+    n, _, _ = moe_routing(job, lay)
+    e = DTYPE_BYTES[job.dtype]
+    rows = lay.etp * n * m.d_model * e
+    picks = lay.etp * n * m.moe_top_k * (8 + e)  # the choices (int64) and weights gathered beside them
+    link = ring_link(job.hardware, lay.etp, lay.expert_stride, job.node)
+    return link.collective(rows + picks, lay.etp, "all_gather") + link.collective(rows, lay.etp, "reduce_scatter")
 
 
 def moe_comm_seconds(job: Job, lay: Layout) -> tuple[float, float]:
@@ -492,21 +563,26 @@ def moe_comm_seconds(job: Job, lay: Layout) -> tuple[float, float]:
     (:func:`all_to_all_seconds`), issued synchronously; the routing statistics'
     all-reduce over ``dp x cp``, started before the dispatch and waited after the
     combine, only where it outlasts them and the experts' GEMMs; the one over tp (under
-    SP) whole, after it. Backward, the two all-to-alls again. Byte counts:
+    SP) whole, after it. Backward, the two all-to-alls again. Under expert tensor
+    parallelism the all-to-alls carry the etp group's pooled rows, and the etp group's
+    gather and reduce-scatter of them (:func:`etp_seconds`) run each way. Byte counts:
     :func:`gridtrain.memory.moe.moe_step_all_to_all`."""
     m = job.model
     _, rows, _ = moe_routing(job, lay)
     one = all_to_all_seconds(job, lay, all_to_all_payload(rows, 1, m.d_model, DTYPE_BYTES[job.dtype]))
     counts = all_to_all_seconds(job, lay, 0.0) + HOST_SYNC_S
-    dispatch = counts + 2 * one
+    dispatch = counts + 2 * one + etp_seconds(job, lay)
     group, tp = statistics_seconds(job, lay)
-    return dispatch + max(0.0, group - dispatch - expert_gemm_seconds(job, lay)) + tp, 2 * one
+    return dispatch + max(0.0, group - dispatch - expert_gemm_seconds(job, lay)) + tp, \
+        2 * one + etp_seconds(job, lay)
 
 
 def cp_kv_elements(job: Job, lay: Layout) -> int:
     """Elements of one rank's key/value block of one layer and micro-batch: k and v of its
     tp rank's kv heads for its ``seq_len / cp`` tokens."""
     m = job.model
+    if getattr(m, "mla", False):  # every head its own key and (padded) value, qk_head_dim wide
+        return kv_elements(lay.micro_batch_size, local_seq(job, lay), m.n_head // lay.tp, m.qk_head_dim)
     return kv_elements(lay.micro_batch_size, local_seq(job, lay), kv_heads_per_rank(m.kv_heads, lay.tp), m.head_dim)
 
 
@@ -566,9 +642,14 @@ def tp_collectives(job: Job, lay: Layout, nbytes: float, table: dict) -> tuple[f
     return tuple(sum(n * link.collective(nbytes, lay.tp, kind) for kind, n in ops.items()) for ops in table[sp])
 
 
-def head_cost(job: Job, lay: Layout) -> tuple[float, float, float]:
+def head_cost(job: Job, lay: Layout, kinds: dict[bool, BlockCost] | None = None) -> tuple[float, float, float]:
     """The logits GEMM and the loss on the chunk that ends the model (f, b, w), with
-    their TP collectives (the loss's are a few numbers per token: latency)."""
+    their TP collectives (the loss's are a few numbers per token: latency); and the
+    multi-token prediction depths that run with it (models/mtp.py), each a lookup of the
+    shifted tokens (the embedding's collectives), the ``[d, 2d]`` projection (on the
+    rank's sequence shard under SP), a block (:func:`block_cost`, MoE where the layer is;
+    ``kinds``: the block costs by whether MoE, where the caller has them) and the head
+    and loss again."""
     m, hw, dt = job.model, job.hardware, job.dtype
     tokens = lay.micro_batch_size * local_seq(job, lay)
     vocab = m.padded_vocab_size(lay.tp) // lay.tp
@@ -576,7 +657,17 @@ def head_cost(job: Job, lay: Layout) -> tuple[float, float, float]:
     loss = 3 * tokens * vocab * 4 / hw.memory_bandwidth  # fp32 softmax: read, exp, write
     comm_f, comm_b = tp_collectives(job, lay, tokens * m.d_model * DTYPE_BYTES[dt], HEAD_COLLECTIVES)
     loss_comm = tp_collectives(job, lay, tokens * 4, LOSS_COLLECTIVES)[0]  # one fp32 number per token
-    return logits + loss + comm_f + loss_comm, logits + loss + comm_b, logits
+    f, b, w = logits + loss + comm_f + loss_comm, logits + loss + comm_b, logits
+    depths = mtp_blocks(m, True)
+    if depths:
+        ef, eb = embedding_cost(job, lay)
+        proj = gemm_seconds(tokens // lay.tp if lay.sequence_parallel else tokens, m.d_model, 2 * m.d_model, hw, dt)
+        kinds = {moe: (kinds or {}).get(moe) or block_cost(job, lay, moe=moe) for moe in map(m.is_moe_layer, depths)}
+        for i in depths:
+            block = kinds[m.is_moe_layer(i)]
+            f, b, w = f + block.f + proj + ef + logits + loss + comm_f + loss_comm, \
+                b + block.b + proj + eb + logits + loss + comm_b, w + block.w + proj + logits
+    return f, b, w
 
 
 def embedding_cost(job: Job, lay: Layout) -> tuple[float, float]:
@@ -594,7 +685,9 @@ def pipeline_costs(job: Job, lay: Layout, layers_per_chunk: list[int], moe_per_c
     model's; they cost :func:`block_cost` with ``moe``)."""
     block = block_cost(job, lay)
     moe = block_cost(job, lay, moe=True) if moe_per_chunk and any(moe_per_chunk) else None
-    hf, hb, hw_ = head_cost(job, lay)
+    # (the multi-token prediction depths' blocks cost what the main ones do)
+    hf, hb, hw_ = head_cost(job, lay, {False: block, **({True: moe} if moe is not None else {})}) \
+        if mtp_blocks(job.model, True) else head_cost(job, lay)
     ef, eb = embedding_cost(job, lay)
     p, v = lay.pp, lay.vpp
     last = p * v - 1
@@ -654,25 +747,35 @@ def zero_links(job: Job, lay: Layout) -> tuple[Link, Link]:
 
 
 def zero_units(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: bool, moe_blocks: int = 0,
-               ep: int = 1) -> list[int]:
+               ep: int = 1, etp: int = 1) -> list[int]:
     """The parameters ZeRO-3 gathers one at a time for a model chunk, in forward order:
     the embedding's (where it embeds), each block's (``moe_blocks`` of them MoE blocks,
     with their ``E / ep`` experts, taken first), the final norm's and the head's (where
     it ends)."""
-    return [sum(u) for u in zero_unit_parts(m, tp, blocks, embeds, ends, moe_blocks, ep)]
+    return [sum(u) for u in zero_unit_parts(m, tp, blocks, embeds, ends, moe_blocks, ep, etp)]
 
 
 def zero_unit_parts(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: bool, moe_blocks: int = 0,
-                    ep: int = 1) -> list[tuple[int, int]]:
+                    ep: int = 1, etp: int = 1) -> list[tuple[int, int]]:
     """:func:`zero_units` as (dense, experts) parameters: a MoE block's dense part
     (attention, norms, router, shared experts) and its ``E / ep`` experts, which under
     expert parallelism are buckets of their own, gathered and reduce-scattered over the
-    expert-data-parallel group; every other unit is dense."""
+    expert-data-parallel group; every other unit is dense. The chunk that ``ends`` the
+    model also holds the multi-token prediction blocks (:func:`mtp_units`: pass their
+    count among ``blocks`` and ``moe_blocks``), and its root (final norm, head) their
+    norms, projections and table copy."""
     embedding = stage_parameters(m, tp, 0, embeds, False)
     head = stage_parameters(m, tp, 0, embeds, ends) - embedding
-    moe = [moe_block_parameters(m, tp, ep)] * moe_blocks
+    moe = [moe_block_parameters(m, tp, ep, etp)] * moe_blocks
     dense = [(dense_block_parameters(m, tp), 0)] * (blocks - moe_blocks)
     return [u for u in ((embedding, 0), *moe, *dense, (head, 0)) if sum(u)]
+
+
+def mtp_units(m: ModelConfig, ends: bool) -> tuple[int, int]:
+    """The multi-token prediction blocks a chunk that ``ends`` the model holds beside its
+    own (models/mtp.py), and how many of them are MoE blocks; (0, 0) elsewhere."""
+    ids = mtp_blocks(m, ends)
+    return len(ids), sum(map(m.is_moe_layer, ids))
 
 
 def zero_chunk_seconds(job: Job, lay: Layout, blocks: int, embeds: bool, ends: bool,
@@ -684,19 +787,21 @@ def zero_chunk_seconds(job: Job, lay: Layout, blocks: int, embeds: bool, ends: b
     gradients; like the once-a-step reduction of ZeRO-0 and 1, a unit's reduce-scatter
     is timed as one collective, not bucket by bucket. Under expert parallelism a MoE
     block's experts are a bucket of their own (:func:`zero_unit_parts`), gathered and
-    reduce-scattered over the expert-data-parallel group (``dp x cp / ep`` ranks ``tp x
-    ep`` apart, on the link that spans: :func:`ring_link`) after its dense bucket over
-    ``dp x cp``, one after the other. Nothing for ZeRO-0 and 1 or one dp x cp rank (their
+    reduce-scattered over the expert-data-parallel group (:attr:`Layout.expert_dp`
+    ranks, ``ep x etp`` members of the expert grid's base apart, on the link that spans:
+    :func:`ring_link`) after its dense bucket over ``dp x cp``, one after the other; a
+    chunk that ends the model has the multi-token prediction blocks too. Nothing for ZeRO-0 and 1 or one dp x cp rank (their
     reduction is once a step: :func:`data_parallel_seconds`)."""
     if lay.zero < 2 or lay.dp * lay.cp == 1:
         return 0.0, 0.0, 0.0
     e = DTYPE_BYTES[job.dtype]
     w, s = wide_bytes(e), lay.zero_shard
     link = ring_link(job.hardware, s, lay.tp, job.node)  # the shard group's (zero_links)
-    edp = lay.dp * lay.cp // lay.ep
-    expert_link = ring_link(job.hardware, edp, lay.tp * lay.ep, job.node)
-    units = zero_unit_parts(job.model, lay.tp, blocks, embeds, ends, moe_blocks, lay.ep)
-    if lay.ep == 1:  # the experts ride in their block's buckets
+    edp = lay.expert_dp
+    expert_link = ring_link(job.hardware, edp, lay.expert_stride * lay.ep * lay.etp, job.node)
+    extra, extra_moe = mtp_units(job.model, ends)
+    units = zero_unit_parts(job.model, lay.tp, blocks + extra, embeds, ends, moe_blocks + extra_moe, lay.ep, lay.etp)
+    if lay.ep * lay.etp == 1:  # the experts ride in their block's buckets
         units = [(dense + experts, 0) for dense, experts in units]
 
     def timed(unit: tuple[int, int], nbytes: int, kind: str) -> float:  # a unit's two buckets, ``nbytes`` each
@@ -735,7 +840,7 @@ def config_of(job: Job, lay: Layout) -> Config:
     # cp and cp_comm as fields where the configuration has them, else as plain attributes
     # (the memory model reads them with getattr)
     context = {"cp": lay.cp, "cp_comm": lay.cp_comm, "zero_shard_size": lay.zero_shard_size,
-               "zero3_keep_gathered": lay.zero3_keep_gathered, "ep": lay.ep}
+               "zero3_keep_gathered": lay.zero3_keep_gathered, "ep": lay.ep, "etp": lay.etp}
     known = {f.name for f in fields(cfg.parallel)}
     cfg.parallel = replace(cfg.parallel, tp=lay.tp, pp=lay.pp, dp=lay.dp, vpp=lay.vpp, schedule=lay.schedule,
                            sequence_parallel=lay.sequence_parallel, zero=lay.zero, pp_partition=lay.pp_partition,
@@ -754,30 +859,64 @@ def grid_of(lay: Layout) -> ProcessGrid:
 
 
 def memory_bytes(job: Job, lay: Layout, activation_peaks: dict | None = None) -> float:
-    """Bytes per GPU: the memory model on the first and the last stage: what a rank holds
+    """Bytes per GPU: the memory model on the first and the last stage (and the stage
+    whose rank holds the most parameters, :func:`_heaviest_stage`): what a rank holds
     (expected_state_bytes, ZeRO's transients within a step included) and the activation
     peak. ``activation_peaks``: a cache of the peaks by layout without its ZeRO fields
-    and ep (of ep, only whether it is above 1 changes them), for a search that tries
-    every ZeRO stage and ep of a layout."""
-    cfg = config_of(job, lay)
-    grid = grid_of(lay)
+    and ep (of ep, only whether it is above 1 changes them; etp changes them), for a
+    search that tries every ZeRO stage and ep of a layout; the same dict keeps what a rank
+    holds by layout without the fields it does not depend on (micro-batch, schedule,
+    recomputation, SP, cp_comm), which a search's layouts share by the dozen."""
+    cache = activation_peaks
+    built: list = []
+
+    def setup():  # the configuration and grid, made once and only where something is not cached
+        if not built:
+            built.extend((config_of(job, lay), grid_of(lay)))
+        return built
     device = "cpu" if job.hardware.name == "cpu" else "cuda"
-    base = replace(lay, zero=0, zero_shard_size=None, zero3_keep_gathered=False, ep=min(lay.ep, 2))
+    base = replace(lay, zero=0, zero_shard_size=None, zero3_keep_gathered=False, ep=min(lay.ep, 2))  # (etp kept)
+    state = replace(lay, micro_batch_size=1, schedule="1f1b", recompute="none", sequence_parallel=False,
+                    cp_comm="ring")
     worst = 0.0
-    for stage in sorted({0, lay.pp - 1}):
-        rank = grid.rank_of(dp=0, pp=stage, tp=0)
-        held = expected_state_bytes(cfg, grid, rank)
-        key = (base, stage)
-        if activation_peaks is None or key not in activation_peaks:
-            peak = expected_activation_peak(cfg, grid, rank, device)
-            if activation_peaks is not None:
-                activation_peaks[key] = peak
+    for stage in sorted({0, lay.pp - 1, _heaviest_stage(job, lay, cache, setup)}):
+        key, held_key = (base, stage), ("held", state, stage)
+        if cache is None or held_key not in cache:
+            cfg, grid = setup()
+            held = expected_state_bytes(cfg, grid, grid.rank_of(dp=0, pp=stage, tp=0))
+            held = sum(held[k] for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "gathered_bytes",
+                                         "staging_bytes"))
+            if cache is not None:
+                cache[held_key] = held
         else:
-            peak = activation_peaks[key]
-        total = sum(held[k] for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "gathered_bytes",
-                                      "staging_bytes")) + peak
-        worst = max(worst, total)
+            held = cache[held_key]
+        if cache is None or key not in cache:
+            cfg, grid = setup()
+            peak = expected_activation_peak(cfg, grid, grid.rank_of(dp=0, pp=stage, tp=0), device)
+            if cache is not None:
+                cache[key] = peak
+        else:
+            peak = cache[key]
+        worst = max(worst, held + peak)
     return worst
+
+
+def _heaviest_stage(job: Job, lay: Layout, cache: dict | None, setup) -> int:
+    """The pipeline stage whose rank holds the most parameters (memory.model.
+    stage_parameter_split): a middle stage where the partition leaves it more than the
+    first and last (a MoE model's dense first layers, the embedding and head beside
+    fewer blocks). Cached by the fields it depends on."""
+    if lay.pp <= 2:
+        return 0
+    key = ("heaviest", lay.pp, lay.vpp, lay.tp, lay.dp, lay.cp, lay.ep, lay.etp, lay.pp_partition)
+    if cache is None or key not in cache:
+        cfg, grid = setup()
+        sizes = [sum(stage_parameter_split(cfg, grid, grid.rank_of(dp=0, pp=s, tp=0))) for s in range(lay.pp)]
+        heaviest = sizes.index(max(sizes))
+        if cache is None:
+            return heaviest
+        cache[key] = heaviest
+    return cache[key]
 
 
 def micro_batches(job: Job, lay: Layout) -> int:
@@ -820,9 +959,14 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
     tokens = job.global_batch_size * m.seq_len
     flops_per_token = model_flops_per_token(m)
     model_flops = flops_per_token * tokens
-    forward_blocks = flops_per_token / 3 - 2 * m.d_model * m.vocab_size  # per token, all blocks
-    # the core's 4 s (n_head x head_dim) per layer; the cp core is kept
-    selective = 4.0 * m.seq_len * m.n_head * m.head_dim * m.n_layer if lay.cp == 1 else 0.0
+    depths = getattr(m, "mtp_layers", 0)
+    # per token, all blocks (the multi-token prediction depths' heads are not recomputed)
+    forward_blocks = flops_per_token / 3 - (1 + depths) * 2 * m.d_model * m.vocab_size
+    # the core's 4 s (n_head x head_dim) per layer (latent attention's 2 s n_head (qk + v)
+    # head dims); the cp core is kept
+    core = 2.0 * m.seq_len * m.n_head * (m.qk_head_dim + m.v_head_dim) if getattr(m, "mla", False) \
+        else 4.0 * m.seq_len * m.n_head * m.head_dim
+    selective = core * (m.n_layer + depths) if lay.cp == 1 else 0.0
     recomputed = {"none": 0.0, "selective": selective, "full": forward_blocks}[lay.recompute] * tokens
     hardware_flops = model_flops + recomputed
     mem = memory_bytes(job, lay) if memory is True else float(memory or 0.0)
@@ -858,18 +1002,19 @@ def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: f
     * the optimizer: one memory-bound pass over the owned (ZeRO: the shard's) master
       weights, moments and gradients.
 
-    ``experts``: a MoE model's expert parameters of the rank. With ep = 1 they are
-    reduced with the rest; with ep > 1 over the expert-data-parallel group (``dp x cp /
-    ep`` ranks, ``tp x ep`` apart) and, under ZeRO, sharded over it: their all-reduce (or
+    ``experts``: a MoE model's expert parameters of the rank. With ep = etp = 1 they are
+    reduced with the rest; else over the expert-data-parallel group
+    (:attr:`Layout.expert_dp` ranks, ``ep x etp`` members of the expert grid's base
+    apart) and, under ZeRO, sharded over it: their all-reduce (or
     reduce-scatter, and the step's gather) beside the dense one's; ZeRO-2/3's
     per-micro-batch collectives of them are in the pipeline's costs, as the dense ones
     (:func:`zero_chunk_seconds`)."""
     hw = job.hardware
     n = lay.dp * lay.cp
     e = DTYPE_BYTES[job.dtype]
-    if lay.ep == 1:
+    if lay.ep * lay.etp == 1:
         params, experts = params + experts, 0
-    edp = n // lay.ep
+    edp = lay.expert_dp
     owned = params / (lay.zero_shard if lay.zero else 1)
     if experts:
         owned += experts / (edp if lay.zero else 1)
@@ -887,7 +1032,7 @@ def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: f
 
     grads, replicas, gather = one("gradients"), one("replicas"), one("parameters")
     if experts and edp > 1:  # the experts' own buffer, over the expert-data-parallel group
-        link = ring_link(hw, edp, lay.tp * lay.ep, job.node)
+        link = ring_link(hw, edp, lay.expert_stride * lay.ep * lay.etp, job.node)
         apart = zero_step_collectives(experts, job.dtype, lay.zero, micro_batches(job, lay), edp)
         grads += link.collective(apart["gradients"].nbytes, edp, apart["gradients"].kind)
         if "parameters" in apart:
@@ -919,8 +1064,10 @@ def expert_tp_seconds(job: Job, lay: Layout, experts: int) -> float:
     """Under sequence parallelism each tp rank's copy of an expert has seen only its own
     tokens, so the ``experts`` parameters' gradients are summed over tp after the
     backward (as the norms' are: optim/grads.py), an all-reduce of their ``w`` bytes
-    each, not overlapped. Nothing without SP (the tp ranks computed the same rows)."""
-    if not (lay.sequence_parallel and lay.tp > 1) or not experts:
+    each, not overlapped. Nothing without SP (the tp ranks computed the same rows), nor
+    where the experts are folded over tp (a rank's experts are its own, not its tp
+    neighbours')."""
+    if not (lay.sequence_parallel and lay.tp > 1) or not experts or lay.folded:
         return 0.0
     link = job.hardware.link(lay.tp, job.node)
     return link.collective(experts * wide_bytes(DTYPE_BYTES[job.dtype]), lay.tp, "all_reduce")

@@ -46,6 +46,8 @@ def train_args(model_args: list[str], p: Prediction, global_batch_size: int, seq
         args += ["--cp", str(lay.cp), "--cp-comm", lay.cp_comm]
     if lay.ep > 1:
         args += ["--ep", str(lay.ep)]
+    if lay.etp > 1:
+        args += ["--etp", str(lay.etp)]
     if lay.sequence_parallel:
         args.append("--sequence-parallel")
     return args + lay.zero_flags()
