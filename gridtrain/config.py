@@ -108,7 +108,8 @@ class ModelConfig:
                                      "this times tp")
     layernorm_eps: float = option(1e-5, flag=None, range="> 0",
                                   help="epsilon of the block norms: LayerNorm (gpt2) or RMSNorm (llama)")
-    tie_embeddings: bool = option(True, flag=None, help="the output head shares the token embedding's weights")
+    tie_embeddings: bool = option(True, flag="--untie-embeddings",
+                                  help="the output head shares the token embedding's weights (the flag unties them)")
     arch: str = option("gpt2", choices=ARCHS, metavar="A", help="gpt2 | llama (default: the preset's)",
                        doc="`gpt2` or `llama` (default: the preset's)")
     # llama only (docs/llama.md): key/value heads (grouped-query attention; None = n_head),
@@ -134,10 +135,10 @@ class ModelConfig:
                                              "(0.1 mscale_all_dim ln factor + 1)^2)")
     max_positions: int | None = option(None, flag=None, range=">= 1",
                                        help="the context the model was published for (default: seq_len)")
-    attn_head_dim: int | None = option(None, flag=None, range=">= 1",
+    attn_head_dim: int | None = option(None, flag="--head-dim", range=">= 1", metavar="N",
                                        help="llama: width of each attention head (default d_model / n_head; "
                                             "Qwen3: 128)")
-    qk_norm: str | None = option(None, flag=None, choices=QK_NORMS,
+    qk_norm: str | None = option(None, flag="--qk-norm", choices=QK_NORMS, metavar="head|full",
                                  help="llama: RMSNorm of queries and keys before rotary positions: `head` (per "
                                       "head, Qwen3) or `full` (over all heads, OLMoE); null: none")
     # multi-head latent attention (attention_type "mla", models/mla.py, docs/mla.md): DeepSeek-V2/V3's
@@ -180,9 +181,9 @@ class ModelConfig:
                                                doc="each expert takes at most F x tokens x k / E tokens of a global "
                                                    "micro-batch, the rest are dropped in token order (default: "
                                                    "none, dropless)")
-    moe_norm_topk: bool = option(True, flag=None,
+    moe_norm_topk: bool = option(True, flag="--no-moe-norm-topk",
                                  help="renormalize the top-k routing weights to sum to 1 (Mixtral, Qwen3-MoE); "
-                                      "false: the softmax probabilities as they are (OLMoE)")
+                                      "false (the flag): the softmax probabilities as they are (OLMoE)")
     moe_router: str = option("softmax", choices=MOE_ROUTERS, metavar="R",
                              help="softmax | sigmoid: the router's scores (sigmoid: DeepSeek-V3)")
     moe_expert_bias_rate: float = option(0.0, range=">= 0", metavar="G",

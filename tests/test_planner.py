@@ -350,7 +350,8 @@ def test_prediction_json_has_the_issues_keys():
     p = predict(job, Layout(dp=2, tp=2, pp=2, micro_batch_size=2, recompute="selective", sequence_parallel=True,
                             zero=1))
     data = p.as_json()
-    assert set(data) == ISSUE_KEYS | CP_KEYS | ZERO_KEYS | EP_KEYS | {"breakdown_s", "pp_layers"}
+    assert set(data) == ISSUE_KEYS | CP_KEYS | ZERO_KEYS | EP_KEYS | {"breakdown_s", "pp_layers",
+                                                                      "memory_breakdown_gb"}
     assert data["pp_layers"] == [4, 4]
     assert set(data["breakdown_s"]) == {"compute", "tp_comm", "cp_comm", "zero_comm", "ep_comm", "bubble",
                                         "dp_exposed", "optimizer"}
@@ -450,7 +451,8 @@ def test_plan_json_parses(capsys, no_process_may_start):
     data = json.loads(capsys.readouterr().out)
     assert len(data["layouts"]) == 2
     for row in data["layouts"]:
-        assert set(row) == ISSUE_KEYS | CP_KEYS | ZERO_KEYS | EP_KEYS | {"breakdown_s", "pp_layers"}
+        assert set(row) == ISSUE_KEYS | CP_KEYS | ZERO_KEYS | EP_KEYS | {"breakdown_s", "pp_layers", "command",
+                                                                         "memory_breakdown_gb"}
         assert row["recompute"] == "full" and row["fits"] and row["dp"] * row["tp"] * row["pp"] == 8
     assert data["layouts"][0]["step_time_s"] <= data["layouts"][1]["step_time_s"]
 
@@ -486,6 +488,9 @@ def test_layers_that_do_not_divide_over_the_stages_get_the_runtimes_balanced_spl
     job = Job(model, 16, A100, "bf16")
     found = list(layouts(job, 8, Fixed(tp=2, pp=4)))
     assert found and all(lay.pp_partition == "parameters" and lay.vpp == 1 for lay in found)
+    # interleaved when --vpp is given: 8 virtual stages of 10 layers, split the same way
+    # (tests/test_planner_layouts.py: a 94-layer model on pp 8 x vpp 4)
+    assert all(lay.pp_partition == "parameters" for lay in layouts(job, 8, Fixed(tp=2, pp=4, vpp=2)))
     p = predict(job, found[0])
     assert sum(p.pp_layers) == 10 and len(p.pp_layers) == 4 and max(p.pp_layers) - min(p.pp_layers) <= 1
     grid = ProcessGrid(world_size=8, tp=2, pp=4, dp=1)

@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     _prepare_parser(sub)
     _hf_parsers(sub)
     _checkpoint_parser(sub)
-    add_plan_parser(sub)
+    add_plan_parser(sub, _field_flag)
     add_schedule_parser(sub)
     add_plot_parser(sub)
     return parser

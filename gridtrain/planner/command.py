@@ -7,25 +7,30 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import Callable
 
-from gridtrain.config import PRESETS, ConfigError, ModelConfig, preset_config
-from gridtrain.planner.cost import Job, Prediction
+from gridtrain.config import PRESETS, ConfigError, ModelConfig, declared_fields, flag_of, load_config
+from gridtrain.planner.cost import MEMORY_PARTS, Job, Prediction
 from gridtrain.planner.machine import MACHINES, machine
-from gridtrain.planner.search import CP_COMM, RECOMPUTE, SCHEDULES, ZERO, Fixed, search
+from gridtrain.planner.search import CP_COMM, RECOMPUTE, SCHEDULES, ZERO, Fixed, search, why_none
 
-_MODEL_FLAGS = {"arch": str, "n_layer": int, "d_model": int, "n_head": int, "n_kv_head": int, "ffn_size": int,
-                "vocab_size": int, "n_experts": int, "moe_top_k": int, "moe_ffn_hidden": int,
-                "moe_shared_experts": int, "moe_every": int}
+def _model_fields() -> list[dataclasses.Field]:
+    """The model fields ``train`` has a flag for: each is a ``plan`` flag too, so any shape
+    a run can state a plan can (the sequence length is plan's own, required)."""
+    return [f for section, f in declared_fields() if section == "model" and flag_of(f) and f.name != "seq_len"]
 
 
-def add_plan_parser(sub) -> None:
+def add_plan_parser(sub, field_flag: Callable[[argparse.ArgumentParser, str, dataclasses.Field], None]) -> None:
+    """``field_flag(parser, section, field)`` adds a declared field's flag as ``train`` does."""
     p = sub.add_parser("plan", help="choose the layout for N GPUs: predicted step time and memory")
     p.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware's (8)")
     p.add_argument("--hardware", required=True, help=f"{' | '.join([*MACHINES, 'cpu'])} (cpu: profiled here)")
     p.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
-    for name, typ in _MODEL_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=typ, default=None)
+    m = p.add_argument_group("model", "a preset's fields, or a whole shape without --model (the flags of train)")
+    for f in _model_fields():
+        field_flag(m, "model", f)
+    m.add_argument("--ffn-size", dest="ffn_hidden", type=int, help=argparse.SUPPRESS)  # --ffn-hidden's old name
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--global-batch-size", type=int, required=True)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
@@ -50,27 +55,34 @@ def add_plan_parser(sub) -> None:
     g.add_argument("--schedule", choices=SCHEDULES)
     p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     p.add_argument("--json", action="store_true", help="print the layouts as JSON")
-    p.add_argument("--explain", metavar="FILE.png", help="draw the top layouts' breakdown")
+    p.add_argument("--explain", metavar="FILE.png", nargs="?", const="",
+                   help="print why the first layout beats the runner-up, part by part; with FILE.png also draw "
+                        "the top layouts' breakdowns")
     p.add_argument("--measure", action="store_true",
                    help="with --hardware cpu: run the top layouts here for a few steps, measured beside predicted")
     p.add_argument("--measure-steps", type=int, default=6, help="steps per measured run (default 6)")
 
 
+def _value(args: argparse.Namespace, f: dataclasses.Field):
+    """The value the field's flag gave (None: not given); the flag's name is its dest, as in ``train``."""
+    return getattr(args, flag_of(f)[2:].replace("-", "_"), None)
+
+
+def _given(args: argparse.Namespace) -> dict[str, object]:
+    return {f.name: _value(args, f) for f in _model_fields() if _value(args, f) is not None}
+
+
 def model_of(args: argparse.Namespace) -> ModelConfig:
-    base = preset_config(args.model).model if args.model else None
-    given = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k) is not None}
-    if base is None:
+    given = _given(args)
+    if not args.model:
         missing = [f"--{k.replace('_', '-')}" for k in ("n_layer", "d_model", "n_head", "vocab_size") if k not in given]
         if missing:
             raise ConfigError(f"plan: no model: pass --model PRESET or {' '.join(missing)}")
-        base = ModelConfig(n_layer=given["n_layer"], n_head=given["n_head"], d_model=given["d_model"],
-                           vocab_size=given["vocab_size"], seq_len=args.seq_len)
-    ffn = given.pop("ffn_size", None)
-    model = dataclasses.replace(base, seq_len=args.seq_len, dropout=0.0, **given)
-    if ffn is not None:
-        model = dataclasses.replace(model, ffn_hidden=ffn)
-    if model.d_model % model.n_head:
-        raise ConfigError(f"plan: --d-model {model.d_model} is not a multiple of --n-head {model.n_head}")
+    model = load_config(None, {"model": {**given, "seq_len": args.seq_len, "dropout": 0.0}},
+                        preset=args.model or "tiny").model
+    if model.d_model % model.n_head and model.attn_head_dim is None and model.attention_type != "mla":
+        raise ConfigError(f"plan: --d-model {model.d_model} is not a multiple of --n-head {model.n_head}; "
+                          "give --head-dim")
     return model
 
 
@@ -129,8 +141,7 @@ def plan_command(args: argparse.Namespace) -> int:
                   zero3_keep_gathered=args.zero3_keep_gathered, ep=args.ep, etp=args.etp)
     best = search(job, args.gpus, fixed, top=args.top)
     if not best:
-        raise ConfigError(f"plan: no layout of {args.gpus} GPUs divides this model and batch with the given "
-                          "fields; change --gpus, --global-batch-size or the fixed layout flags")
+        raise ConfigError(why_none(job, args.gpus, fixed))
     if args.json:
         print(json.dumps({"layouts": [{**p.as_json(), "command": torchrun_command(args, p, job.node)} for p in best]},
                          indent=1))
@@ -144,8 +155,10 @@ def plan_command(args: argparse.Namespace) -> int:
               f"{args.dtype}")
         for i, p in enumerate(best, 1):
             print(f"{i}. {describe(p)}\n    {torchrun_command(args, p, job.node)}")
-    if args.explain:
-        draw(best, Path(args.explain))
+    if args.explain is not None:
+        print("\n".join(explain(best[:2])))
+        if args.explain:
+            draw(best, Path(args.explain))
     if args.measure:
         from gridtrain.planner.measure import measure, table
 
@@ -159,11 +172,56 @@ def plan_command(args: argparse.Namespace) -> int:
 def model_flags(args: argparse.Namespace) -> list[str]:
     """The model as ``gridtrain train`` flags."""
     flags = ["--model", args.model] if args.model else []
-    names = {"ffn_size": "--ffn-hidden"}
-    for k in _MODEL_FLAGS:
-        if getattr(args, k) is not None:
-            flags += [names.get(k, "--" + k.replace("_", "-")), str(getattr(args, k))]
+    for f in _model_fields():
+        value = _value(args, f)
+        if value is None:
+            continue
+        if isinstance(f.default, bool):
+            flags.append(flag_of(f))  # a switch: given, it sets the opposite of the default
+        else:
+            flags += [flag_of(f), ",".join(map(str, value)) if isinstance(value, list) else str(value)]
     return flags
+
+
+# a step's seconds by part: they add up to the step (compute is the busiest stage's own
+# work, its communication apart)
+STEP_PARTS = [("compute", lambda p: p.compute_s - p.tp_comm_s - p.cp_comm_s - p.zero_comm_s - p.ep_comm_s),
+              ("TP communication", lambda p: p.tp_comm_s), ("exposed CP communication", lambda p: p.cp_comm_s),
+              ("exposed ZeRO communication", lambda p: p.zero_comm_s), ("MoE communication", lambda p: p.ep_comm_s),
+              ("pipeline bubble", lambda p: p.bubble_s), ("exposed DP communication", lambda p: p.dp_exposed_s),
+              ("optimizer", lambda p: p.optimizer_s)]
+
+
+def explain(best: list[Prediction]) -> list[str]:
+    """The chosen layout beside the runner-up, part by part (seconds per step, then
+    memory per GPU by kind), with their difference: where the winner gains and loses."""
+    if not best:
+        return []
+    names = [f"{i}. {_label(p)}" for i, p in enumerate(best, 1)]
+    lines = ["why " + (f"1 beats 2 ({names[0]} against {names[1]})" if len(best) > 1 else f"{names[0]}") + ":"]
+    head = f"    {'seconds per step':<28}" + "".join(f"{i:>12}" for i in range(1, len(best) + 1))
+    lines.append(head + (f"{'1 - 2':>12}" if len(best) > 1 else ""))
+
+    def row(name: str, values: list[float], fmt: str = "{:12.3f}") -> str:
+        cells = "".join(fmt.format(v) for v in values)
+        diff = fmt.replace(":", ":+").format(values[0] - values[1]) if len(values) > 1 else ""
+        return f"    {name:<28}{cells}{diff}"
+
+    for name, part in STEP_PARTS:
+        lines.append(row(name, [part(p) for p in best]))
+    lines.append(row("step", [p.step_time_s for p in best]))
+    lines.append(f"    {'memory GB per GPU':<28}")
+    for kind in MEMORY_PARTS:
+        lines.append(row(kind, [p.memory_parts.get(kind, 0.0) / 1e9 for p in best], "{:12.2f}"))
+    lines.append(row("total", [p.memory_bytes / 1e9 for p in best], "{:12.2f}"))
+    return lines
+
+
+def _label(p: Prediction) -> str:
+    lay = p.layout
+    return (f"dp{lay.dp}{_cp_label(lay)} tp{lay.tp} pp{lay.pp}" + (f" v{lay.vpp}" if lay.vpp > 1 else "")
+            + f" mb{lay.micro_batch_size} {lay.schedule} {lay.recompute}{' sp' if lay.sequence_parallel else ''}"
+            + _zero_label(lay))
 
 
 def draw(best: list[Prediction], path: Path) -> None:
@@ -174,16 +232,9 @@ def draw(best: list[Prediction], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [("compute", lambda p: p.compute_s - p.tp_comm_s - p.cp_comm_s - p.zero_comm_s - p.ep_comm_s),
-             ("TP communication", lambda p: p.tp_comm_s), ("exposed CP communication", lambda p: p.cp_comm_s),
-             ("exposed ZeRO communication", lambda p: p.zero_comm_s), ("MoE communication", lambda p: p.ep_comm_s),
-             ("pipeline bubble", lambda p: p.bubble_s), ("exposed DP communication", lambda p: p.dp_exposed_s),
-             ("optimizer", lambda p: p.optimizer_s)]
+    parts = STEP_PARTS
     fig, ax = plt.subplots(figsize=(9, 1 + 0.6 * len(best)))
-    labels = [f"dp{p.layout.dp}{_cp_label(p.layout)} tp{p.layout.tp} pp{p.layout.pp} v{p.layout.vpp} "
-              f"mb{p.layout.micro_batch_size} "
-              f"{p.layout.schedule} {p.layout.recompute}{' sp' if p.layout.sequence_parallel else ''}"
-              f"{_zero_label(p.layout)}" for p in best]
+    labels = [_label(p) for p in best]
     left = [0.0] * len(best)
     for name, part in parts:
         widths = [part(p) for p in best]

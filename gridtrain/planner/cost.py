@@ -245,6 +245,7 @@ class Prediction:
     zero_comm_s: float = 0.0  # of compute: ZeRO-2/3's per-micro-batch collectives not hidden behind the chunks
     ep_comm_s: float = 0.0  # of compute: MoE all-to-alls, routing counts and statistics (not overlapped)
     moe: bool = False  # the model has experts (the command and description then name ep)
+    memory_parts: dict[str, float] = field(default_factory=dict)  # memory_bytes by kind (MEMORY_PARTS)
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -273,6 +274,7 @@ class Prediction:
                 "model_tflops_per_gpu": self.model_tflops_per_gpu,
                 "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
                 "memory_gb_per_gpu": self.memory_bytes / 1e9, "fits": self.fits,
+                "memory_breakdown_gb": {k: v / 1e9 for k, v in self.memory_parts.items()},
                 "breakdown_s": {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "cp_comm": self.cp_comm_s,
                                 "zero_comm": self.zero_comm_s, "ep_comm": self.ep_comm_s, "bubble": self.bubble_s,
                                 "dp_exposed": self.dp_exposed_s, "optimizer": self.optimizer_s}}
@@ -858,15 +860,25 @@ def grid_of(lay: Layout) -> ProcessGrid:
     return ProcessGrid(world_size=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp, cp=lay.cp)
 
 
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "transients")
+
+
 def memory_bytes(job: Job, lay: Layout, activation_peaks: dict | None = None) -> float:
-    """Bytes per GPU: the memory model on the first and the last stage (and the stage
-    whose rank holds the most parameters, :func:`_heaviest_stage`): what a rank holds
-    (expected_state_bytes, ZeRO's transients within a step included) and the activation
-    peak. ``activation_peaks``: a cache of the peaks by layout without its ZeRO fields
-    and ep (of ep, only whether it is above 1 changes them; etp changes them), for a
-    search that tries every ZeRO stage and ep of a layout; the same dict keeps what a rank
-    holds by layout without the fields it does not depend on (micro-batch, schedule,
-    recomputation, SP, cp_comm), which a search's layouts share by the dozen."""
+    """Bytes per GPU: the sum of :func:`memory_breakdown`."""
+    return sum(memory_breakdown(job, lay, activation_peaks).values())
+
+
+def memory_breakdown(job: Job, lay: Layout, activation_peaks: dict | None = None) -> dict[str, float]:
+    """Bytes per GPU by kind (:data:`MEMORY_PARTS`), of the stage that needs the most of
+    the first, the last (and the stage whose rank holds the most parameters,
+    :func:`_heaviest_stage`): what a rank holds (expected_state_bytes), the activation
+    peak, and the step's transients (ZeRO-3's gathered blocks, ZeRO-2/3's gradient
+    staging). ``activation_peaks``: a cache of the peaks by
+    layout without its ZeRO fields and ep (of ep, only whether it is above 1 changes
+    them; etp changes them), for a search that tries every ZeRO stage and ep of a
+    layout; the same dict keeps what a rank holds by layout without the fields it does
+    not depend on (micro-batch, schedule, recomputation, SP, cp_comm), which a search's
+    layouts share by the dozen."""
     cache = activation_peaks
     built: list = []
 
@@ -878,27 +890,30 @@ def memory_bytes(job: Job, lay: Layout, activation_peaks: dict | None = None) ->
     base = replace(lay, zero=0, zero_shard_size=None, zero3_keep_gathered=False, ep=min(lay.ep, 2))  # (etp kept)
     state = replace(lay, micro_batch_size=1, schedule="1f1b", recompute="none", sequence_parallel=False,
                     cp_comm="ring")
-    worst = 0.0
+    worst: dict[str, float] = {}
     for stage in sorted({0, lay.pp - 1, _heaviest_stage(job, lay, cache, setup)}):
         key, held_key = (base, stage), ("held", state, stage)
         if cache is None or held_key not in cache:
             cfg, grid = setup()
             held = expected_state_bytes(cfg, grid, grid.rank_of(dp=0, pp=stage, tp=0))
-            held = sum(held[k] for k in ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "gathered_bytes",
-                                         "staging_bytes"))
+            held = {"parameters": held["parameter_bytes"], "gradients": held["gradient_bytes"],
+                    "optimizer": held["optimizer_bytes"], "transients": held["gathered_bytes"] + held["staging_bytes"]}
             if cache is not None:
                 cache[held_key] = held
         else:
             held = cache[held_key]
         if cache is None or key not in cache:
             cfg, grid = setup()
-            peak = expected_activation_peak(cfg, grid, grid.rank_of(dp=0, pp=stage, tp=0), device)
+            rank = grid.rank_of(dp=0, pp=stage, tp=0)
+            peak = (expected_activation_peak(cfg, grid, rank, device), 0.0)
             if cache is not None:
                 cache[key] = peak
         else:
             peak = cache[key]
-        worst = max(worst, held + peak)
-    return worst
+        parts = {**held, "activations": peak[0], "transients": held["transients"] + peak[1]}
+        if sum(parts.values()) > sum(worst.values()):
+            worst = parts
+    return {k: float(worst[k]) for k in MEMORY_PARTS}
 
 
 def _heaviest_stage(job: Job, lay: Layout, cache: dict | None, setup) -> int:
@@ -923,7 +938,9 @@ def micro_batches(job: Job, lay: Layout) -> int:
     return job.global_batch_size // (lay.micro_batch_size * lay.dp)
 
 
-def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction:
+def predict(job: Job, lay: Layout, *, memory: bool | float | dict[str, float] = True) -> Prediction:
+    """The layout's step (the schedule simulated) and memory: ``memory`` True computes
+    :func:`memory_breakdown`; a breakdown or a number is taken as given (a search's)."""
     m, hw = job.model, job.hardware
     mbs = micro_batches(job, lay)
     cfg = config_of(job, lay)
@@ -969,12 +986,14 @@ def predict(job: Job, lay: Layout, *, memory: bool | float = True) -> Prediction
     selective = core * (m.n_layer + depths) if lay.cp == 1 else 0.0
     recomputed = {"none": 0.0, "selective": selective, "full": forward_blocks}[lay.recompute] * tokens
     hardware_flops = model_flops + recomputed
-    mem = memory_bytes(job, lay) if memory is True else float(memory or 0.0)
+    parts = memory_breakdown(job, lay) if memory is True else memory if isinstance(memory, dict) else {}
+    mem = sum(parts.values()) if memory is True or isinstance(memory, dict) else float(memory or 0.0)
     return Prediction(layout=lay, step_time_s=step, compute_s=busy, tp_comm_s=tp_comm, bubble_s=makespan - busy,
                       dp_exposed_s=exposed + gather, optimizer_s=optimizer, memory_bytes=mem,
                       fits=mem <= hw.usable_memory_bytes, model_flops=model_flops, hardware_flops=hardware_flops,
                       tokens=tokens, gpus=lay.gpus, peak_flops=hw.peak_flops(job.dtype), pp_layers=layers,
-                      cp_comm_s=cp_comm, zero_comm_s=zero_comm, ep_comm_s=ep_comm, moe=bool(m.n_experts))
+                      cp_comm_s=cp_comm, zero_comm_s=zero_comm, ep_comm_s=ep_comm, moe=bool(m.n_experts),
+                      memory_parts=parts)
 
 
 @lru_cache(maxsize=256)

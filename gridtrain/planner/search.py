@@ -59,13 +59,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from itertools import islice
 
 from gridtrain.config import ZERO_STAGES, ModelConfig
 from gridtrain.memory.cp import CP_COMM_MODES
 from gridtrain.parallel.pipeline.schedules import ScheduleError, check_sizes
-from gridtrain.planner.cost import (Job, Layout, Prediction, block_cost, embedding_cost, head_cost, memory_bytes,
+from gridtrain.planner.cost import (Job, Layout, Prediction, block_cost, embedding_cost, head_cost, memory_breakdown,
                                     micro_batches, predict, zero_chunk_seconds, zero_exposed_seconds)
 
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zb-h1", "gpipe")
@@ -101,6 +101,11 @@ class Fixed:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _given_or(value: int | None, choices: tuple[int, ...]) -> tuple[int, ...]:
+    """A fixed field's value (any, not only the searched ones), else the choices."""
+    return choices if value is None else (value,)
 
 
 def tp_fits(m: ModelConfig, tp: int) -> bool:
@@ -183,17 +188,16 @@ def _pipelines(job: Job, gpus: int, tp: int, cp: int, fixed: Fixed) -> Iterable[
         if fixed.pp is not None and pp != fixed.pp:
             continue
         dp = gpus // (tp * cp * pp)
-        for vpp in VIRTUAL_STAGES:
-            if (fixed.vpp is not None and vpp != fixed.vpp) or m.n_layer < pp * vpp or (vpp > 1 and pp == 1):
+        for vpp in _given_or(fixed.vpp, VIRTUAL_STAGES):
+            if m.n_layer < pp * vpp or (vpp > 1 and pp == 1):
                 continue
-            if vpp > 1 and m.n_layer % (pp * vpp):
-                continue  # interleaving only with equal chunks
-            # layers that do not divide evenly over the stages: the runtime's balanced
-            # split by parameters (--pp-layers printed), as BLOOM and Llama 3.1 405B ran
-            split = "uniform" if m.n_layer % pp == 0 else "parameters"
-            for mbs in MICRO_BATCHES:
-                if fixed.micro_batch_size is not None and mbs != fixed.micro_batch_size:
-                    continue
+            if vpp > 1 and fixed.vpp is None and m.n_layer % (pp * vpp):
+                continue  # searched, interleaving with equal chunks; a given --vpp takes any split
+            # layers that do not divide evenly over the (virtual) stages: the runtime's
+            # balanced split by parameters (--pp-layers printed), as BLOOM and Llama 3.1
+            # 405B ran, and as a 94-layer model runs on pp 8 x vpp 4
+            split = "uniform" if m.n_layer % (pp * vpp) == 0 else "parameters"
+            for mbs in _given_or(fixed.micro_batch_size, MICRO_BATCHES):
                 if job.global_batch_size % (mbs * dp):
                     continue
                 for ep, etp in expert_grids(m, tp * cp * dp, job.node, fixed, tp=tp, group=dp * cp):
@@ -335,6 +339,38 @@ def _cached(parts: dict | None, key: tuple, make):
     return parts[key]
 
 
+_FLAGS = {"micro_batch_size": "--micro-batch-size", "cp_comm": "--cp-comm", "zero_shard_size": "--zero-shard-size",
+          "zero3_keep_gathered": "--zero3-keep-gathered", "sequence_parallel": "--sequence-parallel"}
+
+
+def why_none(job: Job, gpus: int, fixed: Fixed) -> str:
+    """Why no layout of ``gpus`` devices has the ``fixed`` fields, as one line: the given
+    field without which layouts exist (the first in the order of :class:`Fixed`) and
+    what it breaks, else that the model, GPU count and batch admit none."""
+    m = job.model
+    given = [f.name for f in fields(Fixed) if getattr(fixed, f.name) is not None]
+    for name in given:
+        if not any(True for _ in layouts(job, gpus, replace(fixed, **{name: None}))):
+            continue
+        value = getattr(fixed, name)
+        flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+        reason = {
+            "tp": lambda: f"tp must divide the {m.n_head} heads, the {m.kv_heads} key/value heads (or be a multiple "
+                          f"of them) and stay within a node of {job.node}",
+            "cp": lambda: f"cp must divide the GPUs and cut the {m.seq_len}-token sequence into 2 x cp equal chunks",
+            "pp": lambda: f"pp x vpp must divide the GPUs left by tp x cp and be at most the {m.n_layer} layers",
+            "vpp": lambda: f"vpp needs pp > 1 and pp x vpp at most the {m.n_layer} layers",
+            "micro_batch_size": lambda: f"micro-batch x dp must divide the global batch of {job.global_batch_size}",
+            "schedule": lambda: "the schedule's micro-batch count and stage rules (gridtrain schedule --help) rule it out",
+            "ep": lambda: f"ep x etp must divide tp x cp x dp of a stage and ep the {m.n_experts} experts",
+            "etp": lambda: "etp needs SwiGLU experts without a capacity factor, dividing their width",
+            "zero_shard_size": lambda: "the shard group must divide dp x cp and experts (ep > 1) are not hybrid-sharded",
+        }.get(name, lambda: "with the other given fields it admits no layout")()
+        return f"plan: {flag} {value} leaves no layout of {gpus} GPUs with the other given fields: {reason}"
+    return (f"plan: no layout of {gpus} GPUs divides this model and batch with the given fields; change --gpus, "
+            "--global-batch-size or the fixed layout flags")
+
+
 def search(job: Job, gpus: int, fixed: Fixed = Fixed(), top: int = 5, shortlist: int = 40) -> list[Prediction]:
     """The ``top`` layouts by predicted step time among those that fit (when none fits,
     the ones needing the least memory, marked as not fitting)."""
@@ -346,23 +382,28 @@ def search(job: Job, gpus: int, fixed: Fixed = Fixed(), top: int = 5, shortlist:
     peaks: dict = {}
     pool = list(islice(_fitting(job, ranked, set(every), peaks), shortlist))
     if not pool:
-        pool = sorted(((lay, memory_bytes(job, lay, peaks)) for lay in every), key=lambda c: c[1])[:top]
+        pool = sorted(((lay, memory_breakdown(job, lay, peaks)) for lay in every),
+                      key=lambda c: sum(c[1].values()))[:top]
     predicted = [predict(job, lay, memory=mem) for lay, mem in pool]  # the simulator: the costly part
     predicted.sort(key=lambda p: (not p.fits, p.step_time_s if p.fits else p.memory_bytes))
     return predicted[:top]
 
 
-def _fitting(job: Job, ranked: Iterable[Layout], every: set[Layout], peaks: dict) -> Iterator[tuple[Layout, float]]:
+def _fitting(job: Job, ranked: Iterable[Layout], every: set[Layout],
+             peaks: dict) -> Iterator[tuple[Layout, dict[str, float]]]:
     """The layouts whose memory fits the device and that no fitting layout of ``every``
-    dominates (:func:`dominated`), in the given order, with their memory."""
+    dominates (:func:`dominated`), in the given order, with their memory by kind."""
     usable = job.hardware.usable_memory_bytes
-    memory: dict[Layout, float] = {}
+    memory: dict[Layout, dict[str, float]] = {}
+
+    def parts(lay: Layout) -> dict[str, float]:
+        if lay not in memory:
+            memory[lay] = memory_breakdown(job, lay, peaks)
+        return memory[lay]
 
     def need(lay: Layout) -> float:
-        if lay not in memory:
-            memory[lay] = memory_bytes(job, lay, peaks)
-        return memory[lay]
+        return sum(parts(lay).values())
 
     for lay in ranked:
         if need(lay) <= usable and not any(d in every and need(d) <= usable for d in dominated(lay)):
-            yield lay, need(lay)
+            yield lay, parts(lay)
