@@ -16,7 +16,7 @@ import pytest
 
 from gridtrain.cli import parser as cli
 from gridtrain.config import ModelConfig, preset_config
-from gridtrain.memory.model import expected_activation_peak, expected_bytes
+from gridtrain.memory.model import expected_activation_peak, expected_bytes, expected_state_bytes
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.models.decoder import training_flops_per_token
 from gridtrain.parallel.pipeline.schedules import B, F, W, build_schedule
@@ -314,8 +314,10 @@ MEMORY_CASES = [
 
 @pytest.mark.parametrize("model,batch,lay", MEMORY_CASES)
 def test_memory_is_the_dry_runs_closed_forms(model, batch, lay):
-    """Parameters, gradient buffer and optimizer state (expected_bytes) plus the schedule's
-    activation peak (expected_activation_peak), on the worst stage of the pipeline."""
+    """Parameters, gradient buffer and optimizer state (expected_bytes) plus the higher of
+    the schedule's activation peak (expected_activation_peak; ZB-H1's with the inputs its
+    deferred weight gradients keep) and, at the step's end, ZeRO-1's publication of the
+    weights, on the worst stage of the pipeline."""
     job = Job(model, batch, A100, "bf16")
     cfg = config_of(job, lay)
     grid = ProcessGrid(world_size=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp)
@@ -323,8 +325,9 @@ def test_memory_is_the_dry_runs_closed_forms(model, batch, lay):
     for s in range(lay.pp):
         rank = grid.rank_of(dp=0, pp=s, tp=0)
         held = expected_bytes(cfg, grid, rank)
+        peak = expected_activation_peak(cfg, grid, rank, "cuda", weight_inputs=lay.schedule == "zb-h1")
         per_stage.append(held["parameter_bytes"] + held["gradient_bytes"] + held["optimizer_bytes"]
-                         + expected_activation_peak(cfg, grid, rank, "cuda"))
+                         + max(peak, expected_state_bytes(cfg, grid, rank)["publish_bytes"]))
     assert memory_bytes(job, lay) == pytest.approx(max(per_stage), rel=1e-12)
     assert predict(job, lay).memory_bytes == memory_bytes(job, lay)
 

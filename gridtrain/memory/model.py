@@ -59,13 +59,13 @@ from gridtrain.models.head_loss import worth_fusing
 from gridtrain.memory import activations
 from gridtrain.memory.cp import wide_bytes
 from gridtrain.memory.moe import dense_block_parameters, edp_size, moe_block_parameters
-from gridtrain.memory.zero import zero_state_bytes
+from gridtrain.memory.zero import publish_bytes, zero_state_bytes
 from gridtrain.models import mtp as multi_token
 from gridtrain.models.decoder import ChunkSpec, parameter_costs
 from gridtrain.parallel.distributed import TORCH_DTYPES
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.parallel.pipeline.partition import UnitCosts, partition
-from gridtrain.parallel.pipeline.schedules import ORDERS, B, F, check_sizes
+from gridtrain.parallel.pipeline.schedules import ORDERS, B, F, W, check_sizes
 from gridtrain.parallel.recompute import policy_from
 
 
@@ -265,7 +265,10 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
     where the dense part holds ``e D / n``), the dense parameters' as before. ZeRO-3
     gathers the stage's largest block twice, a MoE block's dense bucket over ``dp x cp``
     and its expert bucket over the expert group (the same bytes gathered); the staging
-    buffers are two of the largest bucket (:func:`_largest_bucket`)."""
+    buffers are two of the largest bucket (:func:`_largest_bucket`: under ZeRO-3 a unit,
+    the stage's root unit of token table, final norm and head where that is larger than
+    a block). ``publish_bytes``: what the optimizer's publication of the master weights
+    allocates under ZeRO-1 and 2 (memory.zero.publish_bytes), at the step's end."""
     holds = _holds(cfg, grid, rank)
     m, par = cfg.model, cfg.parallel
     dense, experts = stage_parameter_split(cfg, grid, rank)
@@ -278,7 +281,8 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
     apart = experts_apart(cfg) and experts > 0  # the experts in buckets of their own
     own = dense if apart else n
     padded = _padded_buffer(cfg, grid, holds, own) if par.zero else own
-    bucket = _largest_bucket(cfg, grid, holds, moe, padded) if m.n_experts and par.zero >= 2 else None
+    bucket = _largest_bucket(cfg, grid, holds, moe, padded) if (m.n_experts and par.zero >= 2) or par.zero == 3 \
+        else None
     state = zero_state_bytes(own, dtype, par.zero, zero_shards(cfg, grid), padded=padded,
                              tensors=_parameter_tensors(cfg, holds, moe), bucket_mb=par.bucket_mb,
                              block_params=largest, blocks=holds[0], keep_gathered=keep,
@@ -289,7 +293,11 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
         xs = zero_state_bytes(experts, dtype, par.zero, expert_shards(cfg, grid), bucket_mb=par.bucket_mb,
                               keep_gathered=keep, in_blocks=experts)
         state = {k: state[k] + (xs[k] if k != "staging_bytes" else 0) for k in state}
-    return {"parameters": n, **state}
+    publish = publish_bytes(padded, dtype, par.zero, zero_shards(cfg, grid))
+    if apart:
+        shards = expert_shards(cfg, grid)
+        publish += publish_bytes(-(-experts // shards) * shards, dtype, par.zero, shards)
+    return {"parameters": n, **state, "publish_bytes": publish}
 
 
 def expected_startup_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> int:
@@ -333,13 +341,13 @@ def _largest_bucket(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool
     * ZeRO-2 at ep 1: None, zero_state_bytes' own bound (``--bucket-mb``: buckets split
       parameters; or the whole buffer).
 
-    (Dense models keep :func:`gridtrain.memory.zero.zero_state_bytes`' ``bucket_mb``
-    bound for ZeRO-3 too, as planned before experts; the runtime's ZeRO-3 buckets are
-    its units there as well.)"""
+    Dense models' ZeRO-3 buckets are their units too (a block, or the root unit); their
+    ZeRO-2 buckets keep :func:`gridtrain.memory.zero.zero_state_bytes`' ``bucket_mb``
+    bound (None)."""
     m, tp, etp, apart = cfg.model, grid.tp, expert_tensor_parallel(cfg), experts_apart(cfg)
     w = wide_bytes(TORCH_DTYPES[cfg.training.dtype].itemsize)
     blocks, embeds, ends = holds
-    moe_dense, experts = moe_block_parameters(m, tp, expert_parallel(cfg), etp)
+    moe_dense, experts = moe_block_parameters(m, tp, expert_parallel(cfg), etp) if m.n_experts else (0, 0)
     cap = int(cfg.parallel.bucket_mb * 2 ** 20) // w
     if cfg.parallel.zero == 3:
         root = stage_parameters(m, tp, 0, embeds, ends)
@@ -424,7 +432,8 @@ def _parameter_tensors(cfg: Config, holds: tuple[int, bool, bool], moe_blocks: i
 
 # ---- activations ---------------------------------------------------------------------------------
 
-def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_type: str) -> float:
+def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_type: str, *,
+                             weight_inputs: bool = False) -> float:
     """The formula's activation peak of a stage: the schedule's action list walked, each
     F adding and each B removing its chunk's bytes: the per-block bytes of
     activations.korthikanti_bytes (docs/memory.md) summed over the chunk's blocks, plus,
@@ -438,7 +447,10 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     ``--recompute-keep-last`` off. Under context parallelism everything per token is for
     the rank's ``seq_len / cp`` tokens (the micro-batches are still the global batch's
     split over dp only). A MoE model's MoE blocks have their own bytes (layer_shape with
-    ``layer``), with balanced routing."""
+    ``layer``), with balanced routing.
+    ``weight_inputs``: also what a zero-bubble schedule's deferred weight gradients keep
+    from each B to its W (:func:`deferred_weight_input_bytes`; not saved tensors, so not
+    the activation meter's: the planner adds it as a transient)"""
     m, t = cfg.model, cfg.training
     e = TORCH_DTYPES[t.dtype].itemsize
     sp = cfg.parallel.sequence_parallel and grid.tp > 1
@@ -495,15 +507,43 @@ def expected_activation_peak(cfg: Config, grid: ProcessGrid, rank: int, device_t
     if policy.mode == "selective":  # B rebuilds one block's attention core at a time
         rebuilt = [max(0.0, max(activations.rebuilt_core_bytes(**x) for x in shapes(c))
                        - (head if c.post_process else 0.0)) if c.layer_ids else 0.0 for c in chunks]
+    # zero-bubble schedules: from a chunk's B to its W each linear keeps its input and its
+    # output's gradient (parallel/split_backward.py), whatever the recomputation
+    deferred = [sum(deferred_weight_input_bytes(m, tokens, grid.tp, e, m.is_moe_layer(i) and bool(m.n_experts),
+                                                expert_tensor_parallel(cfg)) for i in c.layer_ids) for c in chunks]
     held = peak = 0.0
-    for kind, chunk in actions:  # what the schedule holds between each F and its B, chunk by chunk
+    for kind, chunk in actions:  # what the schedule holds between each F and its B (and W), chunk by chunk
         if kind == F:
             held += cost[chunk]
             peak = max(peak, held)
-        else:
+        elif kind == B:
             peak = max(peak, held + rebuilt[chunk])
             held -= cost[chunk]
+            if weight_inputs:
+                held += deferred[chunk]
+                peak = max(peak, held)
+        else:
+            held -= deferred[chunk]
     return peak
+
+
+def deferred_weight_input_bytes(m: ModelConfig, tokens: int, tp: int, e: int, moe: bool, etp: int = 1) -> float:
+    """What one block keeps from its B to its W under a zero-bubble schedule, for
+    ``tokens`` tokens of a micro-batch on a tp rank: each linear's input (the attention's
+    and the MLP's first linears read the whole sequence, gathered under SP) and its
+    output's gradient. Attention: the input, the q/k/v projections' gradients, the output
+    projection's input and gradient; MLP (a MoE block's routed experts: ``k`` rows a
+    token): the input, gate and up's gradients, down's input and gradient."""
+    d = m.d_model
+    qkv = (m.n_head + 2 * m.kv_heads) * m.head_dim if not getattr(m, "mla", False) \
+        else m.n_head * (m.qk_head_dim + m.qk_head_dim + m.v_head_dim)
+    attention = 2 * d + (qkv + m.n_head * m.head_dim) / tp
+    if moe:
+        rows, width = m.moe_top_k, m.moe_ffn_size / etp
+        mlp = rows * (2 * d + 3 * width) + 3 * m.moe_shared_experts * m.moe_ffn_size / tp + 2 * d
+    else:
+        mlp = 2 * d + 3 * m.ffn_size / tp
+    return tokens * e * (attention + mlp)
 
 
 def fuses_loss(cfg: Config, tp: int, tokens: int) -> bool:
@@ -536,9 +576,9 @@ def head_activation_bytes(cfg: Config, tp: int, sp: bool, tokens: int, e: int) -
 @lru_cache(maxsize=4096)
 def _forwards_and_backwards(schedule: str, pp: int, micro_batches: int, vpp: int,
                             stage: int) -> tuple[tuple[str, int], ...]:
-    """The (kind, chunk) of each F and B of one stage's action list, in order: all the
+    """The (kind, chunk) of each F, B and W of one stage's action list, in order: all the
     activation walk reads. Cached: the planner walks thousands of layouts that share a
     few schedules, and building the action lists is most of a walk's time."""
     check_sizes(schedule, pp, micro_batches, vpp)
     # the stage's compute order alone: build_schedule adds only communication around it, for every stage
-    return tuple((a.kind, a.chunk) for a in ORDERS[schedule](pp, micro_batches, vpp, stage) if a.kind in (F, B))
+    return tuple((a.kind, a.chunk) for a in ORDERS[schedule](pp, micro_batches, vpp, stage) if a.kind in (F, B, W))

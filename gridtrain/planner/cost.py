@@ -871,9 +871,11 @@ def memory_bytes(job: Job, lay: Layout, activation_peaks: dict | None = None) ->
 def memory_breakdown(job: Job, lay: Layout, activation_peaks: dict | None = None) -> dict[str, float]:
     """Bytes per GPU by kind (:data:`MEMORY_PARTS`), of the stage that needs the most of
     the first, the last (and the stage whose rank holds the most parameters,
-    :func:`_heaviest_stage`): what a rank holds (expected_state_bytes), the activation
-    peak, and the step's transients (ZeRO-3's gathered blocks, ZeRO-2/3's gradient
-    staging). ``activation_peaks``: a cache of the peaks by
+    :func:`_heaviest_stage`): what a rank holds (expected_state_bytes) and, at the higher
+    of the step's two high points, the activation peak with the transients beside it
+    (ZeRO-3's gathered units, ZeRO-2/3's gradient staging, ZB-H1's inputs of deferred
+    weight gradients), or at the step's end no
+    activations and the optimizer's publication of the weights (ZeRO-1/2's gathers). ``activation_peaks``: a cache of the peaks by
     layout without its ZeRO fields and ep (of ep, only whether it is above 1 changes
     them; etp changes them), for a search that tries every ZeRO stage and ep of a
     layout; the same dict keeps what a rank holds by layout without the fields it does
@@ -897,7 +899,8 @@ def memory_breakdown(job: Job, lay: Layout, activation_peaks: dict | None = None
             cfg, grid = setup()
             held = expected_state_bytes(cfg, grid, grid.rank_of(dp=0, pp=stage, tp=0))
             held = {"parameters": held["parameter_bytes"], "gradients": held["gradient_bytes"],
-                    "optimizer": held["optimizer_bytes"], "transients": held["gathered_bytes"] + held["staging_bytes"]}
+                    "optimizer": held["optimizer_bytes"], "transients": held["gathered_bytes"] + held["staging_bytes"],
+                    "publish": held["publish_bytes"]}
             if cache is not None:
                 cache[held_key] = held
         else:
@@ -905,14 +908,22 @@ def memory_breakdown(job: Job, lay: Layout, activation_peaks: dict | None = None
         if cache is None or key not in cache:
             cfg, grid = setup()
             rank = grid.rank_of(dp=0, pp=stage, tp=0)
-            peak = (expected_activation_peak(cfg, grid, rank, device), 0.0)
+            peak = expected_activation_peak(cfg, grid, rank, device)
+            # a zero-bubble schedule's deferred weight gradients' inputs, from each B to its W
+            deferred = expected_activation_peak(cfg, grid, rank, device, weight_inputs=True) - peak \
+                if lay.schedule == "zb-h1" else 0.0
+            peak = (peak, deferred)
             if cache is not None:
                 cache[key] = peak
         else:
             peak = cache[key]
-        parts = {**held, "activations": peak[0], "transients": held["transients"] + peak[1]}
-        if sum(parts.values()) > sum(worst.values()):
-            worst = parts
+        kept = {k: held[k] for k in ("parameters", "gradients", "optimizer")}
+        # the step's two high points: its backward (the activations and what runs beside
+        # them), and its end, when ZeRO-1/2's optimizer publishes the weights
+        for parts in ({**kept, "activations": peak[0], "transients": held["transients"] + peak[1]},
+                      {**kept, "activations": 0.0, "transients": held["publish"]}):
+            if sum(parts.values()) > sum(worst.values()):
+                worst = parts
     return {k: float(worst[k]) for k in MEMORY_PARTS}
 
 
