@@ -17,6 +17,7 @@ save the same log-sum-exp rows on both devices; dropout is off in plans).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from gridtrain.planner.machine import machine
 @dataclass(frozen=True)
 class Case:
     name: str
-    model: str
+    model: str | ModelConfig
     gpus: int
     seq_len: int
     global_batch_size: int
@@ -72,10 +73,9 @@ CASES = [
 
 
 def job_of(case: Case) -> Job:
-    model = preset_config(case.model).model
-    import dataclasses
-
-    model: ModelConfig = dataclasses.replace(model, seq_len=case.seq_len, dropout=0.0)
+    """The case's job; ``model`` a preset's name or a ModelConfig."""
+    model = preset_config(case.model).model if isinstance(case.model, str) else case.model
+    model = dataclasses.replace(model, seq_len=case.seq_len, dropout=0.0)
     return Job(model=model, global_batch_size=case.global_batch_size, hardware=machine(case.hardware, case.gpus),
                dtype="bf16")
 

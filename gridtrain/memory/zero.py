@@ -132,16 +132,20 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
             "staging_bytes": staging}
 
 
-def publish_bytes(padded: int, dtype, zero: int, shard: int) -> int:
+def publish_bytes(padded: int, dtype, zero: int, shard: int, gathers: bool | None = None) -> int:
     """What ZeRO-1 and 2 allocate when the optimizer publishes the master weights
     (optim/distributed_optimizer.py ``_publish``): every bucket's gather into a whole
     buffer in the parameters' dtype, its source (the rank's slice cast to that dtype)
     beside it, all in flight until the next forward takes them. 0 for stages 0 and 3
-    (copied in place) and a shard group of one rank. Held at the step's end, when the
-    activations are gone: a peak of its own (memory.model.expected_state_bytes)."""
-    if zero not in (1, 2) or shard <= 1:
+    (copied in place) and where the optimizer does not gather (``gathers``, default: a
+    shard group of more than one rank; experts whose expert-data-parallel group is one
+    rank are still gathered, through that group, when the dense part's is larger).
+    Held at the step's end, when the activations are gone: a peak of its own
+    (memory.model.expected_state_bytes)."""
+    if zero not in (1, 2) or not (shard > 1 if gathers is None else gathers):
         return 0
-    return (padded + padded // shard) * element_bytes(dtype)
+    # a one-rank group's "gather" hands its source over: one copy, not two
+    return (padded + (padded // shard if shard > 1 else 0)) * element_bytes(dtype)
 
 
 def zero_step_collectives(params: int, dtype, zero: int, micro_batches: int, group: int, *,

@@ -125,15 +125,43 @@ def allreduce_sequence_parallel_grads(model: nn.Module, tp: TensorParallel, part
     """
     if not tp.sequence_parallel or tp.size == 1:
         return
-    grads = [g for p in model.parameters() if getattr(p, "sequence_parallel", False) for g in parts(p)]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    tp.comm.all_reduce(flat)
-    offset = 0
+    all_reduce_in_place(tp.comm, [g for p in model.parameters() if getattr(p, "sequence_parallel", False)
+                                  for g in parts(p)])
+
+
+SUM_BUCKET_BYTES = 64 * 2 ** 20  # the most a sum of small gradients packs into one all-reduce
+
+
+def all_reduce_in_place(comm: CommGroup, grads: list[torch.Tensor]) -> None:
+    """Sum each of ``grads`` over ``comm``, in place: a gradient of ``SUM_BUCKET_BYTES``
+    or more by itself, the smaller ones packed into flat buffers of at most that size
+    (one collective for many norms' gains), so the transient is a bucket, not all of
+    them (a MoE stage's experts under SP are gigabytes). Each element's sum is the
+    same however they are packed."""
+    group: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if group:
+            flat = torch.cat([g.reshape(-1) for g in group])
+            comm.all_reduce(flat)
+            offset = 0
+            for g in group:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+            group.clear()
+
+    packed = 0
     for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
+        size = g.numel() * g.element_size()
+        if size >= SUM_BUCKET_BYTES and g.is_contiguous():
+            comm.all_reduce(g)
+            continue
+        if packed + size > SUM_BUCKET_BYTES:
+            flush()
+            packed = 0
+        group.append(g)
+        packed += size
+    flush()
 
 
 def allreduce_replicated_grads(model: nn.Module, tp: TensorParallel, parts: Parts = _whole) -> None:
