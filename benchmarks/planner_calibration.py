@@ -26,7 +26,7 @@ import statistics
 
 import common  # noqa: F401  benchmarks/common.py: the script's own folder is on sys.path
 from calibration_rows import HOLDOUT, ROWS, Row
-from gridtrain.config import ModelConfig, preset_config
+from gridtrain.config import PRESETS, ModelConfig, preset_config
 from gridtrain.planner.cost import Job
 from gridtrain.planner.machine import MACHINES, machine
 from gridtrain.planner.search import Fixed, search
@@ -36,15 +36,9 @@ METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu")
 
 
 def model_of(row: Row) -> ModelConfig:
-    base = preset_config(row.model).model if not row.shape or row.model in _presets() else ModelConfig()
-    shape = {k: v for k, v in row.shape.items()}
-    return dataclasses.replace(base, **shape, seq_len=row.seq_len, dropout=0.0)
-
-
-def _presets() -> set[str]:
-    from gridtrain.config import PRESETS
-
-    return set(PRESETS)
+    """The row's model: its preset with the fields the run changed, or its shape alone."""
+    base = preset_config(row.model).model if row.model in PRESETS else ModelConfig()
+    return dataclasses.replace(base, **row.shape, seq_len=row.seq_len, dropout=0.0)
 
 
 def global_batch(row: Row) -> int | None:

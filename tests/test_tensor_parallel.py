@@ -310,3 +310,27 @@ def test_row_parallel_sum_reduces_a_computed_partial_in_place():
     torch.testing.assert_close(leaf.detach(), kept)
     view = partial.detach()[:, :2]
     assert comm.reduce_from_tp(view, group).data_ptr() != view.data_ptr()
+
+
+def test_sequence_parallel_sums_pack_small_gradients_and_sum_large_ones_in_place(monkeypatch):
+    """grads.all_reduce_in_place: small gradients packed into buffers of at most
+    SUM_BUCKET_BYTES, one at or above it summed in place (no copy of it), every element
+    summed once, in one order on every rank."""
+    from gridtrain.optim import grads as grads_module
+
+    calls = []
+
+    class Doubling:  # a two-rank sum of equal halves
+        def all_reduce(self, t):
+            calls.append((t.numel(), t.untyped_storage().data_ptr()))
+            return t.mul_(2)
+
+    monkeypatch.setattr(grads_module, "SUM_BUCKET_BYTES", 64)  # 16 fp32 values
+    small = [torch.full((3,), float(i)) for i in range(7)]  # 12 bytes each: five fit a bucket
+    large = torch.arange(20, dtype=torch.float32)  # 80 bytes: alone, in place
+    grads = small[:3] + [large] + small[3:]
+    expect = [g * 2 for g in grads]
+    grads_module.all_reduce_in_place(Doubling(), grads)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expect))
+    assert [n for n, _ in calls] == [20, 15, 6]  # the large one first, as it comes; then 5 + 2 small
+    assert calls[0][1] == large.untyped_storage().data_ptr()
