@@ -31,8 +31,18 @@ from gridtrain.planner.cost import Job
 from gridtrain.planner.machine import MACHINES, machine
 from gridtrain.planner.search import Fixed, search
 
-HARDWARE = {"h100-96gb-hbm2e-500w": "h100-sxm"}  # the nearest profile (see the docstring)
+# torchtitan's Grand Teton H100s (96 GB HBM2e, 500 W): "the actual peak TFLOPs should be
+# between SXM and NVL, and we don't know the exact value" (torchtitan, arXiv 2410.06511).
+# Costed as the h100-sxm machine with the H100 NVL's dense bf16 peak (NVIDIA H100 datasheet:
+# 1,671 TFLOPS with sparsity, dense half: the low end of that range) and the HBM2e bandwidth
+# of the H100 PCIe (datasheet: 80 GB HBM2e, 2.0 TB/s), 96 GB: datasheet figures of the
+# nearest parts, not fit to the rows.
+TT_H100 = dataclasses.replace(MACHINES["h100-sxm"], name="h100-96gb-hbm2e-500w",
+                              peak={**MACHINES["h100-sxm"].peak, "bf16": 835.5e12, "fp16": 835.5e12},
+                              memory_bandwidth=2.0e12, memory=96e9)
+HARDWARE = {"h100-96gb-hbm2e-500w": TT_H100}
 METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu")
+VPP_CANDIDATES = (2, 3, 4, 5, 6, 8)  # chunks per pipeline rank tried where a run interleaves an unprinted number
 
 
 def model_of(row: Row) -> ModelConfig:
@@ -54,7 +64,7 @@ def why_not(row: Row) -> str | None:
     """Why a row is not predicted, or None."""
     if row.dtype != "bf16":
         return f"{row.dtype}: no FP8 costs yet"
-    if HARDWARE.get(row.hardware, row.hardware) not in MACHINES:
+    if row.hardware not in HARDWARE and row.hardware not in MACHINES:
         return f"no profile for {row.hardware}"
     if row.metric not in METRICS:
         return f"metric {row.metric}"
@@ -64,53 +74,96 @@ def why_not(row: Row) -> str | None:
 
 
 def predict_row(row: Row):
-    """The fastest fitting layout with the row's printed fields fixed (None: none fits)."""
+    """The fastest fitting layout with the row's printed fields fixed (None: none fits).
+    An interleaved run whose chunk count is not printed (vpp 0) tries each of
+    ``VPP_CANDIDATES`` that leaves every chunk a layer, uneven splits included (as a
+    given ``--vpp`` does), and keeps the fastest."""
     model = model_of(row)
     job = Job(model=model, global_batch_size=global_batch(row),
-              hardware=machine(HARDWARE.get(row.hardware, row.hardware), row.gpus), dtype="bf16")
-    fixed = Fixed(tp=row.tp, pp=row.pp, cp=row.cp, vpp=None if row.vpp == 0 else row.vpp,
-                  micro_batch_size=row.micro_batch_size, ep=row.ep, etp=row.etp, zero=row.zero,
-                  recompute=None if row.recompute == "unknown" else row.recompute,
-                  schedule="interleaved-1f1b" if row.vpp != 1 and row.pp > 1 else None,
-                  zero_shard_size=row.zero_shard_size or None)
-    best = search(job, row.gpus, fixed, top=1)
-    return best[0] if best else None
+              hardware=HARDWARE.get(row.hardware) or machine(row.hardware, row.gpus), dtype="bf16")
+    interleaved = row.vpp != 1 and row.pp > 1
+    vpps = [v for v in VPP_CANDIDATES if model.n_layer >= row.pp * v] if row.vpp == 0 and interleaved \
+        else [None if row.vpp == 0 else row.vpp]
+    found = []
+    for vpp in vpps:
+        fixed = Fixed(tp=row.tp, pp=row.pp, cp=row.cp, vpp=vpp,
+                      micro_batch_size=row.micro_batch_size, ep=row.ep, etp=row.etp, zero=row.zero,
+                      recompute=None if row.recompute == "unknown" else row.recompute,
+                      schedule="interleaved-1f1b" if interleaved else None,
+                      zero_shard_size=row.zero_shard_size or None,
+                      zero3_keep_gathered=row.keep_gathered if row.zero == 3 else None,
+                      cp_comm=row.cp_comm or None)
+        found += search(job, row.gpus, fixed, top=1)
+    # the fastest: where none fits the planner's memory (a published run did fit: the table
+    # says so beside it), the fastest of each chunk count's least-memory layouts
+    return min(found, key=lambda p: (not p.fits, p.step_time_s), default=None)
 
 
-def predicted_value(row: Row, p) -> float:
-    return p.tokens_per_s_per_gpu if row.metric == "tokens_per_s_per_gpu" else p.model_tflops_per_gpu
+def predict(row: Row):
+    """(the prediction, its step time). torchtitan's selective activation checkpointing
+    (``row.sac``) is not a gridtrain mode: "layer" checkpoints every second block whole
+    (torchtitan's default frequency; the rows do not print theirs), "op" recomputes every
+    second matmul's output and the cheap operations around them, about as much. Their
+    rows have one pipeline stage, where a step is the sum of its blocks' costs, so its
+    step time is the mean of the same layout's without recomputation and with full."""
+    if not row.sac:
+        p = predict_row(row)
+        return p, p.step_time_s if p else None
+    assert row.pp == 1, f"{row.name}: torchtitan's selective checkpointing is costed for one stage only"
+    none, full = (predict_row(dataclasses.replace(row, recompute=r, sac="")) for r in ("none", "full"))
+    if none is None or full is None:
+        return None, None
+    return none, (none.step_time_s + full.step_time_s) / 2
+
+
+def predicted_value(row: Row, p, step: float) -> float:
+    """The row's metric of prediction ``p`` at a step of ``step`` seconds."""
+    rate = p.tokens_per_s_per_gpu if row.metric == "tokens_per_s_per_gpu" else p.model_tflops_per_gpu
+    return rate * p.step_time_s / step
+
+
+def evaluate(rows) -> tuple[list[tuple], list[tuple[str, str]]]:
+    """Each predictable row as (row, prediction, predicted value, error), and the others
+    as (name, why not)."""
+    done, skipped = [], []
+    for row in rows:
+        reason = why_not(row)
+        p, step = (None, None) if reason else predict(row)
+        if reason or p is None:
+            skipped.append((row.name, reason or "the planner finds no layout with these fields"))
+            continue
+        got = predicted_value(row, p, step)
+        done.append((row, p, got, got / row.value - 1))
+    return done, skipped
+
+
+def group_errors(done) -> dict[str, tuple[int, float, float]]:
+    """(rows, median and worst absolute error) by axis group."""
+    errors: dict[str, list[float]] = {}
+    for row, _, _, error in done:
+        errors.setdefault(row.group, []).append(abs(error))
+    return {g: (len(e), statistics.median(e), max(e)) for g, e in sorted(errors.items())}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--holdout", action="store_true", help="also the held-out rows")
     args = ap.parse_args()
-    rows = list(ROWS) + (list(HOLDOUT) if args.holdout else [])
-    errors: dict[str, list[float]] = {}
-    skipped = []
+    done, skipped = evaluate(list(ROWS) + (list(HOLDOUT) if args.holdout else []))
     print("| row | group | GPUs | layout | metric | published | predicted | error |")
     print("| --- | --- | --- | --- | --- | ---: | ---: | ---: |")
-    for row in rows:
-        reason = why_not(row)
-        if reason:
-            skipped.append((row.name, reason))
-            continue
-        p = predict_row(row)
-        if p is None:
-            skipped.append((row.name, "the planner finds no layout with these fields"))
-            continue
+    for row, p, got, error in done:
         lay = p.layout
-        got = predicted_value(row, p)
-        error = got / row.value - 1
-        errors.setdefault(row.group, []).append(abs(error))
-        layout = (f"dp {lay.dp} tp {lay.tp} pp {lay.pp} vpp {lay.vpp} cp {lay.cp} ep {lay.ep} mb "
-                  f"{lay.micro_batch_size} {lay.recompute} z{lay.zero}{' fits' if p.fits else ' DOES NOT FIT'}")
+        recompute = f"torchtitan SAC ({row.sac})" if row.sac else lay.recompute
+        layout = (f"dp {lay.dp} tp {lay.tp} pp {lay.pp} vpp {lay.vpp} cp {lay.cp}{' ' + lay.cp_comm if lay.cp > 1 else ''}"
+                  f" ep {lay.ep} mb {lay.micro_batch_size} {recompute} {lay.zero_name() or 'ZeRO-0'}"
+                  f"{' fits' if p.fits else ' DOES NOT FIT'}")
         print(f"| {row.name} | {row.group} | {row.gpus} | {layout} | {row.metric} | {row.value:,.0f} | "
-              f"{got:,.0f} | {100 * error:+.1f}% |", flush=True)
+              f"{got:,.0f} | {100 * error:+.1f}% |")
     print("\n| group | rows | median abs error | worst |")
     print("| --- | ---: | ---: | ---: |")
-    for group, errs in sorted(errors.items()):
-        print(f"| {group} | {len(errs)} | {100 * statistics.median(errs):.1f}% | {100 * max(errs):.1f}% |")
+    for group, (n, median, worst) in group_errors(done).items():
+        print(f"| {group} | {n} | {100 * median:.1f}% | {100 * worst:.1f}% |")
     print("\nnot predicted:")
     for name, reason in skipped:
         print(f"  {name}: {reason}")

@@ -39,6 +39,7 @@ from gridtrain.planner.cost import (EXPERT_KERNELS, HOST_SYNC_S, MOE_BLOCK_COLLE
                                     moe_gemm_seconds, moe_routing, predict, ring_link, statistics_seconds,
                                     tiny_all_reduce_seconds, tp_collectives, zero_chunk_seconds, zero_unit_parts,
                                     zero_units)
+from gridtrain.planner import cost
 from gridtrain.planner.machine import machine
 from gridtrain.planner.search import Fixed, ep_sizes, layouts, search
 from gridtrain.training.validate import validate
@@ -619,9 +620,12 @@ BEFORE = {
 
 
 @pytest.mark.parametrize("case", sorted(BEFORE))
-def test_dense_plans_are_unchanged(case):
+def test_dense_plans_are_unchanged(case, monkeypatch):
+    """With the constants of that commit (an H100 GEMM at 80% of peak, hidden
+    communication free: the calibration since changed both, docs/planner.md)."""
+    monkeypatch.setattr(cost, "OVERLAP_COST", 0.0)
     m, gpus, batch, expected = BEFORE[case]
-    got = search(Job(m, batch, H100), gpus, top=3)
+    got = search(Job(m, batch, replace(H100, gemm_efficiency=0.8)), gpus, top=3)
     assert [(p.layout, p.step_time_s, p.memory_bytes) for p in got] == \
         [(Layout(tp=1, pp=1, **lay), step, mem) for lay, step, mem in expected]
 

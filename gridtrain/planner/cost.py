@@ -137,6 +137,11 @@ KERNELS_PER_BLOCK = 24  # launches in one block's forward (twice in backward)
 # softmax's (read probabilities and gradient, write) and the scale's (read, write).
 # Dropout on the probabilities adds a read and a write and a one-byte mask each way.
 # torch's fused kernel (attention="sdpa") keeps no scores: none of this.
+# a collective that runs beside compute slows it: its kernels hold SMs and HBM bandwidth
+# the GEMMs would use. Per second of communication hidden behind compute, the compute
+# takes this much longer (fit on the FSDP runs of benchmarks/calibration_rows.py, whose
+# per-micro-batch gathers and reduce-scatters hide behind their blocks: docs/planner.md)
+OVERLAP_COST = 0.3
 SCORE_PASSES_FORWARD = 7
 SCORE_PASSES_BACKWARD = 5
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
@@ -829,9 +834,12 @@ def zero_exposed_seconds(comm: tuple[float, float, float], forward: float, backw
     :func:`zero_chunk_seconds`) add to its forward and backward: prefetched, they hide
     behind the chunk's compute (``forward``; ``backward``, B and W) up to it; the excess
     is exposed, and so is the forward's first gather, which nothing of the micro-batch
-    precedes."""
+    precedes. What hides still slows the compute beside it by ``OVERLAP_COST`` of its
+    own time."""
     gather, first, in_backward = comm
-    return (max(gather - forward, first) if gather else 0.0), max(0.0, in_backward - backward)
+    f = max(gather - forward, first) if gather else 0.0
+    b = max(0.0, in_backward - backward)
+    return f + OVERLAP_COST * max(0.0, gather - f), b + OVERLAP_COST * (in_backward - b)
 
 
 # ---- the whole step ----------------------------------------------------------------------------------
@@ -1072,16 +1080,19 @@ def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: f
     if lay.zero < 2:
         reduce = grads + replicas
         exposed = max(reduce - backward, reduce * bucket)
+        exposed += OVERLAP_COST * (reduce - exposed)  # what hides slows the backward beside it
     else:
         per_gather = lay.zero == 3 and not lay.zero3_keep_gathered
         in_backward = grads + (gather if per_gather else 0.0)
         exposed = max(replicas - max(0.0, backward - in_backward), (grads + replicas) * bucket)
+        exposed += OVERLAP_COST * max(0.0, replicas - exposed)  # (the per-micro-batch ones: pipeline_costs)
         if per_gather:
             gather = 0.0
     # ZeRO's step gather travels behind the next step's first forward, all but the first bucket
     first_mb_forward = sum(cost(0, c).f for c in range(lay.vpp))
+    hidden = gather
     gather = max(gather - first_mb_forward, gather * bucket)
-    return exposed, gather, optimizer
+    return exposed, gather + OVERLAP_COST * (hidden - gather), optimizer
 
 
 def _rank_parameters(cfg: Config, grid: ProcessGrid) -> tuple[int, int]:

@@ -4,8 +4,11 @@ capacity, the two links a collective can use, and the efficiencies a GEMM reache
 Published figures (hardware.py: datasheet numbers with their sources) become a
 :class:`Machine` here, with the assumptions the cost model adds to them, named:
 
-* ``gemm_efficiency``: the fraction of the dense peak a large GEMM reaches (cuBLAS on
-  A100 and H100 runs large bf16 GEMMs at roughly 70-85% of the datasheet peak);
+* ``gemm_efficiency``: the fraction of the dense peak a large GEMM reaches in a training
+  step (``GEMM_EFFICIENCY``: cuBLAS runs large bf16 GEMMs at about 80% of the A100's
+  datasheet peak and about 70% of the H100's, whose clocks a sustained load holds below
+  the boost the peak is quoted at; the Hopper figure is fit on the published runs of
+  benchmarks/calibration_rows.py, docs/planner.md);
 * ``gemm_half``: the smallest GEMM dimension at which a GEMM runs at half of that
   (tile and wave quantisation: a 128-wide tile on a 64-wide matrix is half empty);
 * ``kernel_s``: the launch cost of one kernel;
@@ -93,10 +96,13 @@ class Machine:
         return self.memory * self.usable_fraction
 
 
+GEMM_EFFICIENCY = {"a100-40gb": 0.8, "a100-80gb": 0.8, "h100-sxm": 0.7, "h200": 0.7}
+
+
 def from_hardware(key: str, hw: Hardware) -> Machine:
     """The cost model's view of published figures (hardware.py), with this module's
     assumptions (efficiency, launch cost, latencies, usable memory)."""
-    return Machine(name=key, peak={"bf16": hw.peak_tflops_bf16 * 1e12, "fp16": hw.peak_tflops_fp16 * 1e12,
+    return Machine(name=key, gemm_efficiency=GEMM_EFFICIENCY.get(key, 0.8), peak={"bf16": hw.peak_tflops_bf16 * 1e12, "fp16": hw.peak_tflops_fp16 * 1e12,
                                    "fp32": hw.peak_tflops_fp32 * 1e12},
                    memory_bandwidth=hw.memory_bandwidth_gbs * GB, memory=hw.memory_gb * GB,
                    nvlink=Link(hw.nvlink_gbs_per_direction * GB, NVLINK_LATENCY_S),
