@@ -51,11 +51,11 @@ Provenance conventions:
   ``gpus = tp * cp * pp * dp`` for attention, ``= etp * ep * pp * edp`` for experts).
 * ``vpp`` is model chunks per pipeline rank: 1 = not interleaved, 0 = interleaved but the
   source does not say into how many chunks.
-* ``zero``: 3 = FSDP/ZeRO-3 (torchtitan FSDP2, Megatron-FSDP), 1 = ZeRO-1/Megatron's
-  distributed optimizer and Llama 3's FSDP (gathered once a step, gradients accumulated whole and
+* ``zero``: 3 = FSDP/ZeRO-3 (torchtitan FSDP2, Megatron-FSDP), 1 = ZeRO-1/Megatron's distributed
+  optimizer and Llama 3's FSDP (gathered once a step, gradients accumulated whole and
   reduce-scattered once: ZeRO-1's collectives), 0 = none; ``keep_gathered``: a zero 3 run whose
-  parameters stay gathered from the forward to the backward (torchtitan's FSDP2 under PP); ``zero_shard_size`` 0 = shards over the
-  whole data-parallel group (no HSDP in any row here).
+  parameters stay gathered from the forward to the backward (torchtitan's FSDP2 under PP);
+  ``zero_shard_size`` 0 = shards over the whole data-parallel group (no HSDP in any row here).
 * ``model`` is a gridtrain preset (``gridtrain/config.py`` PRESETS) when the shape is the
   preset's; ``shape`` is then empty, or holds only the preset fields the measured run
   changed (DeepSeek-V3 without its MTP module). Otherwise ``model`` describes the model and
@@ -483,8 +483,9 @@ LLAMA3 = ("Llama Team, 'The Llama 3 Herd of Models', arXiv 2407.21783, section 3
 LLAMA3_NOTE = ("Columns 'GPUs | TP | CP | PP | DP | Seq. Len. | Batch size/DP | Tokens/Batch | TFLOPs/GPU | BF16 "
                "MFU'. H100 80GB HBM3 at 700 W TDP, Grand Teton (8 GPUs/server, NVLink), RoCE 400 Gbps (section "
                "3.3.1). DP is FSDP that 'shards optimizer states and gradients, but for model shards we do not "
-               "reshard after forward computation', and 'we use FP32 gradient accumulation during backward computation over "
-               "multiple micro-batches and also reduce-scatter gradients in FP32 across data parallel workers in FSDP': "
+               "reshard after forward computation', and 'we use FP32 gradient accumulation during backward "
+               "computation over multiple micro-batches and also reduce-scatter gradients in FP32 across data "
+               "parallel workers in FSDP': "
                "parameters gathered once a step and kept, gradients accumulated whole and reduce-scattered once, the "
                "step's collectives and peak state of ZeRO-1 (zero 1 recorded; sharded only at rest). PP is their "
                "interleaved schedule 'with V pipeline stages on one pipeline rank' (V not printed: vpp 0), one "

@@ -3,19 +3,21 @@ own layout predicted on its hardware, beside the published throughput, and the e
 by axis group (dense 3D, cp, ZeRO-2/3/HSDP, MoE). A prediction from the cost model, not
 a measurement; no process is started.
 
-    python3 benchmarks/planner_calibration.py              # the calibration rows (~1 min)
+    python3 benchmarks/planner_calibration.py              # the calibration rows (a few seconds)
     python3 benchmarks/planner_calibration.py --holdout    # also the held-out Model Zoo rows
 
 Per row: the published layout's fields are fixed (tp, pp, cp, dp, ep, etp, ZeRO stage,
-micro-batch, recomputation, vpp where printed); what the source does not print (a
-micro-batch, vpp of an interleaved run, the recomputation) is left to the search, whose
-fastest fitting layout is the prediction. Throughput is compared as printed: tokens/s
-per GPU as tokens/s per GPU, TFLOP/s per GPU as model TFLOP/s (6 N per token and the
-attention's, no recomputation; what Megatron's counter and the Llama 3 paper's MFU
-count). Rows that cannot be predicted are listed with the reason: fp8 (no FP8 costs
-yet), hardware without a profile (GB200, H800), a metric without a step (GPU hours).
-torchtitan's H100s are 96 GB HBM2e cards at 500 W, costed as ``h100-sxm`` (faster), and
-its ``--compile`` rows are compared with the same eager prediction.
+micro-batch, recomputation, the cp exchange and vpp where printed); what the source does
+not print (a micro-batch, the recomputation) is left to the search, whose fastest fitting
+layout is the prediction, and an interleaved run's unprinted chunk count is tried over
+``VPP_CANDIDATES``. Throughput is compared as printed: tokens/s per GPU as tokens/s per
+GPU, TFLOP/s per GPU as model TFLOP/s (6 N per token and the attention's, no
+recomputation; what Megatron's counter and the Llama 3 paper's MFU count). Rows that
+cannot be predicted are listed with the reason: fp8 (no FP8 costs yet), hardware without
+a profile (GB200, H800), a metric without a step (GPU hours). torchtitan's H100s (96 GB
+HBM2e at 500 W) are costed as ``TT_H100`` below, its selective checkpointing as
+:func:`predict` says, and its ``--compile`` rows are compared with the same eager
+prediction. docs/planner.md sets the table beside what was fit on it.
 """
 
 from __future__ import annotations
@@ -155,8 +157,9 @@ def main() -> None:
     for row, p, got, error in done:
         lay = p.layout
         recompute = f"torchtitan SAC ({row.sac})" if row.sac else lay.recompute
-        layout = (f"dp {lay.dp} tp {lay.tp} pp {lay.pp} vpp {lay.vpp} cp {lay.cp}{' ' + lay.cp_comm if lay.cp > 1 else ''}"
-                  f" ep {lay.ep} mb {lay.micro_batch_size} {recompute} {lay.zero_name() or 'ZeRO-0'}"
+        cp = f"{lay.cp} {lay.cp_comm}" if lay.cp > 1 else "1"
+        layout = (f"dp {lay.dp} tp {lay.tp} pp {lay.pp} vpp {lay.vpp} cp {cp} ep {lay.ep}"
+                  f" mb {lay.micro_batch_size} {recompute} {lay.zero_name() or 'ZeRO-0'}"
                   f"{' fits' if p.fits else ' DOES NOT FIT'}")
         print(f"| {row.name} | {row.group} | {row.gpus} | {layout} | {row.metric} | {row.value:,.0f} | "
               f"{got:,.0f} | {100 * error:+.1f}% |")

@@ -102,8 +102,9 @@ GEMM_EFFICIENCY = {"a100-40gb": 0.8, "a100-80gb": 0.8, "h100-sxm": 0.7, "h200": 
 def from_hardware(key: str, hw: Hardware) -> Machine:
     """The cost model's view of published figures (hardware.py), with this module's
     assumptions (efficiency, launch cost, latencies, usable memory)."""
-    return Machine(name=key, gemm_efficiency=GEMM_EFFICIENCY.get(key, 0.8), peak={"bf16": hw.peak_tflops_bf16 * 1e12, "fp16": hw.peak_tflops_fp16 * 1e12,
-                                   "fp32": hw.peak_tflops_fp32 * 1e12},
+    return Machine(name=key, gemm_efficiency=GEMM_EFFICIENCY.get(key, 0.8),
+                   peak={"bf16": hw.peak_tflops_bf16 * 1e12, "fp16": hw.peak_tflops_fp16 * 1e12,
+                         "fp32": hw.peak_tflops_fp32 * 1e12},
                    memory_bandwidth=hw.memory_bandwidth_gbs * GB, memory=hw.memory_gb * GB,
                    nvlink=Link(hw.nvlink_gbs_per_direction * GB, NVLINK_LATENCY_S),
                    network=Link(hw.network_gbs_per_gpu * GB, NETWORK_LATENCY_S), gpus_per_node=hw.gpus_per_node,
