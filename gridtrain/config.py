@@ -36,6 +36,9 @@ BACKENDS = ("nccl", "gloo")
 WEIGHTED_SOURCE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*:(.+)$")
 LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")  # gridtrain.optim.schedules
 LR_DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # the shapes of wsd's decay
+OPTIMIZERS = ("adamw", "muon")  # gridtrain.optim
+MUON_ADJUST_LR = ("original", "match-rms")  # Muon's per-matrix learning-rate rules (optim/muon.py)
+MUON_NS_DTYPES = ("auto", "bf16", "fp32", "fp64")  # where Newton-Schulz runs
 
 
 class ConfigError(ValueError):
@@ -395,8 +398,35 @@ class TrainingConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW and its learning-rate schedule: linear warm-up, then cosine (default), linear,
+    """The optimizer (AdamW, or Muon for the hidden matrices with AdamW for the rest) and
+    its learning-rate schedule: linear warm-up, then cosine (default), linear,
     warmup-stable-decay or constant (gridtrain.optim.schedules)."""
+
+    optimizer: str = option("adamw", choices=OPTIMIZERS, metavar="O",
+                            help="adamw | muon (Muon for the blocks' 2-D weights, AdamW for the rest)",
+                            doc="`adamw` (default) or `muon`: Muon (momentum orthogonalised by Newton-Schulz, "
+                                "each one-process matrix whole) for the blocks' 2-D weights (attention, MLP, "
+                                "experts), AdamW at `--lr` for embeddings, head, norms, biases and routers "
+                                "([optimizers](optimizers.md))")
+    muon_lr: float | None = option(None, range="> 0", metavar="X",
+                                   help="Muon's peak learning rate (default: --lr under match-rms, "
+                                        "0.2 x sqrt(d_model) x --lr under original)",
+                                   doc="Muon's peak learning rate, on the same schedule as `--lr` (default: `--lr` "
+                                       "with `--muon-adjust-lr match-rms`; 0.2 x sqrt(d_model) x `--lr` with "
+                                       "`original`, the rate at which a d x d matrix's update has the RMS that "
+                                       "match-rms gives it at `--lr`)")
+    muon_momentum: float = option(0.95, range="[0, 1)", metavar="M", help="Muon's momentum (default 0.95)")
+    muon_nesterov: bool = option(True, flag="--no-muon-nesterov",
+                                 help="Muon without Nesterov momentum (default: Nesterov, as torch.optim.Muon)")
+    muon_ns_steps: int = option(5, range="[1, 99]", metavar="N", help="Newton-Schulz iterations (default 5)")
+    muon_adjust_lr: str = option("original", choices=MUON_ADJUST_LR, metavar="R",
+                                 help="original | match-rms: Muon's learning rate per matrix shape",
+                                 doc="`original` (default: lr x sqrt(max(1, rows / cols)), torch's default) or "
+                                     "`match-rms` (lr x 0.2 x sqrt(max(rows, cols)): the update's RMS matches "
+                                     "AdamW's, so Muon takes AdamW's learning rate and weight decay; Moonlight)")
+    muon_ns_dtype: str = option("auto", choices=MUON_NS_DTYPES, metavar="T",
+                                help="auto | bf16 | fp32 | fp64: the dtype of the Newton-Schulz iterations "
+                                     "(auto: fp64 in fp64 runs, else bf16 as torch.optim.Muon)")
 
     lr: float = option(1e-3, range="> 0", was="training", help="peak learning rate")
     lr_schedule: str = option("cosine", choices=LR_SCHEDULES, metavar="S",
@@ -414,7 +444,8 @@ class OptimConfig:
                                  help="the decay ends at lr times this (default 0.1)")
     warmup_steps: int | None = option(None, range=">= 0", was="training",
                                       help="linear warm-up steps (default 5% of steps)")
-    weight_decay: float = option(0.1, range=">= 0", was="training", help="AdamW weight decay")
+    weight_decay: float = option(0.1, range=">= 0", was="training",
+                                 help="decoupled weight decay of matrices and embeddings (AdamW and Muon)")
     beta1: float = option(0.9, flag=None, range="[0, 1)", was="training", help="AdamW's first-moment decay")
     beta2: float = option(0.95, flag=None, range="[0, 1)", was="training", help="AdamW's second-moment decay")
     adam_eps: float = option(1e-8, flag=None, range="> 0", was="training", help="AdamW's epsilon")
@@ -494,6 +525,11 @@ class CheckpointConfig:
     auto_resume: bool = option(False, was="training",
                                help="resume from the --save directory's latest checkpoint when there is one, else "
                                     "start fresh (the same command restarts a preempted job)")
+    reset_optimizer: bool = option(False, help="with --load: the weights, step and data position from the "
+                                               "checkpoint, the optimizer's state from zero",
+                                   doc="with `--load` (or `--auto-resume`): take the weights, the step and the data "
+                                       "position, start the optimizer's state (moments, step count) afresh; needed "
+                                       "to resume with another `--optimizer` than the checkpoint's")
 
 
 @dataclass

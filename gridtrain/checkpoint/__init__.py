@@ -55,17 +55,20 @@ def save_checkpoint(directory: str | Path, step: int, model: nn.Module, optimize
 
 
 @torch.no_grad()
-def load_checkpoint(directory: str | Path, model: nn.Module, optimizer=None, ctx=None, *, scaler=None) -> int:
+def load_checkpoint(directory: str | Path, model: nn.Module, optimizer=None, ctx=None, *, scaler=None,
+                    reset_optimizer: bool = False) -> int:
     """Load weights (and optimizer, loss-scaler and RNG state when given) into whatever
     part of the model this rank holds, in whatever layout; returns the completed step
     count. Either format; checked first through :func:`check_loadable` (the manifest,
-    every file hashed once per process; the model config when ``model.cfg`` is one)."""
+    every file hashed once per process; the model config when ``model.cfg`` is one).
+    ``reset_optimizer``: the optimizer keeps its fresh state (its masters still come
+    from the checkpoint's weights)."""
     optimizer = as_optimizer(optimizer)
     run_model = getattr(model, "cfg", None)
     path = check_loadable(directory, run_model if isinstance(run_model, ModelConfig) else None)
     meta = read_meta_file(path, "--load")
     if is_sharded(path):
-        load_sharded(path, meta, model, optimizer, ctx, scaler=scaler)
+        load_sharded(path, meta, model, optimizer, ctx, scaler=scaler, reset_optimizer=reset_optimizer)
     else:
-        load_whole(path, model, optimizer, ctx, scaler=scaler)
+        load_whole(path, model, None if reset_optimizer else optimizer, ctx, scaler=scaler)
     return int(meta["step"])

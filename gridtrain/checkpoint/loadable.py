@@ -93,7 +93,24 @@ def check_loadable(directory: str | Path, cfg: Config | ModelConfig | None = Non
     if cfg is not None:
         run = cfg.model if isinstance(cfg, Config) else cfg
         compare_models(model_of_meta(meta, f"{flag} {directory}"), run, f"{flag} {directory}")
+    if isinstance(cfg, Config) and flag == "--load":
+        compare_optimizers(meta, cfg, f"{flag} {directory}")
     return path
+
+
+def saved_optimizer(meta: dict) -> str:
+    """The optimizer a checkpoint's run stepped with (``adamw`` before there was a choice)."""
+    return ((meta.get("config") or {}).get("optim") or {}).get("optimizer", "adamw")
+
+
+def compare_optimizers(meta: dict, cfg: Config, where: str) -> None:
+    """Refuse, in one line, to resume one optimizer's state into another, unless
+    ``--reset-optimizer`` starts the state afresh."""
+    saved, run = saved_optimizer(meta), cfg.optim.optimizer
+    if saved != run and not cfg.checkpoint.reset_optimizer:
+        raise CheckpointError(f"{where}: the checkpoint's optimizer is {saved} and this run's is {run}; pass "
+                              f"--optimizer {saved} to resume it, or --reset-optimizer to keep its weights and "
+                              f"start {run}'s state from zero")
 
 
 def saved_model(directory: str | Path, flag: str = "--load") -> ModelConfig:

@@ -19,7 +19,8 @@ or ``tp`` in them):
   stage's copy of the tied embedding is not stored (it is ``embedding.word.weight``);
   also the model's persistent buffers (a MoE layer's ``expert_bias``), whole;
 * ``optim/<param>/exp_avg``, ``.../exp_avg_sq``: AdamW's moments, per parameter also
-  under ZeRO-1 (each DP rank writes the boxes of its flat range: shards.py);
+  under ZeRO-1 (each DP rank writes the boxes of its flat range: shards.py); under
+  ``--optimizer muon`` a Muon matrix's ``.../momentum_buffer`` instead;
   ``.../master``: fp32 master weights where they differ from the weights (bf16, fp16);
 * ``rng/<rank>``: each rank's generator states (CPU, CUDA, the TP tracker), restored
   when the layout is the same.
@@ -342,7 +343,7 @@ class _Request:
 
 @torch.no_grad()
 def load_sharded(path: Path, meta: dict[str, Any], model: nn.Module, optimizer: Optimizer | None = None, ctx=None, *,
-                 scaler=None, group=None, where: str | None = None) -> None:
+                 scaler=None, group=None, where: str | None = None, reset_optimizer: bool = False) -> None:
     """Load a checked format-2 step directory into this rank's part of the model (and
     its optimizer, loss scaler and RNG state when given), in whatever layout; collective
     over ``group`` (default: the world).
@@ -357,6 +358,9 @@ def load_sharded(path: Path, meta: dict[str, Any], model: nn.Module, optimizer: 
     stored = stored_index(path)
     request, second = _Request(stored, where), _Request(stored, where)
     saved_opt = (meta.get("optimizer") or None) if optimizer is not None else None
+    resumes = bool(saved_opt)  # the RNG streams continue (with or without the optimizer's state)
+    if reset_optimizer:
+        saved_opt = None  # the optimizer keeps its zero state and step count; masters still from the weights
     filled: list[StatePiece] = []
     rng = None
 
@@ -367,7 +371,7 @@ def load_sharded(path: Path, meta: dict[str, Any], model: nn.Module, optimizer: 
         _request_weights(request, model, _tp_of(ctx), weights)
         if optimizer is not None:
             filled = _request_optimizer(request, second, model, optimizer, _tp_of(ctx), moments=bool(saved_opt))
-        rng = _request_rng(request, meta, model, ctx) if saved_opt else None
+        rng = _request_rng(request, meta, model, ctx) if resumes else None
         return bool(second.state)
 
     second_read = _agreed(plan, group)
@@ -440,9 +444,10 @@ def _request_optimizer(request: _Request, second: _Request, model: nn.Module, op
         if "master" in piece.tensors:
             into, key = (request, optim_key(src, "master")) if masters_stored else (second, model_key(src))
             into.add(key, piece_slab(piece, piece.tensors["master"], tp), f"master weights for {name}")
-        if not (moments and request.has(optim_key(src, "exp_avg"))):
+        kept = [what for what in piece.tensors if what != "master"]  # AdamW's moments, or Muon's buffer
+        if not (moments and all(request.has(optim_key(src, what)) for what in kept)):
             continue
-        for what in ("exp_avg", "exp_avg_sq"):
+        for what in kept:
             request.add(optim_key(src, what), piece_slab(piece, piece.tensors[what], tp), f"{what} of {name}")
         filled.append(piece)
     return filled

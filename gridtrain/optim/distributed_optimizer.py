@@ -74,6 +74,18 @@ def _runs(pieces: list[Piece]) -> list[tuple[int, int]]:
     return runs
 
 
+def adam_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 o: OptimConfig, step_size: float, correction: float) -> None:
+    """One AdamW step of ``master`` (decay applied before), as torch.optim.AdamW computes
+    it: moments in their own dtype, ``step_size`` = lr / (1 - beta1^t), ``correction`` =
+    sqrt(1 - beta2^t)."""
+    grad = grad.to(master.dtype)
+    exp_avg.lerp_(grad, 1 - o.beta1)
+    exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)
+    denom = exp_avg_sq.sqrt().div_(correction).add_(o.adam_eps)
+    master.addcdiv_(exp_avg, denom, value=-step_size)
+
+
 class DistributedOptimizer:
     """AdamW on flat master weights, sharded over DP with ZeRO-1 (the module docstring),
     behind the optimizer interface (interface.py)."""
@@ -165,23 +177,24 @@ class DistributedOptimizer:
         if coef is not None:
             torch._foreach_mul_(self._grads, coef)
 
-    @torch.no_grad()
-    def step(self) -> None:
+    def _begin_step(self) -> tuple[float, float, float]:
+        """Count the step and decay the decayed masters; returns the step's learning rate
+        and AdamW's step size and bias correction."""
         o, lr = self.o, self.param_groups[0]["lr"]
         self.steps += 1
         if self._decayed and lr * o.weight_decay != 0:
             torch._foreach_mul_(self._decayed, 1 - lr * o.weight_decay)
-        step_size = lr / (1 - o.beta1 ** self.steps)
-        correction = math.sqrt(1 - o.beta2 ** self.steps)
+        return lr, lr / (1 - o.beta1 ** self.steps), math.sqrt(1 - o.beta2 ** self.steps)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        o = self.o
+        _, step_size, correction = self._begin_step()
         at = 0
         for grad in self._grads:  # slice by slice, straight from the buffer: temporaries of a slice's size
             n = grad.numel()
-            grad = grad.to(self.master.dtype)
-            exp_avg, exp_avg_sq = self.exp_avg[at:at + n], self.exp_avg_sq[at:at + n]
-            exp_avg.lerp_(grad, 1 - o.beta1)
-            exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)
-            denom = exp_avg_sq.sqrt().div_(correction).add_(o.adam_eps)
-            self.master[at:at + n].addcdiv_(exp_avg, denom, value=-step_size)
+            adam_update_(self.master[at:at + n], grad, self.exp_avg[at:at + n], self.exp_avg_sq[at:at + n], o,
+                         step_size, correction)
             at += n
         self._publish()
 

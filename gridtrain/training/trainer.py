@@ -50,6 +50,7 @@ from gridtrain.parallel.meta import is_meta, on_meta, stand_in
 from gridtrain.parallel.experts import LayerRouting, step_routing
 from gridtrain.parallel.fully_sharded import ShardedGradientReducer
 from gridtrain.parallel.zero3 import ParameterShards, attach_buckets, make_units
+from gridtrain.optim.distributed_muon import DistributedMuon
 from gridtrain.optim.distributed_optimizer import DistributedOptimizer, LossScaler
 from gridtrain.optim.grads import reduce_gradients, step_scalars, tied_parameter
 from gridtrain.optim.interface import Optimizer
@@ -281,7 +282,8 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     start, notes = 0, []
     if source is not None:
         with whole_parameters(param_shards, when=_whole_format(source)):
-            start = checkpoint.load_checkpoint(source, model, optimizer, ctx, scaler=scaler)
+            start = checkpoint.load_checkpoint(source, model, optimizer, ctx, scaler=scaler,
+                                               reset_optimizer=cfg.checkpoint.reset_optimizer)
         if sampler is not None:  # the data order continues from the checkpoint's per-source counts
             note = sampler.restore(checkpoint.read_meta(source).get("data"), start)
             notes += [note] if note else []
@@ -399,13 +401,17 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext, micro_b
 def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext,
                    param_shards: ParameterShards | None = None) -> Optimizer:
     """torch's AdamW on the parameters for fp32/fp64 without sharding; otherwise AdamW on
-    flat master weights, sharded over DP with ZeRO-1 and up (distributed_optimizer.py)."""
+    flat master weights, sharded over DP with ZeRO-1 and up (distributed_optimizer.py);
+    Muon beside AdamW on flat master weights in every case (distributed_muon.py)."""
+    master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
+    if cfg.optim.optimizer == "muon":
+        return DistributedMuon(reducer, cfg.optim, dp=reducer.dp, mp=ctx.mp, tp=ctx.tp, d_model=cfg.model.d_model,
+                               master_dtype=master, param_shards=param_shards)
     if cfg.parallel.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64):
         # each gradient counted once in the norm: on the first of the ranks holding it
         counted = [p for p in model.parameters() if p.requires_grad and counts_towards_norm(p, ctx.tp.rank)
                    and reducer.group_of(p).rank == 0]
         return AdamW(build_optimizer(model, cfg.optim), counted, ctx.device)
-    master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
     return DistributedOptimizer(reducer, cfg.optim, dp=reducer.dp, mp=ctx.mp, tp_rank=ctx.tp.rank, master_dtype=master,
                                 param_shards=param_shards)
 
