@@ -312,3 +312,44 @@ def test_switching_optimizer_on_resume_needs_reset_optimizer(tmp_path):
     resumed = train_in_process(switched)
     assert len(resumed["losses"]) == 2 and math.isfinite(resumed["losses"][-1])
     assert resumed["losses"][0] != adamw["losses"][-1]
+
+
+# ---- planned ----------------------------------------------------------------------------------
+
+def test_the_memory_model_holds_the_dry_runs_muon_state():
+    """The dry run of Muon's optimizer (its real code on fake tensors, every rank) against
+    the memory model's closed form, ZeRO 0, 1 and 3, summed over the ranks: within the
+    blocks' vectors. (A rank's own share of the matrices depends on where its bucket
+    slices fall: near the mean for models of many buckets, not for this one of one.)"""
+    from gridtrain.dryrun import dry_run
+    from gridtrain.memory.model import expected_bytes
+    for fields in (dict(dp=4, zero=1), dict(dp=4, zero=3), dict(tp=2, dp=2)):
+        cfg = muon_config(dtype="bf16", device="cpu", **fields)
+        grid = ProcessGrid.build(4, tp=cfg.parallel.tp, pp=1, dp=cfg.parallel.dp)
+        ranks = dry_run(cfg, 4, "all", out=lambda *a, **k: None)["ranks"]
+        measured = sum(r["optimizer_bytes"] for r in ranks)
+        modelled = sum(expected_bytes(cfg, grid, r)["optimizer_bytes"] for r in range(4))
+        assert modelled == pytest.approx(measured, rel=0.01), fields
+
+
+def test_plan_costs_muon_and_reports_it(capsys, no_process_may_start):
+    import json
+
+    from gridtrain.cli import parser as cli
+    from gridtrain.planner.cost import Job, Layout, muon_seconds, predict
+    from gridtrain.planner.machine import machine
+    plan = ["plan", "--model", "llama3-8b", "--gpus", "64", "--hardware", "h100-sxm", "--seq-len", "8192",
+            "--global-batch-size", "128", "--zero", "1", "--tp", "1", "--pp", "1", "--top", "1", "--json"]
+    rows = {}
+    for optimizer in ("adamw", "muon"):
+        assert cli.main([*plan, "--optimizer", optimizer]) == 0
+        rows[optimizer] = json.loads(capsys.readouterr().out)["layouts"][0]
+    mu, adam = rows["muon"]["optimizer"], rows["adamw"]["optimizer"]
+    assert mu["name"] == "muon" and adam["name"] == "adamw" and adam["newton_schulz_s"] == 0
+    assert mu["state_gb"] < adam["state_gb"]  # one buffer per matrix element, not two moments
+    assert mu["step_s"] == pytest.approx(adam["step_s"] + mu["newton_schulz_s"] + mu["exchange_s"])
+    assert "--optimizer muon" in rows["muon"]["command"]
+    job = Job(preset_config("llama3-8b").model, 128, machine("h100-sxm", 64), optimizer="muon")
+    one, spread = (muon_seconds(job, Layout(dp=64, tp=1, pp=1, micro_batch_size=1, zero=z)) for z in (0, 1))
+    assert spread[0] == pytest.approx(one[0] / 64) and one[2] == 0  # the iterations shared by ZeRO's owners
+    assert predict(job, Layout(dp=64, tp=1, pp=1, micro_batch_size=1, zero=1)).optimizer == "muon"

@@ -354,7 +354,7 @@ def test_prediction_json_has_the_issues_keys():
                             zero=1))
     data = p.as_json()
     assert set(data) == ISSUE_KEYS | CP_KEYS | ZERO_KEYS | EP_KEYS | {"breakdown_s", "pp_layers",
-                                                                      "memory_breakdown_gb"}
+                                                                      "memory_breakdown_gb", "optimizer"}
     assert data["pp_layers"] == [4, 4]
     assert set(data["breakdown_s"]) == {"compute", "tp_comm", "cp_comm", "zero_comm", "ep_comm", "bubble",
                                         "dp_exposed", "optimizer"}
@@ -455,7 +455,7 @@ def test_plan_json_parses(capsys, no_process_may_start):
     assert len(data["layouts"]) == 2
     for row in data["layouts"]:
         assert set(row) == ISSUE_KEYS | CP_KEYS | ZERO_KEYS | EP_KEYS | {"breakdown_s", "pp_layers", "command",
-                                                                         "memory_breakdown_gb"}
+                                                                         "memory_breakdown_gb", "optimizer"}
         assert row["recompute"] == "full" and row["fits"] and row["dp"] * row["tp"] * row["pp"] == 8
     assert data["layouts"][0]["step_time_s"] <= data["layouts"][1]["step_time_s"]
 

@@ -55,6 +55,7 @@ from functools import lru_cache
 import torch
 
 from gridtrain.config import Config, ModelConfig
+from gridtrain.memory.optimizer import matrix_fraction
 from gridtrain.models.head_loss import worth_fusing
 from gridtrain.memory import activations
 from gridtrain.memory.cp import wide_bytes
@@ -283,15 +284,21 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
     padded = _padded_buffer(cfg, grid, holds, own) if par.zero else own
     bucket = _largest_bucket(cfg, grid, holds, moe, padded) if (m.n_experts and par.zero >= 2) or par.zero == 3 \
         else None
+    # Muon's share (memory.optimizer): the blocks' matrices, the experts whole
+    kind = getattr(getattr(cfg, "optim", None), "optimizer", "adamw")
+    muon = kind == "muon"
+    dense_matrices = int((blocks - experts) * matrix_fraction(m)) if muon else 0
     state = zero_state_bytes(own, dtype, par.zero, zero_shards(cfg, grid), padded=padded,
                              tensors=_parameter_tensors(cfg, holds, moe), bucket_mb=par.bucket_mb,
                              block_params=largest, blocks=holds[0], keep_gathered=keep,
-                             in_blocks=blocks - (experts if apart else 0), largest_bucket=bucket)
+                             in_blocks=blocks - (experts if apart else 0), largest_bucket=bucket, optimizer=kind,
+                             matrices=dense_matrices + (0 if apart or not muon else experts))
     if apart:
         # the experts' own shards; their share of the gathered blocks is in the dense
         # call's (``largest`` is a whole block), and the staging is counted once, above
         xs = zero_state_bytes(experts, dtype, par.zero, expert_shards(cfg, grid), bucket_mb=par.bucket_mb,
-                              keep_gathered=keep, in_blocks=experts)
+                              keep_gathered=keep, in_blocks=experts, optimizer=kind,
+                              matrices=experts if muon else 0)
         state = {k: state[k] + (xs[k] if k != "staging_bytes" else 0) for k in state}
     if par.zero == 3 and not m.n_experts and largest and stage_parameters(m, grid.tp, 0, holds[1],
                                                                             holds[2]) > largest:

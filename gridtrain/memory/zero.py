@@ -56,6 +56,7 @@ from typing import NamedTuple
 
 from gridtrain.config import ZERO_STAGES
 from gridtrain.memory.cp import wide_bytes
+from gridtrain.memory.optimizer import optimizer_state_bytes
 from gridtrain.parallel.distributed import TORCH_DTYPES
 
 STAGING_BUCKETS = 2  # gradient staging buffers a ZeRO-2/3 rank holds at once, about
@@ -87,7 +88,8 @@ def _check(zero: int, shard: int) -> None:
 def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int | None = None, tensors: int = 0,
                      bucket_mb: float = 25.0, block_params: int = 0, blocks: int = 0,
                      keep_gathered: bool = False, in_blocks: int | None = None,
-                     largest_bucket: int | None = None) -> dict[str, int]:
+                     largest_bucket: int | None = None, optimizer: str = "adamw",
+                     matrices: int = 0) -> dict[str, int]:
     """Bytes a rank holds for ``params`` parameters of ``dtype`` under ZeRO stage ``zero``
     with its state sharded over ``shard`` ranks (the table of the module docstring):
     ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` (held all along) and,
@@ -105,7 +107,9 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
     model's; ``block_params`` is then the largest block's; default ``blocks x
     block_params``); ``largest_bucket``: the largest gradient bucket's elements, where
     the caller knows the layout's buckets (a mixture of experts': memory/model.py;
-    default: ``bucket_mb``, or the whole buffer where that is smaller)."""
+    default: ``bucket_mb``, or the whole buffer where that is smaller); ``optimizer``
+    ``muon``: Muon for ``matrices`` of ``params`` (memory.optimizer: the flat optimizer in
+    every layout, one buffer per Muon element, two moments per AdamW element)."""
     _check(zero, shard)
     e = element_bytes(dtype)
     w = wide_bytes(e)
@@ -113,12 +117,16 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
         padded = -(-params // shard) * shard
     owned = padded // shard
     full_precision = e >= 4  # fp32 and fp64: no separate master copy where ZeRO allows
-    if zero == 0:
-        optimizer = 2 * params * e + 4 * tensors if full_precision else 3 * params * w
+    if optimizer == "muon":
+        held = owned if zero else params  # ZeRO 0: every rank all of it
+        mine = matrices * held // params if params else 0  # the share of the Muon matrices
+        state = optimizer_state_bytes("muon", held, mine, masters=not (zero == 3 and full_precision), element=w)
+    elif zero == 0:
+        state = 2 * params * e + 4 * tensors if full_precision else 3 * params * w
     elif zero == 3 and full_precision:
-        optimizer = 2 * owned * w  # two moments: the parameter shard is the master
+        state = 2 * owned * w  # two moments: the parameter shard is the master
     else:
-        optimizer = 3 * owned * w
+        state = 3 * owned * w
     gathered = 0
     if zero == 3:
         in_blocks = blocks * block_params if in_blocks is None else in_blocks
@@ -127,7 +135,7 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
     staging = STAGING_BUCKETS * bucket if zero >= 2 else 0
     return {"parameter_bytes": (owned if zero == 3 else params) * e,
             "gradient_bytes": {0: params, 1: padded}.get(zero, owned) * w,
-            "optimizer_bytes": optimizer,
+            "optimizer_bytes": state,
             "gathered_bytes": gathered * e,
             "staging_bytes": staging}
 

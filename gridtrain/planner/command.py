@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from gridtrain.config import PRESETS, ConfigError, ModelConfig, declared_fields, flag_of, load_config
+from gridtrain.config import OPTIMIZERS, PRESETS, ConfigError, ModelConfig, declared_fields, flag_of, load_config
 from gridtrain.planner.cost import MEMORY_PARTS, Job, Prediction
 from gridtrain.planner.machine import MACHINES, machine
 from gridtrain.planner.search import CP_COMM, RECOMPUTE, SCHEDULES, ZERO, Fixed, search, why_none
@@ -34,6 +34,8 @@ def add_plan_parser(sub, field_flag: Callable[[argparse.ArgumentParser, str, dat
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--global-batch-size", type=int, required=True)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="adamw | muon: its state (memory) and its step (Muon: Newton-Schulz and the exchange)")
     g = p.add_argument_group("layout", "given fields are fixed; the others are searched")
     g.add_argument("--tp", type=int)
     g.add_argument("--cp", type=int, help="context parallel: ranks that split each sequence (1: none)")
@@ -100,7 +102,8 @@ def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
              f"--vpp {lay.vpp}" if lay.vpp > 1 else "",
              f"--pp-layers {','.join(map(str, p.pp_layers))}" if lay.pp_partition != "uniform" else "",
              f"--recompute {lay.recompute}",
-             "--sequence-parallel" if lay.sequence_parallel else "", " ".join(lay.zero_flags())]
+             "--sequence-parallel" if lay.sequence_parallel else "", " ".join(lay.zero_flags()),
+             f"--optimizer {p.optimizer}" if p.optimizer != "adamw" else ""]
     return " ".join(x for x in parts if x)
 
 
@@ -134,7 +137,7 @@ def plan_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     job = Job(model=model, global_batch_size=args.global_batch_size, hardware=hw, dtype=args.dtype,
-              gpus_per_node=args.gpus_per_node)
+              gpus_per_node=args.gpus_per_node, optimizer=args.optimizer)
     fixed = Fixed(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
                   schedule=args.schedule, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                   zero=args.zero, cp=args.cp, cp_comm=args.cp_comm, zero_shard_size=args.zero_shard_size,

@@ -111,6 +111,7 @@ hardware's are in hardware.py (a ``cpu`` entry measured on the host, profile.py)
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 
@@ -120,6 +121,7 @@ from gridtrain.memory.model import (chunks_of_stage, expected_activation_peak, e
                                     stage_parameter_split, stage_parameters)
 from gridtrain.memory.moe import (all_to_all_payload, dense_block_parameters, model_flops_per_token,
                                   moe_block_parameters, routed_tokens)
+from gridtrain.memory.optimizer import mlp_matrices, model_matrices
 from gridtrain.memory.zero import zero_step_collectives
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.parallel.pipeline.schedules import build_schedule
@@ -220,6 +222,7 @@ class Job:
     hardware: "Hardware"  # noqa: F821 (hardware.py)
     dtype: str = "bf16"
     gpus_per_node: int | None = None  # default: the hardware's
+    optimizer: str = "adamw"  # adamw | muon (muon_seconds)
 
     @property
     def node(self) -> int:
@@ -251,6 +254,10 @@ class Prediction:
     ep_comm_s: float = 0.0  # of compute: MoE all-to-alls, routing counts and statistics (not overlapped)
     moe: bool = False  # the model has experts (the command and description then name ep)
     memory_parts: dict[str, float] = field(default_factory=dict)  # memory_bytes by kind (MEMORY_PARTS)
+    optimizer: str = "adamw"
+    newton_schulz_s: float = 0.0  # of optimizer_s: Muon's iterations on the matrices this rank owns
+    muon_exchange_s: float = 0.0  # of optimizer_s: Muon's gathers and scatters (muon_seconds)
+    muon_exchange_bytes: float = 0.0  # what a rank sends of them per step
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -282,7 +289,10 @@ class Prediction:
                 "memory_breakdown_gb": {k: v / 1e9 for k, v in self.memory_parts.items()},
                 "breakdown_s": {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "cp_comm": self.cp_comm_s,
                                 "zero_comm": self.zero_comm_s, "ep_comm": self.ep_comm_s, "bubble": self.bubble_s,
-                                "dp_exposed": self.dp_exposed_s, "optimizer": self.optimizer_s}}
+                                "dp_exposed": self.dp_exposed_s, "optimizer": self.optimizer_s},
+                "optimizer": {"name": self.optimizer, "state_gb": self.memory_parts.get("optimizer", 0.0) / 1e9,
+                              "step_s": self.optimizer_s, "newton_schulz_s": self.newton_schulz_s,
+                              "exchange_s": self.muon_exchange_s, "exchange_gb": self.muon_exchange_bytes / 1e9}}
 
 
 # ---- compute --------------------------------------------------------------------------------------
@@ -860,6 +870,7 @@ def config_of(job: Job, lay: Layout) -> Config:
             setattr(cfg.parallel, k, v)
     cfg.training = replace(cfg.training, micro_batch_size=lay.micro_batch_size,
                            global_batch_size=job.global_batch_size, dtype=job.dtype)
+    cfg.optim = replace(cfg.optim, optimizer=job.optimizer)
     cfg.activations = replace(cfg.activations, recompute=lay.recompute)
     return cfg
 
@@ -991,6 +1002,8 @@ def predict(job: Job, lay: Layout, *, memory: bool | float | dict[str, float] = 
     exposed, gather, optimizer = data_parallel_seconds(job, lay, params, cost, cfg.parallel.bucket_mb, experts)
     if moe is not None:
         exposed += expert_tp_seconds(job, lay, experts)
+    ns, exchange, exchanged = muon_seconds(job, lay) if job.optimizer == "muon" else (0.0, 0.0, 0.0)
+    optimizer += ns + exchange
     step = makespan + exposed + gather + optimizer
     tokens = job.global_batch_size * m.seq_len
     flops_per_token = model_flops_per_token(m)
@@ -1012,7 +1025,8 @@ def predict(job: Job, lay: Layout, *, memory: bool | float | dict[str, float] = 
                       fits=mem <= hw.usable_memory_bytes, model_flops=model_flops, hardware_flops=hardware_flops,
                       tokens=tokens, gpus=lay.gpus, peak_flops=hw.peak_flops(job.dtype), pp_layers=layers,
                       cp_comm_s=cp_comm, zero_comm_s=zero_comm, ep_comm_s=ep_comm, moe=bool(m.n_experts),
-                      memory_parts=parts)
+                      memory_parts=parts, optimizer=job.optimizer, newton_schulz_s=ns, muon_exchange_s=exchange,
+                      muon_exchange_bytes=exchanged)
 
 
 @lru_cache(maxsize=256)
@@ -1093,6 +1107,51 @@ def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: f
     hidden = gather
     gather = max(gather - first_mb_forward, gather * bucket)
     return exposed, gather + OVERLAP_COST * (hidden - gather), optimizer
+
+
+def newton_schulz_seconds(shape: tuple[int, int], steps: int, hw) -> float:
+    """One matrix's Newton-Schulz (optim/muon.py) in bf16: per iteration X X^T, A A and
+    the product with X, on the wide orientation (m <= n)."""
+    m, n = sorted(shape)
+    return steps * (gemm_seconds(m, m, n, hw, "bf16") + gemm_seconds(m, m, m, hw, "bf16")
+                    + gemm_seconds(m, n, m, hw, "bf16"))
+
+
+def muon_seconds(job: Job, lay: Layout, steps: int = 5) -> tuple[float, float, float]:
+    """Muon's work on a rank per step beyond AdamW's pass (optim/muon.py), as (Newton-Schulz
+    seconds, exchange seconds, exchange bytes sent): a stage's matrices (the model's
+    ``1 / pp``), each orthogonalised whole on one owner, the owners spread over the ranks
+    that share the matrix (tp, and under ZeRO the shard group; an expert's over etp and
+    its expert-data-parallel shard group); without ZeRO every data-parallel replica
+    iterates all of its own. The exchange: under ZeRO each rank sends its slices of the
+    stage's matrices to their owners and receives its owned matrices' updates back (2 x
+    (s - 1) / s of its share, bf16, over the shard group's link), then over tp the same
+    for the shards (within a node). Not overlapped: the step waits for it."""
+    m, hw = job.model, job.hardware
+    shard = lay.zero_shard if lay.zero else 1
+    layers = [*range(m.n_layer), *mtp_blocks(m, True)]  # the multi-token prediction blocks too
+    moe_layers = sum(1 for i in layers if m.n_experts and m.is_moe_layer(i))
+    per_expert = Counter(mlp_matrices(m, m.moe_ffn_size)) if moe_layers else Counter()
+    ns = exchanged = 0.0
+    dense_elements = 0.0
+    for shape, count in model_matrices(m):
+        routed = min(count, per_expert[shape] * m.n_experts * moe_layers)  # the routed experts' matrices
+        dense = count - routed
+        one = newton_schulz_seconds(shape, steps, hw)
+        ns += dense * one / (lay.tp * shard) / lay.pp
+        ns += routed * one / (lay.ep * lay.etp * (lay.expert_dp if lay.zero else 1)) / lay.pp
+        dense_elements += dense * shape[0] * shape[1] / lay.tp / lay.pp
+    bytes_ = 2  # the exchange travels in Newton-Schulz's bf16
+    seconds = 0.0
+    if shard > 1:
+        sent = 2 * bytes_ * dense_elements / shard * (shard - 1) / shard
+        exchanged += sent
+        seconds += sent / zero_links(job, lay)[0].bandwidth
+    if lay.tp > 1:
+        sent = 2 * bytes_ * dense_elements / shard * (lay.tp - 1) / lay.tp
+        exchanged += sent
+        seconds += sent / ring_link(hw, lay.tp, 1, job.node).bandwidth
+    return ns, seconds, exchanged
 
 
 def _rank_parameters(cfg: Config, grid: ProcessGrid) -> tuple[int, int]:
