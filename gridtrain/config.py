@@ -39,6 +39,7 @@ LR_DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # the shapes of wsd's decay
 OPTIMIZERS = ("adamw", "muon")  # gridtrain.optim
 MUON_ADJUST_LR = ("original", "match-rms")  # Muon's per-matrix learning-rate rules (optim/muon.py)
 MUON_NS_DTYPES = ("auto", "bf16", "fp32", "fp64")  # where Newton-Schulz runs
+STATE_DTYPES = ("fp32", "bf16")  # optimizer moments (--optimizer-state-dtype)
 
 
 class ConfigError(ValueError):
@@ -424,9 +425,15 @@ class OptimConfig:
                                  doc="`original` (default: lr x sqrt(max(1, rows / cols)), torch's default) or "
                                      "`match-rms` (lr x 0.2 x sqrt(max(rows, cols)): the update's RMS matches "
                                      "AdamW's, so Muon takes AdamW's learning rate and weight decay; Moonlight)")
+    optimizer_state_dtype: str = option("fp32", choices=STATE_DTYPES, metavar="T",
+                                        help="fp32 | bf16: AdamW's moments and Muon's momentum (masters stay fp32)",
+                                        doc="`fp32` (default) or `bf16`: AdamW's two moments and Muon's momentum "
+                                            "kept in bf16 (updated in the masters' precision, rounded when "
+                                            "stored); master weights stay fp32 (fp64 in fp64 runs)")
     muon_ns_dtype: str = option("auto", choices=MUON_NS_DTYPES, metavar="T",
                                 help="auto | bf16 | fp32 | fp64: the dtype of the Newton-Schulz iterations "
-                                     "(auto: fp64 in fp64 runs, else bf16 as torch.optim.Muon)")
+                                     "(auto: fp64 in fp64 runs, else bf16 on GPUs as torch.optim.Muon, fp32 on "
+                                     "CPUs)")
 
     lr: float = option(1e-3, range="> 0", was="training", help="peak learning rate")
     lr_schedule: str = option("cosine", choices=LR_SCHEDULES, metavar="S",

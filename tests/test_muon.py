@@ -257,31 +257,38 @@ def test_the_exchange_moves_each_matrix_to_its_owner_and_back_once():
     assert total("tp2-sp", "tp") == {2 * 8 * n}  # every llama-tiny matrix is split over tp
 
 
-def test_state_bytes_are_the_closed_form():
-    """A rank keeps masters for its shard, two AdamW moments for AdamW's elements and one
-    buffer for Muon's: bf16 parameters, fp32 state."""
+@pytest.mark.parametrize("optimizer,state", [("adamw", "fp32"), ("muon", "fp32"), ("adamw", "bf16"),
+                                             ("muon", "bf16")])
+def test_state_bytes_are_the_closed_form(optimizer, state):
+    """A rank keeps fp32 masters for its shard, two AdamW moments for AdamW's elements
+    and one buffer for Muon's, 4 bytes each or 2 with --optimizer-state-dtype bf16; the
+    memory model says the same."""
+    from gridtrain.memory.model import expected_bytes
     from gridtrain.training.providers import decoder_forward_step, decoder_model_provider
     from gridtrain.training.trainer import build
-    for optimizer in ("adamw", "muon"):
-        cfg = muon_config(dtype="bf16", optimizer=optimizer)
-        try:
-            trainer = build(cfg, decoder_model_provider, decoder_forward_step)
-            total = sum(p.numel() for p in trainer.model.parameters())
-            matrices = _muon_numel("llama-tiny") if optimizer == "muon" else 0
-            shard = trainer.reducer.shard_numel
-            expected = 4 * (shard + 2 * (total - matrices) + matrices) if optimizer == "muon" else 4 * 3 * shard
-            assert trainer.optimizer.state_bytes() == expected
-        finally:
-            shutdown()
+    cfg = muon_config(dtype="bf16", optimizer=optimizer, optimizer_state_dtype=state)
+    try:
+        trainer = build(cfg, decoder_model_provider, decoder_forward_step)
+        total = sum(p.numel() for p in trainer.model.parameters())
+        matrices = _muon_numel("llama-tiny") if optimizer == "muon" else 0
+        shard = trainer.reducer.shard_numel
+        moment = 2 if state == "bf16" else 4
+        moments = 2 * (total - matrices) + matrices if optimizer == "muon" else 2 * shard
+        assert trainer.optimizer.state_bytes() == 4 * shard + moment * moments
+        modelled = expected_bytes(cfg, ProcessGrid.build(1), 0)["optimizer_bytes"]
+        assert modelled == pytest.approx(trainer.optimizer.state_bytes(), rel=0.01)
+    finally:
+        shutdown()
 
 
 # ---- checkpoints ------------------------------------------------------------------------------
 
-def test_muon_resumes_bit_exact(tmp_path):
-    cfg = muon_config()
+@pytest.mark.parametrize("fields", [{}, {"optimizer_state_dtype": "bf16", "dtype": "bf16"}])
+def test_muon_resumes_bit_exact(tmp_path, fields):
+    cfg = muon_config(**fields)
     cfg.checkpoint.save, cfg.checkpoint.save_interval = str(tmp_path), 3
     straight = train_in_process(cfg)
-    resumed_cfg = muon_config()
+    resumed_cfg = muon_config(**fields)
     resumed_cfg.checkpoint.load = str(tmp_path / "step_0000003")
     resumed = train_in_process(resumed_cfg)
     assert resumed["losses"] == straight["losses"][3:]

@@ -287,18 +287,19 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
     # Muon's share (memory.optimizer): the blocks' matrices, the experts whole
     kind = getattr(getattr(cfg, "optim", None), "optimizer", "adamw")
     muon = kind == "muon"
+    moments = 2 if getattr(getattr(cfg, "optim", None), "optimizer_state_dtype", "fp32") == "bf16" else None
     dense_matrices = int((blocks - experts) * matrix_fraction(m)) if muon else 0
     state = zero_state_bytes(own, dtype, par.zero, zero_shards(cfg, grid), padded=padded,
                              tensors=_parameter_tensors(cfg, holds, moe), bucket_mb=par.bucket_mb,
                              block_params=largest, blocks=holds[0], keep_gathered=keep,
                              in_blocks=blocks - (experts if apart else 0), largest_bucket=bucket, optimizer=kind,
-                             matrices=dense_matrices + (0 if apart or not muon else experts))
+                             matrices=dense_matrices + (0 if apart or not muon else experts), moment_bytes=moments)
     if apart:
         # the experts' own shards; their share of the gathered blocks is in the dense
         # call's (``largest`` is a whole block), and the staging is counted once, above
         xs = zero_state_bytes(experts, dtype, par.zero, expert_shards(cfg, grid), bucket_mb=par.bucket_mb,
                               keep_gathered=keep, in_blocks=experts, optimizer=kind,
-                              matrices=experts if muon else 0)
+                              matrices=experts if muon else 0, moment_bytes=moments)
         state = {k: state[k] + (xs[k] if k != "staging_bytes" else 0) for k in state}
     if par.zero == 3 and not m.n_experts and largest and stage_parameters(m, grid.tp, 0, holds[1],
                                                                             holds[2]) > largest:
@@ -331,7 +332,9 @@ def expected_startup_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> int:
     params, grads = state["parameter_bytes"], state["gradient_bytes"]
     # the flat optimizer allocates its state when built; torch's AdamW (fp32/fp64 without
     # ZeRO) at its first step
-    flat = cfg.parallel.zero > 0 or cfg.training.dtype not in ("fp32", "fp64")
+    o = getattr(cfg, "optim", None)
+    flat = cfg.parallel.zero > 0 or cfg.training.dtype not in ("fp32", "fp64") or \
+        getattr(o, "optimizer", "adamw") == "muon" or getattr(o, "optimizer_state_dtype", "fp32") == "bf16"
     optim = state["optimizer_bytes"] if flat else 0
     if cfg.parallel.zero == 3:  # the gradient shard, then the parameter shard filled, then the optimizer
         return params + grads + max(whole, optim)

@@ -90,10 +90,12 @@ def matrix_fraction(m: ModelConfig) -> float:
     return _FRACTIONS[key]
 
 
-def optimizer_state_bytes(optimizer: str, owned: int, matrices: int, *, masters: bool, element: int) -> int:
+def optimizer_state_bytes(optimizer: str, owned: int, matrices: int, *, masters: bool, element: int,
+                          moment_element: int | None = None) -> int:
     """The flat optimizer's state for ``owned`` shard elements of which ``matrices`` are
-    Muon's, ``element`` bytes each: master weights (unless the parameter shard is the
-    master: ``masters`` False) and two moments per element, or under Muon two per AdamW
-    element and one per Muon element (Muon keeps no state for the padding)."""
+    Muon's: master weights of ``element`` bytes (unless the parameter shard is the
+    master: ``masters`` False) and, of ``moment_element`` bytes (default ``element``),
+    two moments per element, or under Muon two per AdamW element and one per Muon
+    element (Muon keeps no state for the padding)."""
     moments = 2 * owned if optimizer != "muon" else 2 * (owned - matrices) + matrices
-    return element * ((owned if masters else 0) + moments)
+    return element * (owned if masters else 0) + (moment_element or element) * moments

@@ -89,7 +89,7 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
                      bucket_mb: float = 25.0, block_params: int = 0, blocks: int = 0,
                      keep_gathered: bool = False, in_blocks: int | None = None,
                      largest_bucket: int | None = None, optimizer: str = "adamw",
-                     matrices: int = 0) -> dict[str, int]:
+                     matrices: int = 0, moment_bytes: int | None = None) -> dict[str, int]:
     """Bytes a rank holds for ``params`` parameters of ``dtype`` under ZeRO stage ``zero``
     with its state sharded over ``shard`` ranks (the table of the module docstring):
     ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` (held all along) and,
@@ -109,7 +109,9 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
     the caller knows the layout's buckets (a mixture of experts': memory/model.py;
     default: ``bucket_mb``, or the whole buffer where that is smaller); ``optimizer``
     ``muon``: Muon for ``matrices`` of ``params`` (memory.optimizer: the flat optimizer in
-    every layout, one buffer per Muon element, two moments per AdamW element)."""
+    every layout, one buffer per Muon element, two moments per AdamW element);
+    ``moment_bytes``: 2 for bf16 moments (``--optimizer-state-dtype bf16``: the flat
+    optimizer in every layout, masters as before), default the masters' width."""
     _check(zero, shard)
     e = element_bytes(dtype)
     w = wide_bytes(e)
@@ -117,10 +119,11 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
         padded = -(-params // shard) * shard
     owned = padded // shard
     full_precision = e >= 4  # fp32 and fp64: no separate master copy where ZeRO allows
-    if optimizer == "muon":
+    if optimizer == "muon" or moment_bytes is not None:  # the flat optimizer whatever the stage
         held = owned if zero else params  # ZeRO 0: every rank all of it
         mine = matrices * held // params if params else 0  # the share of the Muon matrices
-        state = optimizer_state_bytes("muon", held, mine, masters=not (zero == 3 and full_precision), element=w)
+        state = optimizer_state_bytes(optimizer, held, mine, masters=not (zero == 3 and full_precision), element=w,
+                                      moment_element=moment_bytes or w)
     elif zero == 0:
         state = 2 * params * e + 4 * tensors if full_precision else 3 * params * w
     elif zero == 3 and full_precision:

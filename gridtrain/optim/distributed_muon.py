@@ -48,7 +48,7 @@ class DistributedMuon(DistributedOptimizer):
         self.muon_params = {p for p in self.params if uses_muon(names[p], tuple(whole_shape(p)))}
         self.adam_pieces = [q for q in self.pieces if q.param not in self.muon_params]
         self.muon_pieces = [q for q in self.pieces if q.param in self.muon_params]
-        dtype = self.master.dtype
+        dtype = self.state_dtype  # the masters', or bf16 (--optimizer-state-dtype)
         # state packed per kind: AdamW's moments over its pieces, Muon's buffer over its own
         self.exp_avg = torch.zeros(_numel(self.adam_pieces), dtype=dtype, device=self.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
@@ -60,7 +60,8 @@ class DistributedMuon(DistributedOptimizer):
         self.muon_lr = o.muon_lr if o.muon_lr is not None else default_muon_lr(o.lr, o.muon_adjust_lr, d_model)
         matrices = self._matrices(tp)
         self.ratios = {m.param: lr_ratio(o.muon_adjust_lr, matrix_shapes(m.whole_shape, m.spec)[0]) for m in matrices}
-        self.exchange = MatrixExchange(matrices, o.muon_ns_steps, ns_dtype_of(o.muon_ns_dtype, dtype))
+        ns_dtype = ns_dtype_of(o.muon_ns_dtype, self.master.dtype, self.device)
+        self.exchange = MatrixExchange(matrices, o.muon_ns_steps, ns_dtype)
 
     def _matrices(self, tp: TensorParallel) -> list[Matrix]:
         """This rank's Muon parameters as the exchange sees them, in the reducer's order
@@ -99,9 +100,12 @@ class DistributedMuon(DistributedOptimizer):
                          o, step_size, correction)
         updates: dict[nn.Parameter, dict[tuple[int, int], torch.Tensor]] = {p: {} for p in self.muon_params}
         for q, at in zip(self.muon_pieces, self._muon_at):
-            buf = self.momentum[at:at + q.hi - q.lo]
+            stored = self.momentum[at:at + q.hi - q.lo]
+            buf = stored.to(self.master.dtype)  # itself unless the state is narrower (bf16)
             grad = self._grad(q).to(buf.dtype)
             buf.lerp_(grad, 1 - o.muon_momentum)
+            if buf is not stored:
+                stored.copy_(buf)
             updates[q.param][(q.lo, q.hi)] = grad.lerp(buf, o.muon_momentum) if o.muon_nesterov else buf
         done = self.exchange.orthogonalised(updates)
         muon_lr = lr * (self.muon_lr / o.lr)  # Muon's rate on --lr's schedule

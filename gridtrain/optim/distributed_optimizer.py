@@ -77,13 +77,23 @@ def _runs(pieces: list[Piece]) -> list[tuple[int, int]]:
 def adam_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  o: OptimConfig, step_size: float, correction: float) -> None:
     """One AdamW step of ``master`` (decay applied before), as torch.optim.AdamW computes
-    it: moments in their own dtype, ``step_size`` = lr / (1 - beta1^t), ``correction`` =
-    sqrt(1 - beta2^t)."""
+    it, ``step_size`` = lr / (1 - beta1^t), ``correction`` = sqrt(1 - beta2^t). Moments
+    narrower than the masters (``--optimizer-state-dtype bf16``) are updated in the
+    masters' precision and rounded when stored back."""
     grad = grad.to(master.dtype)
-    exp_avg.lerp_(grad, 1 - o.beta1)
-    exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)
-    denom = exp_avg_sq.sqrt().div_(correction).add_(o.adam_eps)
-    master.addcdiv_(exp_avg, denom, value=-step_size)
+    m, v = exp_avg.to(master.dtype), exp_avg_sq.to(master.dtype)  # themselves unless narrower
+    m.lerp_(grad, 1 - o.beta1)
+    v.mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)
+    denom = v.sqrt().div_(correction).add_(o.adam_eps)
+    master.addcdiv_(m, denom, value=-step_size)
+    if m is not exp_avg:
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
+
+
+def state_dtype_of(o: OptimConfig, master_dtype: torch.dtype) -> torch.dtype:
+    """The moments' dtype: bf16 when asked (``--optimizer-state-dtype``), else the masters'."""
+    return torch.bfloat16 if o.optimizer_state_dtype == "bf16" else master_dtype
 
 
 class DistributedOptimizer:
@@ -108,8 +118,10 @@ class DistributedOptimizer:
         else:
             self.master = torch.zeros(size, dtype=master_dtype, device=self.device)
             self._master_from_params()
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        # the moments: the masters' dtype, or bf16 (--optimizer-state-dtype)
+        self.state_dtype = state_dtype_of(o, master_dtype)
+        self.exp_avg = torch.zeros_like(self.master, dtype=self.state_dtype)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         # masters of their own (fp32 beside 16-bit parameters), not just the parameters' values
         self.separate_masters = bool(self.params) and master_dtype != self.params[0].dtype
         # views of the master weights (no memory of their own): the decayed elements

@@ -38,9 +38,9 @@ rank applies its own elements. Without sharding every data-parallel replica hold
 whole shard and orthogonalises it itself (the result is the same on every replica);
 pipeline stages each do their own parameters.
 
-The exchanged vectors travel in the Newton-Schulz dtype (bf16 unless the run is fp64 or
-``--muon-ns-dtype`` says otherwise): the iterations begin by casting to it, so a narrower
-payload loses nothing. Bytes per step are counted (:attr:`MatrixExchange.sent_bytes`)
+The exchanged vectors travel in the Newton-Schulz dtype (:func:`ns_dtype_of`: bf16 on
+GPUs, fp32 on CPUs, fp64 in fp64 runs, or ``--muon-ns-dtype``): the iterations begin by
+casting to it, so a narrower payload loses nothing. Bytes per step are counted (:attr:`MatrixExchange.sent_bytes`)
 and tested against their closed form.
 """
 
@@ -73,11 +73,15 @@ def uses_muon(name: str, shape: tuple[int, ...]) -> bool:
         "blocks" in parts or parts[0] == "mtp")
 
 
-def ns_dtype_of(setting: str, param_dtype: torch.dtype) -> torch.dtype:
-    """The Newton-Schulz dtype: ``auto`` is fp64 for fp64 runs (their parity), else bf16
-    (torch.optim.Muon's)."""
+def ns_dtype_of(setting: str, master_dtype: torch.dtype, device: torch.device | str = "cuda") -> torch.dtype:
+    """The Newton-Schulz dtype: ``auto`` is fp64 for fp64 runs (their parity), bf16 on a
+    GPU (torch.optim.Muon's), fp32 on a CPU (whose bf16 matrix products have no fast
+    kernel on most machines: 130x slower than fp32 for a 512 x 2048 matrix on this
+    project's CI host)."""
     if setting == "auto":
-        return torch.float64 if param_dtype == torch.float64 else torch.bfloat16
+        if master_dtype == torch.float64:
+            return torch.float64
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     return NS_DTYPES[setting]
 
 

@@ -400,14 +400,16 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext, micro_b
 
 def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext,
                    param_shards: ParameterShards | None = None) -> Optimizer:
-    """torch's AdamW on the parameters for fp32/fp64 without sharding; otherwise AdamW on
-    flat master weights, sharded over DP with ZeRO-1 and up (distributed_optimizer.py);
+    """torch's AdamW on the parameters for fp32/fp64 without sharding and fp32 moments;
+    otherwise AdamW on flat master weights, sharded over DP with ZeRO-1 and up
+    (distributed_optimizer.py);
     Muon beside AdamW on flat master weights in every case (distributed_muon.py)."""
     master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
     if cfg.optim.optimizer == "muon":
         return DistributedMuon(reducer, cfg.optim, dp=reducer.dp, mp=ctx.mp, tp=ctx.tp, d_model=cfg.model.d_model,
                                master_dtype=master, param_shards=param_shards)
-    if cfg.parallel.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64):
+    if cfg.parallel.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64) \
+            and cfg.optim.optimizer_state_dtype == "fp32":
         # each gradient counted once in the norm: on the first of the ranks holding it
         counted = [p for p in model.parameters() if p.requires_grad and counts_towards_norm(p, ctx.tp.rank)
                    and reducer.group_of(p).rank == 0]
