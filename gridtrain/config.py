@@ -425,6 +425,13 @@ class OptimConfig:
                                  doc="`original` (default: lr x sqrt(max(1, rows / cols)), torch's default) or "
                                      "`match-rms` (lr x 0.2 x sqrt(max(rows, cols)): the update's RMS matches "
                                      "AdamW's, so Muon takes AdamW's learning rate and weight decay; Moonlight)")
+    qk_clip: float = option(0.0, range=">= 0", metavar="TAU",
+                            help="QK-clip: rescale a head's query and key weights after the step when its largest "
+                                 "attention logit exceeded TAU (0: off)",
+                            doc="QK-clip (Kimi K2's MuonClip; with either optimizer): after each step, a head whose "
+                                "largest attention logit of the step (over the global batch) exceeded TAU has its "
+                                "query and key weights scaled so that it would reach TAU; 0 (default) is off. Not "
+                                "with `--qk-norm` ([optimizers](optimizers.md#qk-clip))")
     optimizer_state_dtype: str = option("fp32", choices=STATE_DTYPES, metavar="T",
                                         help="fp32 | bf16: AdamW's moments and Muon's momentum (masters stay fp32)",
                                         doc="`fp32` (default) or `bf16`: AdamW's two moments and Muon's momentum "

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.config import ModelConfig
+from gridtrain.models import qk_clip
 from gridtrain.parallel import attention_blocks, context_parallel
 from gridtrain.parallel.context_parallel import ContextParallel
 from gridtrain.parallel.recompute import Recomputation
@@ -188,6 +189,9 @@ class SelfAttention(nn.Module):
         self.math = cfg.attention == "math"
         if self.math:
             self.register_buffer("causal_bias", causal_bias(cfg.seq_len), persistent=False)
+        # --qk-clip (models/qk_clip.py): the step's largest logit per local head, recorded in training
+        self.records_logits = False
+        self.logit_max: torch.Tensor | None = None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                cache: LayerCache | None = None, documents: Documents | None = None) -> torch.Tensor:
@@ -196,6 +200,9 @@ class SelfAttention(nn.Module):
         ``cache``, ``k`` and ``v`` join the cached ones and the queries attend over all;
         with ``documents``, each query sees only its own document's keys. Selective
         recomputation replays the core with the micro-batch's ``documents`` bound in."""
+        if self.records_logits and self.training and cache is None:
+            seen = qk_clip.max_logits(q, k, self.scale or q.shape[-1] ** -0.5, self.cp, documents)
+            self.logit_max = seen if self.logit_max is None else torch.maximum(self.logit_max, seen)
         if cache is not None:
             if documents is not None:
                 raise ValueError("a key/value cache holds one sequence: generation takes no documents")
@@ -211,6 +218,11 @@ class SelfAttention(nn.Module):
             y = self.core(q, k, v, documents)
         b, _, s, _ = q.shape
         return y.transpose(1, 2).reshape(b, s, -1)
+
+    def qk_rows(self, gamma: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Per-row factors of this layer's query and key weights that scale head h's
+        logits by ``gamma[h]`` (models/qk_clip.py); each architecture's layout."""
+        raise NotImplementedError(f"{type(self).__name__} does not rescale its heads (--qk-clip)")
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              documents: Documents | None = None) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gridtrain.models import llama, mla
+from gridtrain.models import llama, mla, qk_clip
 from gridtrain.models import mtp as multi_token  # (``mtp``: the counts' keyword)
 from gridtrain.runtime import activation_meter as memory
 from gridtrain.models.head_loss import fused_head_loss, worth_fusing
@@ -65,6 +65,13 @@ class CausalSelfAttention(SelfAttention):
         b, s, _ = qkv.shape
         q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return self.proj(self.attend(q, k, v, cache, documents))
+
+    def qk_rows(self, gamma: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """The fused QKV's q and k parts (weight rows and bias entries) times sqrt(gamma)
+        per head; v's left alone."""
+        half = qk_clip.rows(gamma.sqrt(), self.head_dim)
+        factor = torch.cat([half, half, torch.ones_like(half)])
+        return [(self.qkv.weight, factor), (self.qkv.bias, factor)]
 
 
 class MLP(nn.Module):

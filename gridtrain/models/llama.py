@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gridtrain.models import qk_clip
 from gridtrain.models.attention import Documents, LayerCache, SelfAttention
 from gridtrain.config import ModelConfig
 from gridtrain.parallel.context_parallel import ContextParallel
@@ -334,6 +335,12 @@ class Attention(SelfAttention):
         k = self.rotary(k.transpose(1, 2), offset, positions)
         v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         return self.proj(self.attend(q, k, v, cache, documents))
+
+    def qk_rows(self, gamma: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """q's rows by query head, k's by key head (models/qk_clip.grouped_scales: the
+        key head takes its group's smallest factor, each query head the rest)."""
+        q, k = qk_clip.grouped_scales(gamma, self.local_kv_heads)
+        return [(self.q.weight, qk_clip.rows(q, self.head_dim)), (self.k.weight, qk_clip.rows(k, self.head_dim))]
 
 
 class SwiGLU(nn.Module):

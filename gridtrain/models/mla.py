@@ -132,6 +132,16 @@ class LatentAttention(SelfAttention):
         k, v = self.keys_values(latent, k_rope)
         return self.proj(self.attend(q, k, v, documents=documents))
 
+    def qk_rows(self, gamma: torch.Tensor) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Per head: the query's non-rotary rows and kv_b's key rows times sqrt(gamma), the
+        query's rotary rows times gamma; kv_b's value rows and the shared rotary key
+        (kv_a) left alone (Kimi K2's rule for latent attention)."""
+        half, ones = gamma.sqrt()[:, None], torch.ones_like(gamma)[:, None]
+        query = torch.cat([half.expand(-1, self.nope), gamma[:, None].expand(-1, self.rope)], dim=1)
+        key = torch.cat([half.expand(-1, self.nope), ones.expand(-1, self.v_dim)], dim=1)
+        first = self.q_b if self.q_rank else self.q
+        return [(first.weight, query.reshape(-1)), (self.kv_b.weight, key.reshape(-1))]
+
     def keys_values(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's heads' keys ``[b, heads, t, qk_head_dim]`` and values ``[b, heads,
         t, v_head_dim]`` from the normalised latents ``[b, t, kv_lora_rank]`` and the

@@ -91,7 +91,7 @@ class DistributedMuon(DistributedOptimizer):
         return [self.master, self.exp_avg, self.exp_avg_sq, self.momentum]
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, row_scales: dict[nn.Parameter, torch.Tensor] | None = None) -> None:
         o = self.o
         lr, step_size, correction = self._begin_step()  # AdamW's decayed pieces decayed
         for q, at in zip(self.adam_pieces, self._adam_at):
@@ -113,6 +113,7 @@ class DistributedMuon(DistributedOptimizer):
             master = self.master[q.at:q.end]
             master.mul_(1 - muon_lr * o.weight_decay)
             master.add_(done[q.param][(q.lo, q.hi)], alpha=-muon_lr * self.ratios[q.param])
+        self._scale_rows(row_scales)
         self._publish()
 
     def _grad(self, q: Piece) -> torch.Tensor:

@@ -199,7 +199,7 @@ class DistributedOptimizer:
         return lr, lr / (1 - o.beta1 ** self.steps), math.sqrt(1 - o.beta2 ** self.steps)
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, row_scales: dict[nn.Parameter, torch.Tensor] | None = None) -> None:
         o = self.o
         _, step_size, correction = self._begin_step()
         at = 0
@@ -208,7 +208,20 @@ class DistributedOptimizer:
             adam_update_(self.master[at:at + n], grad, self.exp_avg[at:at + n], self.exp_avg_sq[at:at + n], o,
                          step_size, correction)
             at += n
+        self._scale_rows(row_scales)
         self._publish()
+
+    def _scale_rows(self, row_scales: dict[nn.Parameter, torch.Tensor] | None) -> None:
+        """Multiply the masters' rows of the parameters in ``row_scales`` (a factor per row
+        of the rank's local tensor) on the pieces this rank owns (``--qk-clip``)."""
+        for q in self.pieces if row_scales else []:
+            factor = row_scales.get(q.param)
+            if factor is None:
+                continue
+            cols = math.prod(whole_shape(q.param)[1:])
+            first, last = q.lo // cols, (q.hi - 1) // cols
+            per_element = factor[first:last + 1].to(self.master.dtype).repeat_interleave(cols)
+            self.master[q.at:q.end].mul_(per_element[q.lo - first * cols:q.hi - first * cols])
 
     @torch.no_grad()
     def _publish(self) -> None:

@@ -73,8 +73,10 @@ class Optimizer(Protocol):
     def parameters_ready(self) -> None:
         """Wait until every parameter holds the last step's weights."""
 
-    def step(self) -> None:
-        """Update the parameters from their gradients."""
+    def step(self, row_scales: dict[nn.Parameter, torch.Tensor] | None = None) -> None:
+        """Update the parameters from their gradients; then multiply the rows of the
+        parameters in ``row_scales`` by their factors (``--qk-clip``: one per row of the
+        rank's local tensor; masters and published weights alike)."""
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor of state kept between steps (memory accounting)."""

@@ -132,8 +132,11 @@ class AdamW:
     def parameters_ready(self) -> None:
         """Nothing to wait for: :meth:`step` updates the parameters themselves."""
 
-    def step(self) -> None:
+    def step(self, row_scales: dict[nn.Parameter, torch.Tensor] | None = None) -> None:
         self.inner.step()
+        with torch.no_grad():
+            for p, factor in (row_scales or {}).items():  # --qk-clip: rows rescaled after the update
+                p.mul_(factor.to(p.dtype).view(-1, *[1] * (p.ndim - 1)))
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [v for state in self.inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]

@@ -56,6 +56,8 @@ from gridtrain.optim.grads import reduce_gradients, step_scalars, tied_parameter
 from gridtrain.optim.interface import Optimizer
 from gridtrain.checkpoint.huggingface import open_source
 from gridtrain.checkpoint.materialise import Start
+from gridtrain.models import qk_clip
+from gridtrain.models.attention import SelfAttention
 from gridtrain.models.decoder import IGNORE_INDEX, Block, compile_blocks
 from gridtrain.models.mtp import take_loss_sum
 from gridtrain.models.moe import update_expert_biases
@@ -145,6 +147,8 @@ class Trainer:
         s = step_scalars(self.optimizer, ctx, loss_sum / global_tokens if holds_loss else None,
                          check_finite=self.scaler is not None, max_norm=max_norm, mtp=self.cfg.model.mtp_layers > 0,
                          mtp_loss=mtp_sum / global_tokens if mtp_sum is not None else None)
+        tau = self.cfg.optim.qk_clip  # the step's largest logits per head, over dp x cp (models/qk_clip.py)
+        rows = qk_clip.row_scales(self.model, tau, ctx.dp_cp) if tau > 0 else None
         used_scale = self.loss_scale
         if self.scaler is not None:
             self.scaler.update(s.finite)
@@ -152,7 +156,7 @@ class Trainer:
                 return StepOutput(s.loss, float("inf"), stats, used_scale, routing, s.mtp_loss)
         self.optimizer.clip_to(s.grad_norm, max_norm)
         if math.isfinite(s.loss) and math.isfinite(s.grad_norm):  # never apply a NaN (stops.py stops the run)
-            self.optimizer.step()
+            self.optimizer.step(row_scales=rows)
             if self.cfg.model.moe_expert_bias_rate > 0:  # aux-loss-free balancing, from the step's counts
                 update_expert_biases(self.model, ctx.ep.log)
         return StepOutput(s.loss, s.grad_norm, stats, used_scale, routing, s.mtp_loss)
@@ -275,6 +279,10 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     pipeline = build_pipeline(model, cfg, ctx, forward_step, micro_batches)
     reducer, param_shards = make_reducer(model, cfg, ctx, micro_batches, start_from)
     optimizer = make_optimizer(model, reducer, cfg, ctx, param_shards)
+    if cfg.optim.qk_clip > 0:  # the attention layers record their largest logits (models/qk_clip.py)
+        for layer in model.modules():
+            if isinstance(layer, SelfAttention):
+                layer.records_logits = True
     start_from.finish(model, optimizer, ctx)  # --init-from: the optimizer's masters at the source's precision
     gather_before_forwards(model, optimizer)
     scaler = LossScaler(t.loss_scale, t.loss_scale_window, t.min_loss_scale) if t.dtype == "fp16" else None

@@ -177,6 +177,19 @@ def _validate_schedule(o: OptimConfig, t: TrainingConfig) -> None:
     _require(problem is None, problem or "")
 
 
+def _validate_optimizer(o: OptimConfig, m, p) -> None:
+    """Muon's own rate needs Muon; QK-clip needs logits that scale with the query and key
+    weights (no q/k norms) and key heads held by one tp rank each."""
+    _require(o.muon_lr is None or o.optimizer == "muon",
+             f"--muon-lr sets Muon's rate, not --optimizer {o.optimizer}'s; pass --optimizer muon or drop it")
+    if o.qk_clip > 0:
+        _require(not m.qk_norm, f"--qk-clip rescales query and key weights, which --qk-norm {m.qk_norm} "
+                                "normalises away; drop one of them")
+        _require(m.arch != "llama" or m.mla or p.tp <= m.kv_heads,
+                 f"--qk-clip with --tp {p.tp} above the {m.kv_heads} key/value heads (replicated over tp ranks) is not "
+                 f"supported; use --tp {m.kv_heads} or fewer")
+
+
 def _validate_recompute(a: ActivationsConfig, t: TrainingConfig) -> None:
     _require(a.recompute == "full" or (a.recompute_method == "uniform" and a.recompute_layers == 1),
              f"--recompute-method/--recompute-layers choose blocks for --recompute full, "
@@ -536,6 +549,7 @@ def validate(cfg: Config, world_size: int | None = None, *, data: bool = True) -
     _validate_new_parts(m, cfg.data)
     _validate_training(t)
     _validate_schedule(cfg.optim, t)
+    _validate_optimizer(cfg.optim, m, p)
     _validate_recompute(cfg.activations, t)
     _validate_document_mask(cfg.data, t)
     _validate_parallel(p, world_size)
