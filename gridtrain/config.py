@@ -437,6 +437,12 @@ class OptimConfig:
                                         doc="`fp32` (default) or `bf16`: AdamW's two moments and Muon's momentum "
                                             "kept in bf16 (updated in the masters' precision, rounded when "
                                             "stored); master weights stay fp32 (fp64 in fp64 runs)")
+    optimizer_offload: bool = option(False, help="keep the optimizer's state in host memory and step it there "
+                                                 "(GPU runs; on cpu it is there already)",
+                                     doc="the flat optimizer's master weights and moments in host memory and its "
+                                         "step on the host: each step copies the gradient shard out and the "
+                                         "updated weights back (a GPU then holds no optimizer state); on `cpu` "
+                                         "the state is in host memory already and nothing changes (the run says so)")
     muon_ns_dtype: str = option("auto", choices=MUON_NS_DTYPES, metavar="T",
                                 help="auto | bf16 | fp32 | fp64: the dtype of the Newton-Schulz iterations "
                                      "(auto: fp64 in fp64 runs, else bf16 on GPUs as torch.optim.Muon, fp32 on "

@@ -377,7 +377,8 @@ def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
                       + [p.grad for p in params if p.grad is not None])
     for key in param_storages:
         grads.pop(key, None)
-    optim = _storages(trainer.optimizer.state_tensors())
+    # the device's (--optimizer-offload keeps the state in host memory)
+    optim = _storages([t for t in trainer.optimizer.state_tensors() if t.device.type == ctx.device.type])
     for key in param_storages:  # fp32 ZeRO-3: the master weights are the parameter shard
         optim.pop(key, None)
     c = ctx.coords

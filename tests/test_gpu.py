@@ -102,3 +102,27 @@ def test_cuda_event_timings():
         spans.append((name, start, clock.mark()))
     stats = StageStats(clock=clock, spans=spans, began=began, ended=clock.mark())
     assert 0 < stats.busy_s <= stats.wall_s
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need a CUDA build of torch "
+                    "(make gpu-check runs this file)")
+@pytest.mark.parametrize("optimizer,zero", [("adamw", 1), ("muon", 1), ("muon", 3)])
+def test_offload_leaves_no_optimizer_state_on_the_gpu(optimizer, zero):
+    """The dry run on fake CUDA tensors (the real step: every collective's tensor checked
+    to be on the device, the state on the host): no optimizer bytes on the device, the
+    step's peak lower by at least the state that moved; the memory model agrees."""
+    from gridtrain.config import set_fields
+    from gridtrain.dryrun import dry_run
+    from gridtrain.memory.model import expected_bytes
+    from gridtrain.parallel.grid import ProcessGrid
+    peaks, state = {}, {}
+    for offload in (False, True):
+        cfg = set_fields(preset_config("llama-tiny"), steps=2, global_batch_size=8, micro_batch_size=2, lr=3e-3,
+                         progress=False, eval_interval=0, eval_iters=1, dtype="bf16", device="cuda",
+                         optimizer=optimizer, dp=2, zero=zero, optimizer_offload=offload)
+        rank = dry_run(cfg, 2, "0", out=lambda *a, **k: None)["ranks"][0]
+        peaks[offload], state[offload] = rank["peak_bytes"], rank["optimizer_bytes"]
+        modelled = expected_bytes(cfg, ProcessGrid.build(2, dp=2), 0)["optimizer_bytes"]
+        assert (modelled == 0) == offload
+    assert state[True] == 0 and state[False] > 0
+    assert peaks[False] - peaks[True] >= state[False]

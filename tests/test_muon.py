@@ -360,3 +360,19 @@ def test_plan_costs_muon_and_reports_it(capsys, no_process_may_start):
     one, spread = (muon_seconds(job, Layout(dp=64, tp=1, pp=1, micro_batch_size=1, zero=z)) for z in (0, 1))
     assert spread[0] == pytest.approx(one[0] / 64) and one[2] == 0  # the iterations shared by ZeRO's owners
     assert predict(job, Layout(dp=64, tp=1, pp=1, micro_batch_size=1, zero=1)).optimizer == "muon"
+
+
+# ---- optimizer offload ---------------------------------------------------------------------------
+
+def test_offload_on_cpu_changes_nothing_and_says_so():
+    from gridtrain.training.providers import decoder_forward_step, decoder_model_provider
+    from gridtrain.training.trainer import build
+    for optimizer in ("adamw", "muon"):
+        plain = train_in_process(muon_config(dtype="bf16", optimizer=optimizer))
+        offloaded = train_in_process(muon_config(dtype="bf16", optimizer=optimizer, optimizer_offload=True))
+        assert offloaded["losses"] == plain["losses"]
+    try:
+        trainer = build(muon_config(optimizer_offload=True), decoder_model_provider, decoder_forward_step)
+        assert any("--optimizer-offload" in note and "nothing moves" in note for note in trainer.notes)
+    finally:
+        shutdown()

@@ -126,10 +126,13 @@ def test_the_report_is_complete_after_every_step_and_lists_what_did_not_run(tmp_
 
 def test_the_gpu_plan_covers_what_the_check_promises(tmp_path):
     steps = {s.name: s for s in plan_steps("cuda", tmp_path, tiny=False, peak_tflops=None)}
-    assert list(steps)[:5] == ["environment", "cp-attention", "document-mask", "moe", "gpu-tests"]  # newest first
+    assert list(steps)[:6] == ["environment", "optimizers", "cp-attention", "document-mask", "moe",
+                               "gpu-tests"]  # newest first
     assert "--model moe" in " ".join(steps["moe"].commands[0])
     commands = {name: " ".join(" ".join(c) for c in s.commands) for name, s in steps.items()}
     assert "tests/test_gpu.py" in commands["gpu-tests"]
+    assert "--optimizer muon" in commands["optimizers"] and "--optimizer-offload" in commands["optimizers"]
+    assert "--nproc 1 --device cuda --dtype bf16" in commands["optimizers"]  # NCCL, the state on the host
     assert "--nproc 1 --device cuda" in commands["one-rank"] and "--backend" not in commands["one-rank"]  # NCCL
     for name in ("tp-sp-pp", "dp-zero1-dcp", "zb-h1"):
         assert "--device cuda --backend gloo" in commands[name]  # ranks sharing the one GPU

@@ -312,6 +312,8 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
     if apart:
         shards = expert_shards(cfg, grid)
         publish += publish_bytes(-(-experts // shards) * shards, dtype, par.zero, shards, gathers=dense_shards > 1)
+    if getattr(getattr(cfg, "optim", None), "optimizer_offload", False) and cfg.training.device != "cpu":
+        state["optimizer_bytes"] = 0  # in host memory (--optimizer-offload)
     return {"parameters": n, **state, "publish_bytes": publish}
 
 

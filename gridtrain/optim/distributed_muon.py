@@ -50,9 +50,9 @@ class DistributedMuon(DistributedOptimizer):
         self.muon_pieces = [q for q in self.pieces if q.param in self.muon_params]
         dtype = self.state_dtype  # the masters', or bf16 (--optimizer-state-dtype)
         # state packed per kind: AdamW's moments over its pieces, Muon's buffer over its own
-        self.exp_avg = torch.zeros(_numel(self.adam_pieces), dtype=dtype, device=self.device)
+        self.exp_avg = torch.zeros(_numel(self.adam_pieces), dtype=dtype, device=self.state_device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        self.momentum = torch.zeros(_numel(self.muon_pieces), dtype=dtype, device=self.device)
+        self.momentum = torch.zeros(_numel(self.muon_pieces), dtype=dtype, device=self.state_device)
         self._adam_at = _packed(self.adam_pieces)
         self._muon_at = _packed(self.muon_pieces)
         self._decayed = [self.master[a:b] for a, b in _runs([q for q in self.adam_pieces
@@ -96,23 +96,25 @@ class DistributedMuon(DistributedOptimizer):
         lr, step_size, correction = self._begin_step()  # AdamW's decayed pieces decayed
         for q, at in zip(self.adam_pieces, self._adam_at):
             n = q.hi - q.lo
+            # (the gradient moved to the masters' device there: --optimizer-offload)
             adam_update_(self.master[q.at:q.end], self._grad(q), self.exp_avg[at:at + n], self.exp_avg_sq[at:at + n],
                          o, step_size, correction)
         updates: dict[nn.Parameter, dict[tuple[int, int], torch.Tensor]] = {p: {} for p in self.muon_params}
         for q, at in zip(self.muon_pieces, self._muon_at):
             stored = self.momentum[at:at + q.hi - q.lo]
             buf = stored.to(self.master.dtype)  # itself unless the state is narrower (bf16)
-            grad = self._grad(q).to(buf.dtype)
+            grad = self._grad(q).to(buf.device, buf.dtype)
             buf.lerp_(grad, 1 - o.muon_momentum)
             if buf is not stored:
                 stored.copy_(buf)
-            updates[q.param][(q.lo, q.hi)] = grad.lerp(buf, o.muon_momentum) if o.muon_nesterov else buf
+            update = grad.lerp(buf, o.muon_momentum) if o.muon_nesterov else buf
+            updates[q.param][(q.lo, q.hi)] = update.to(self.device)  # the exchange's collectives are the device's
         done = self.exchange.orthogonalised(updates)
         muon_lr = lr * (self.muon_lr / o.lr)  # Muon's rate on --lr's schedule
         for q in self.muon_pieces:
             master = self.master[q.at:q.end]
             master.mul_(1 - muon_lr * o.weight_decay)
-            master.add_(done[q.param][(q.lo, q.hi)], alpha=-muon_lr * self.ratios[q.param])
+            master.add_(done[q.param][(q.lo, q.hi)].to(master.device), alpha=-muon_lr * self.ratios[q.param])
         self._scale_rows(row_scales)
         self._publish()
 

@@ -80,7 +80,7 @@ def adam_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     it, ``step_size`` = lr / (1 - beta1^t), ``correction`` = sqrt(1 - beta2^t). Moments
     narrower than the masters (``--optimizer-state-dtype bf16``) are updated in the
     masters' precision and rounded when stored back."""
-    grad = grad.to(master.dtype)
+    grad = grad.to(device=master.device, dtype=master.dtype)  # (--optimizer-offload: to the host)
     m, v = exp_avg.to(master.dtype), exp_avg_sq.to(master.dtype)  # themselves unless narrower
     m.lerp_(grad, 1 - o.beta1)
     v.mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)
@@ -112,11 +112,14 @@ class DistributedOptimizer:
         self.offsets = [reducer.offsets[p] for p in self.params]  # where each starts in the buffer
         size = reducer.shard_numel
         self.device = reducer.device
+        # --optimizer-offload: the state (and the step) in host memory; on a CPU it is there already
+        self.state_device = torch.device("cpu") if o.optimizer_offload else self.device
         self.pieces = reducer.pieces  # the parameter elements this rank updates, in shard order
-        if param_shards is not None and param_shards.shard.dtype == master_dtype:
+        if param_shards is not None and param_shards.shard.dtype == master_dtype \
+                and self.state_device == self.device:
             self.master = param_shards.shard  # ZeRO-3 in fp32/fp64: the parameter shard is the master
         else:
-            self.master = torch.zeros(size, dtype=master_dtype, device=self.device)
+            self.master = torch.zeros(size, dtype=master_dtype, device=self.state_device)
             self._master_from_params()
         # the moments: the masters' dtype, or bf16 (--optimizer-state-dtype)
         self.state_dtype = state_dtype_of(o, master_dtype)
@@ -203,13 +206,21 @@ class DistributedOptimizer:
         o = self.o
         _, step_size, correction = self._begin_step()
         at = 0
-        for grad in self._grads:  # slice by slice, straight from the buffer: temporaries of a slice's size
+        for grad in self._host_grads():  # slice by slice, straight from the buffer: temporaries of a slice's size
             n = grad.numel()
             adam_update_(self.master[at:at + n], grad, self.exp_avg[at:at + n], self.exp_avg_sq[at:at + n], o,
                          step_size, correction)
             at += n
         self._scale_rows(row_scales)
         self._publish()
+
+    def _host_grads(self) -> list[torch.Tensor]:
+        """The gradient shard's slices where the state is: the buffer's views, or with the
+        state offloaded to the host their copies there, all issued before the first is
+        used (the copies travel while the step begins on the first)."""
+        if self.state_device == self.device:
+            return self._grads
+        return [g.to(self.state_device, non_blocking=True) for g in self._grads]
 
     def _scale_rows(self, row_scales: dict[nn.Parameter, torch.Tensor] | None) -> None:
         """Multiply the masters' rows of the parameters in ``row_scales`` (a factor per row
@@ -220,7 +231,7 @@ class DistributedOptimizer:
                 continue
             cols = math.prod(whole_shape(q.param)[1:])
             first, last = q.lo // cols, (q.hi - 1) // cols
-            per_element = factor[first:last + 1].to(self.master.dtype).repeat_interleave(cols)
+            per_element = factor[first:last + 1].to(self.master.device, self.master.dtype).repeat_interleave(cols)
             self.master[q.at:q.end].mul_(per_element[q.lo - first * cols:q.hi - first * cols])
 
     @torch.no_grad()
@@ -248,7 +259,7 @@ class DistributedOptimizer:
             size = (b.end - b.start) // b.group.size
             whole = torch.empty(b.end - b.start, dtype=self.params[0].dtype, device=self.device)
             self._gathering[id(b)] = (b, whole, b.group.start_all_gather_into(
-                whole, self.master[b.at:b.at + size].to(whole.dtype)))
+                whole, self.master[b.at:b.at + size].to(self.device, whole.dtype)))
         if not self._waits_in_forward:
             self.parameters_ready()
 

@@ -142,6 +142,16 @@ def plan_steps(device: str, out: Path, *, tiny: bool, peak_tflops: float | None)
 
     check("environment", "versions of the GPU, driver, torch, CUDA, NCCL", 60)
     # the newest paths first: a short GPU lease measures them before anything else
+    ck0 = str(work / "muon-offload")
+    steps.append(Step("optimizers", f"Muon on {device}: one rank ({'NCCL' if cuda else 'gloo'}) with bf16 states and "
+                      "the optimizer offloaded to the host, saved and resumed; 2 gloo ranks, ZeRO-3, QK-clip", 120,
+                      [_train("--nproc", "1", "--device", device, "--dtype", "bf16", "--optimizer", "muon",
+                              "--optimizer-state-dtype", "bf16", "--optimizer-offload", "--steps", "6", "--save",
+                              ck0, "--save-interval", "3"),
+                       _train("--nproc", "1", "--device", device, "--dtype", "bf16", "--optimizer", "muon",
+                              "--optimizer-state-dtype", "bf16", "--optimizer-offload", "--load", ck0, "--steps", "8"),
+                       _train("--nproc", "2", "--device", device, *gloo, "--dtype", "bf16", "--optimizer", "muon",
+                              "--zero", "3", "--qk-clip", "0.05", "--optimizer-offload", "--steps", "4")]))
     check("cp-attention", "one layer's causal attention at 32K tokens, bf16: context parallelism's fused blocks "
           "(cp 4's chunk pairs, one process) vs fused SDPA on the whole sequence; time, memory, outputs", 120)
     check("document-mask", "gridtrain train --document-mask vs the causal run of the same length (TinyLlama, "

@@ -288,6 +288,8 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     scaler = LossScaler(t.loss_scale, t.loss_scale_window, t.min_loss_scale) if t.dtype == "fp16" else None
     # the scaler resumes too: a fresh loss scale would skip steps the saved run did not
     start, notes = 0, []
+    if cfg.optim.optimizer_offload and ctx.device.type == "cpu":
+        notes.append("--optimizer-offload: on cpu the optimizer's state is in host memory already; nothing moves")
     if source is not None:
         with whole_parameters(param_shards, when=_whole_format(source)):
             start = checkpoint.load_checkpoint(source, model, optimizer, ctx, scaler=scaler,
@@ -417,7 +419,7 @@ def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx:
         return DistributedMuon(reducer, cfg.optim, dp=reducer.dp, mp=ctx.mp, tp=ctx.tp, d_model=cfg.model.d_model,
                                master_dtype=master, param_shards=param_shards)
     if cfg.parallel.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64) \
-            and cfg.optim.optimizer_state_dtype == "fp32":
+            and cfg.optim.optimizer_state_dtype == "fp32" and not cfg.optim.optimizer_offload:
         # each gradient counted once in the norm: on the first of the ranks holding it
         counted = [p for p in model.parameters() if p.requires_grad and counts_towards_norm(p, ctx.tp.rank)
                    and reducer.group_of(p).rank == 0]
