@@ -156,7 +156,7 @@ class Trainer:
                 return StepOutput(s.loss, float("inf"), stats, used_scale, routing, s.mtp_loss)
         self.optimizer.clip_to(s.grad_norm, max_norm)
         if math.isfinite(s.loss) and math.isfinite(s.grad_norm):  # never apply a NaN (stops.py stops the run)
-            self.optimizer.step(row_scales=rows)
+            self.optimizer.step(**({"row_scales": rows} if rows else {}))
             if self.cfg.model.moe_expert_bias_rate > 0:  # aux-loss-free balancing, from the step's counts
                 update_expert_biases(self.model, ctx.ep.log)
         return StepOutput(s.loss, s.grad_norm, stats, used_scale, routing, s.mtp_loss)
