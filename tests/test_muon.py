@@ -376,3 +376,21 @@ def test_offload_on_cpu_changes_nothing_and_says_so():
         assert any("--optimizer-offload" in note and "nothing moves" in note for note in trainer.notes)
     finally:
         shutdown()
+
+
+def test_plan_counts_bf16_states_and_offload(capsys, no_process_may_start):
+    import json
+
+    from gridtrain.cli import parser as cli
+    plan = ["plan", "--model", "llama3-8b", "--gpus", "8", "--hardware", "h100-sxm", "--seq-len", "8192",
+            "--global-batch-size", "64", "--zero", "1", "--tp", "1", "--pp", "1", "--cp", "1", "--micro-batch-size",
+            "1", "--recompute", "full", "--top", "1", "--json", "--optimizer", "muon"]
+    state = {}
+    for extra in ((), ("--optimizer-state-dtype", "bf16"), ("--optimizer-offload",)):
+        assert cli.main([*plan, *extra]) == 0
+        row = json.loads(capsys.readouterr().out)["layouts"][0]
+        state[extra] = row["optimizer"]["state_gb"]
+        assert all(flag in row["command"] for flag in extra)
+    full, half, off = state.values()
+    # masters 4 bytes and moments 4 -> 2: (4 + 2 m) / (4 + 4 m) of it, m the moments per element (~1)
+    assert 0.7 * full < half < 0.8 * full and off == 0

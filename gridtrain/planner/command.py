@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from gridtrain.config import OPTIMIZERS, PRESETS, ConfigError, ModelConfig, declared_fields, flag_of, load_config
+from gridtrain.config import OPTIMIZERS, PRESETS, STATE_DTYPES, ConfigError, ModelConfig, declared_fields, flag_of, load_config
 from gridtrain.planner.cost import MEMORY_PARTS, Job, Prediction
 from gridtrain.planner.machine import MACHINES, machine
 from gridtrain.planner.search import CP_COMM, RECOMPUTE, SCHEDULES, ZERO, Fixed, search, why_none
@@ -36,6 +36,10 @@ def add_plan_parser(sub, field_flag: Callable[[argparse.ArgumentParser, str, dat
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
                    help="adamw | muon: its state (memory) and its step (Muon: Newton-Schulz and the exchange)")
+    p.add_argument("--optimizer-state-dtype", default="fp32", choices=STATE_DTYPES,
+                   help="the moments' dtype (bf16: 2 bytes an element)")
+    p.add_argument("--optimizer-offload", action="store_true",
+                   help="the optimizer's state in host memory: none on the GPU (its copies are not costed)")
     g = p.add_argument_group("layout", "given fields are fixed; the others are searched")
     g.add_argument("--tp", type=int)
     g.add_argument("--cp", type=int, help="context parallel: ranks that split each sequence (1: none)")
@@ -103,7 +107,9 @@ def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
              f"--pp-layers {','.join(map(str, p.pp_layers))}" if lay.pp_partition != "uniform" else "",
              f"--recompute {lay.recompute}",
              "--sequence-parallel" if lay.sequence_parallel else "", " ".join(lay.zero_flags()),
-             f"--optimizer {p.optimizer}" if p.optimizer != "adamw" else ""]
+             f"--optimizer {p.optimizer}" if p.optimizer != "adamw" else "",
+             f"--optimizer-state-dtype {args.optimizer_state_dtype}" if args.optimizer_state_dtype != "fp32" else "",
+             "--optimizer-offload" if args.optimizer_offload else ""]
     return " ".join(x for x in parts if x)
 
 
@@ -137,7 +143,8 @@ def plan_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     job = Job(model=model, global_batch_size=args.global_batch_size, hardware=hw, dtype=args.dtype,
-              gpus_per_node=args.gpus_per_node, optimizer=args.optimizer)
+              gpus_per_node=args.gpus_per_node, optimizer=args.optimizer,
+              optimizer_state_dtype=args.optimizer_state_dtype, optimizer_offload=args.optimizer_offload)
     fixed = Fixed(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
                   schedule=args.schedule, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                   zero=args.zero, cp=args.cp, cp_comm=args.cp_comm, zero_shard_size=args.zero_shard_size,

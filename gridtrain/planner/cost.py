@@ -223,6 +223,8 @@ class Job:
     dtype: str = "bf16"
     gpus_per_node: int | None = None  # default: the hardware's
     optimizer: str = "adamw"  # adamw | muon (muon_seconds)
+    optimizer_state_dtype: str = "fp32"  # the moments' (memory.optimizer)
+    optimizer_offload: bool = False  # the optimizer's state in host memory (none on the GPU)
 
     @property
     def node(self) -> int:
@@ -870,7 +872,8 @@ def config_of(job: Job, lay: Layout) -> Config:
             setattr(cfg.parallel, k, v)
     cfg.training = replace(cfg.training, micro_batch_size=lay.micro_batch_size,
                            global_batch_size=job.global_batch_size, dtype=job.dtype)
-    cfg.optim = replace(cfg.optim, optimizer=job.optimizer)
+    cfg.optim = replace(cfg.optim, optimizer=job.optimizer, optimizer_state_dtype=job.optimizer_state_dtype,
+                        optimizer_offload=job.optimizer_offload)
     cfg.activations = replace(cfg.activations, recompute=lay.recompute)
     return cfg
 
