@@ -2,8 +2,8 @@
 same input is TAU exactly, for multi-head (GPT-2's fused QKV), grouped-query (Llama)
 and latent attention (DeepSeek-V3-class); the statistic is the one-process one under
 context parallelism and document masks; and every layout trains the one-process model
-with QK-clip on (fp64, 1e-9: dp 2, tp 2 + SP, cp 2, pp 2, ZeRO-3, GPT-2 under tp 2,
-latent attention under tp 2, dp 2 x cp 2), with Muon and with AdamW."""
+with QK-clip on (fp64, 1e-9: dp 2, tp 2 + SP, cp 2, pp 2, ZeRO-3, ZeRO-2 at dp 4, ep 2,
+GPT-2 under tp 2, latent attention under tp 2, dp 2 x cp 2), with Muon and with AdamW."""
 
 from __future__ import annotations
 
@@ -121,6 +121,8 @@ RUNS: dict[str, tuple[int, dict]] = {
     "z3-dp2": (2, dict(dp=2, zero=3)),
     "gpt2-tp2": (2, dict(preset="tiny", tp=2)),
     "mla-tp2-sp": (2, dict(preset="deepseek-tiny", tp=2, sequence_parallel=True)),
+    "ep2": (2, dict(preset="moe-tiny", dp=2, ep=2, micro_batch_size=1)),  # MoE: the same micro-batches per step
+    "z2-dp4": (4, dict(dp=4, zero=2, micro_batch_size=1)),
     "adamw-dp2-cp2": (4, dict(dp=2, cp=2, optimizer="adamw", zero=1)),
     "muon-dp2-cp2": (4, dict(dp=2, cp=2, zero=1)),
 }
@@ -132,8 +134,8 @@ def _config(name: str):
 
 
 @functools.cache
-def reference(preset: str, optimizer: str) -> dict:
-    return train_in_process(clip_config(preset, optimizer=optimizer))
+def reference(preset: str, optimizer: str, micro_batch_size: int = 2) -> dict:
+    return train_in_process(clip_config(preset, optimizer=optimizer, micro_batch_size=micro_batch_size))
 
 
 run = SharedSpawns(RUNS, _config).run
@@ -146,6 +148,9 @@ def test_every_layout_clips_as_one_process(name):
     cfg = _config(name)
     p = cfg.parallel
     grid = ProcessGrid.build(world, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
-    expected = reference(fields.get("preset", "llama-tiny"), fields.get("optimizer", "muon"))
+    preset = fields.get("preset", "llama-tiny")
+    # a MoE's reference has the run's micro-batches per step (its load-balancing loss is per micro-batch)
+    mbs = fields["micro_batch_size"] * p.dp if preset == "moe-tiny" else 2
+    expected = reference(preset, fields.get("optimizer", "muon"), mbs)
     for rank, rank_run in enumerate(run(name)):
         assert_rank_matches(rank_run, expected, cfg, grid.tp_rank(rank))
