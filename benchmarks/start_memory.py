@@ -4,10 +4,12 @@ trained two steps under ``--zero 3 --dtype bf16``, from its initialisation and f
 Hugging Face directory of the same model (``--init-from``).
 
 Each worker's peak resident set (``VmHWM``, kept by the kernel) is sampled from outside
-the process, through /proc, every 50 ms while the command runs (*whole run*), and read
+the process, through /proc, every 20 ms while the command runs (*whole run*), and read
 from the run's own start-up record, each rank's VmHWM when its first step began (*at the
 first step*); the table gives each side's largest and smallest worker peak as a
-fraction of the model's whole fp32 size. ``--before DIR`` runs the same commands from another checkout of
+fraction of the model's whole fp32 size. The commands run with glibc's mmap threshold
+fixed at 1 MiB (:data:`MEASURED_ENV`), so that what the allocator keeps of freed blocks,
+which varies with the CPU's kernels, is not counted. ``--before DIR`` runs the same commands from another checkout of
 gridtrain (``PYTHONPATH=DIR``), e.g. one that built each rank's whole stage before
 sharding it.
 
@@ -54,11 +56,27 @@ def fp32_bytes(n_layer: int, d_model: int, vocab_size: int) -> int:
     return 4 * (n_layer * block + 2 * vocab_size * d_model + d_model)
 
 
-def train_argv(nproc: int, model: list[str], extra: list[str] = ()) -> list[str]:
+def train_argv(nproc: int, model: list[str], extra: list[str] = (), dtype: str = "bf16") -> list[str]:
     return [sys.executable, "-m", "gridtrain", "train", *model, "--nproc", str(nproc), "--dp", str(nproc),
-            "--zero", "3", "--dtype", "bf16", "--steps", "2", "--global-batch-size", str(nproc),
+            "--zero", "3", "--dtype", dtype, "--steps", "2", "--global-batch-size", str(nproc),
             "--micro-batch-size", "1", "--eval-interval", "0", "--eval-iters", "1", "--no-progress",
             "--sample-tokens", "0", *extra]
+
+
+# glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB), so
+# that later blocks below it come from the heap, where freed memory stays resident; how
+# much a worker then keeps depends on the CPU's kernels and the timing of frees (seen: the
+# same fp32 run 0.8 to 1.6 of the added blocks' size, worker to worker, with AVX2
+# kernels; 0.80 to 0.82 on every worker with the threshold fixed). A fixed threshold
+# returns every freed block of 1 MiB or more at once, so that the peaks measure what the
+# run holds, the same on every host (``MALLOC_MMAP_THRESHOLD_`` is glibc's documented
+# tunable; setting it turns the dynamic threshold off).
+MEASURED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+
+
+def measured_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with the allocator fixed as above."""
+    return {**(os.environ if env is None else env), **MEASURED_ENV}
 
 
 def _hwm(pid: int) -> int | None:
@@ -76,11 +94,12 @@ def worker_peaks(argv: list[str], *, env: dict[str, str] | None = None, cwd: Pat
                  interval_s: float = 0.02, timeout_s: float = 900) -> tuple[list[int], subprocess.CompletedProcess]:
     """Run ``argv`` (a ``gridtrain train --nproc`` command) and sample its workers' peak
     resident sets until it exits; returns them (one per worker, in start order) and the
-    finished process (its output in ``stdout``)."""
+    finished process (its output in ``stdout``). The command runs with :data:`MEASURED_ENV`."""
     from gridtrain.runtime import procs
 
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=measured_env(env),
+                                cwd=cwd)
         peaks: dict[int, int] = {}
         began = time.monotonic()
         looked, workers = began - 1.0, []
