@@ -32,6 +32,7 @@ MOE_ROUTERS = ("softmax", "sigmoid")
 QK_NORMS = ("head", "full")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("nccl", "gloo")
+COMPILE_BACKENDS = ("inductor", "aot_eager")  # torch.compile's, for --compile
 # one source of a data mixture, ``WEIGHT:PATH`` (gridtrain.data.mixture)
 WEIGHTED_SOURCE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*:(.+)$")
 LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")  # gridtrain.optim.schedules
@@ -378,6 +379,13 @@ class TrainingConfig:
                                "seconds on CPU). Trains the eager model (fp64 1e-9, tested on DP + ZeRO-1 + full "
                                "recomputation, TP + SP, ZB-H1); not with `--recompute selective` or `--dry-run` yet "
                                "(refused)")
+    compile_backend: str = option("inductor", choices=COMPILE_BACKENDS, metavar="inductor|aot_eager",
+                                  help="torch.compile backend for --compile (default: inductor)",
+                                  doc="the `torch.compile` backend of `--compile`: `inductor` (default: fused "
+                                      "kernels) or `aot_eager` (the same graph capture and AOTAutograd "
+                                      "backward with eager kernels: compiles in a fraction of the time, for "
+                                      "checking that a layout composes with compilation, or for telling a "
+                                      "kernel's numerics from the capture's)")
     dist_timeout_s: float = option(300.0, flag="--timeout", range="> 0", metavar="S",
                                    help="collective timeout in seconds",
                                    doc="seconds any rank may wait in one collective or point-to-point transfer "

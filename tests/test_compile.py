@@ -19,15 +19,20 @@ def test_compiled_blocks_train_the_eager_model_on_every_kind_of_layout():
     """One spawn of two ranks: DP with full recomputation and ZeRO-1, TP with and without
     sequence parallelism, a ZB-H1 pipeline (whose weight gradients a compiled backward
     must still defer), cp 2 (a compiled block breaks around the ring) and ZeRO-3 (a
-    compiled block's parameters gathered and freed around it), each compiled, against the eager model in one process. Every step
-    moves the same bytes: a collective traced into a compiled graph would be counted
-    (and recorded) only when it was traced."""
+    compiled block's parameters gathered and freed around it), each compiled, against
+    the eager model in one process. Every step moves the same bytes: a collective traced
+    into a compiled graph would be counted (and recorded) only when it was traced. The
+    data-parallel and ZB-H1 layouts compile with inductor, the others with ``aot_eager``
+    (the same capture, graph breaks and AOTAutograd backward, which is where a layout
+    meets compilation, without inductor's kernel builds)."""
     reference = train_in_process(tiny_config())
     layouts = [dict(recompute="full", zero=1), dict(tp=2, sequence_parallel=True), dict(tp=2),
                dict(pp=2, schedule="zb-h1"), dict(cp=2), dict(zero=3)]
+    inductor = [True, False, False, True, False, False]
     cfgs = []
-    for layout in layouts:
+    for layout, fused in zip(layouts, inductor):
         cfg = tiny_config(compile=True, **{k: v for k, v in layout.items() if k in ("recompute", "zero")})
+        cfg.training.compile_backend = "inductor" if fused else "aot_eager"
         for key in ("tp", "pp", "schedule", "sequence_parallel", "cp"):
             if key in layout:
                 setattr(cfg.parallel, key, layout[key])

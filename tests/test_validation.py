@@ -78,6 +78,8 @@ FLAGS = {
     "kv heads for GPT-2": (["--n-kv-head", "2"], "GPT-2 has one key/value head per query head"),
     "odd rotary head size": (["--model", "llama-tiny", "--d-model", "72"], "= 9 is odd; choose an even head size"),
     "zero rope theta": (["--model", "llama-tiny", "--rope-theta", "0"], "--rope-theta must be > 0"),
+    "compile backend without compile": (["--compile-backend", "aot_eager"], "add --compile or drop --compile-backend"),
+    "unknown compile backend": (["--compile", "--compile-backend", "cudagraphs"], "--compile-backend 'cudagraphs'"),
 }
 
 FIXED_WORLD = {  # the world is part of the case

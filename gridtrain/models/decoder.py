@@ -374,14 +374,15 @@ class Decoder(nn.Module):
         return run
 
 
-def compile_blocks(model: nn.Module) -> int:
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> int:
     """``--compile``: ``torch.compile`` each transformer block's training forward, and so
     its backward (AOTAutograd), and, without tensor parallelism, the cross entropy (its
     upcast to fp32, log-sum-exp and gather fuse: eager, a 50k vocabulary's logits and
     their gradient exist in fp32, the largest tensors of a small model's step),
     leaving the rest of the step eager: the embedding, the head's matrix product, the
     pipeline runtime, gradient hooks and the optimizer. Returns the number of blocks
-    compiled.
+    compiled. ``backend``: torch.compile's (``aot_eager``: the same capture and
+    AOTAutograd backward, eager kernels).
 
     Blocks are where the time is and they are all alike, so one compiled graph serves
     every block of a rank (parameters are the graph's inputs). Calls with a key/value
@@ -400,10 +401,10 @@ def compile_blocks(model: nn.Module) -> int:
     keep_out_of_compiled_graphs()  # zero-bubble schedules: deferrable linears stay eager
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
-        block.compiled = torch.compile(block.layer)
+        block.compiled = torch.compile(block.layer, backend=backend)
     for decoder in (m for m in model.modules() if isinstance(m, Decoder)):
         if decoder.tp.size == 1 and any(c.post_process for c in decoder.chunks):
-            decoder.compiled_loss = torch.compile(one_rank_cross_entropy)
+            decoder.compiled_loss = torch.compile(one_rank_cross_entropy, backend=backend)
     return len(blocks)
 
 

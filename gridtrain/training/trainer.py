@@ -266,7 +266,7 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     t = cfg.training
     ctx = ctx if ctx is not None else setup_distributed(cfg)
     model = model_provider(cfg, ctx)
-    if t.compile and compile_blocks(model) == 0:
+    if t.compile and compile_blocks(model, t.compile_backend) == 0:
         raise ValueError("--compile compiles gridtrain's transformer blocks (model.Block), and this model has "
                          "none; drop --compile or torch.compile your model in its provider")
     source = resume_source(cfg)

@@ -197,6 +197,9 @@ def _validate_recompute(a: ActivationsConfig, t: TrainingConfig) -> None:
     for flag, on in (("--recompute-keep-last", a.recompute_keep_last), ("--recompute-early", a.recompute_early)):
         _require(not on or a.recompute != "none",
                  f"{flag} needs recomputation; pass --recompute selective or full")
+    _require(t.compile or t.compile_backend == "inductor",
+             f"--compile-backend {t.compile_backend} chooses how --compile compiles; add --compile or drop "
+             f"--compile-backend")
     _require(not (t.compile and a.recompute == "selective"),
              "--compile does not take --recompute selective yet (its recomputed attention core, inside a "
              "block, breaks the compiled graph); use --recompute full or none with --compile")
