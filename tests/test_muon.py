@@ -23,6 +23,7 @@ from gridtrain.config import Config, preset_config, set_fields
 from gridtrain.models.decoder import Decoder
 from gridtrain.optim import muon
 from gridtrain.optim.optimizer import AdamW as AdamWInterface
+from gridtrain.parallel.comm import CommGroup, Pending
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.parallel.distributed import shutdown
 from gridtrain.parallel.tensor_parallel import ShardSpec
@@ -87,6 +88,47 @@ def test_owners_balance_the_work_and_agree_everywhere():
     loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)]
     assert loads == [10.0, 10.0]
     assert muon.balanced_owners([1.0], 4) == [0]
+
+
+def test_exchange_rounds_cover_the_matrices_in_order():
+    assert muon.exchange_rounds(list(range(10)), 4) == [[0, 1], [2, 3, 4], [5, 6], [7, 8, 9]]
+    assert muon.exchange_rounds(list(range(3)), 4) == [[0], [1], [2]]
+    assert muon.exchange_rounds([], 4) == []
+    from gridtrain.planner.cost import MUON_EXCHANGE_ROUNDS
+    assert MUON_EXCHANGE_ROUNDS == muon.MatrixExchange.__dataclass_fields__["rounds"].default  # the planner's
+
+
+class _Issued(CommGroup):
+    """A data-parallel group of two whose all_to_alls are logged, not sent (what comes
+    back is zeros of the right size: the order of the calls is under test)."""
+
+    def start_all_to_all(self, tensor, send_splits, recv_splits):
+        self.log.append("exchange")
+        return Pending.ready(torch.zeros(sum(recv_splits), dtype=tensor.dtype))
+
+
+def test_the_next_rounds_gather_travels_while_a_round_iterates(monkeypatch):
+    """Rank 0 of dp 2, owning every other matrix: round k+1's gather is issued before
+    round k's iterations and round k's scatter right after them, so on a device both
+    travel behind Newton-Schulz of other matrices (NCCL's stream, gloo's thread)."""
+    log: list[str] = []
+    dp = _Issued("dp", size=2, rank=0)
+    dp.log = log
+    tp = CommGroup("tp")
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(8)]
+    matrices = [muon.Matrix(p, (4, 4), None, tp, dp, [[(0, 8)], [(8, 16)]]) for p in params]
+    exchange = muon.MatrixExchange(matrices, steps=1, dtype=torch.float32, rounds=4)
+    owned = [m.dp_owner == 0 for m in matrices]
+    assert owned.count(True) == 4
+    iterated = muon.orthogonalise
+    monkeypatch.setattr(muon, "orthogonalise", lambda *a: log.append("iterate") or iterated(*a))
+    exchange.orthogonalised({m.param: {(0, 8): torch.randn(8)} for m in matrices})
+    rounds = muon.exchange_rounds(matrices, 4)
+    expected = ["exchange"]  # round 0's gather; then per round k: round k+1's gather, k's iterations, k's scatter
+    for k, ms in enumerate(rounds):
+        expected += ["exchange"] * (k + 1 < len(rounds)) + ["iterate"] * sum(m.dp_owner == 0 for m in ms)
+        expected.append("exchange")
+    assert log == expected
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch >= 2.9")

@@ -38,6 +38,12 @@ rank applies its own elements. Without sharding every data-parallel replica hold
 whole shard and orthogonalises it itself (the result is the same on every replica);
 pipeline stages each do their own parameters.
 
+**Rounds.** The matrices go in a few rounds (:func:`exchange_rounds`): the next round's
+data-parallel gather is issued before this round's iterations and this round's scatter
+right after them, so both travel behind the iterations of other matrices (NCCL's
+stream, gloo's thread) and only a round's matrices are whole at once; each matrix is
+computed as in a single exchange. The tensor-parallel stage waits.
+
 The exchanged vectors travel in the Newton-Schulz dtype (:func:`ns_dtype_of`: bf16 on
 GPUs, fp32 on CPUs, fp64 in fp64 runs, or ``--muon-ns-dtype``): the iterations begin by
 casting to it, so a narrower payload loses nothing. Bytes per step are counted (:attr:`MatrixExchange.sent_bytes`)
@@ -208,6 +214,7 @@ class MatrixExchange:
     matrices: list[Matrix]
     steps: int
     dtype: torch.dtype
+    rounds: int = 4  # see exchange_rounds
     sent_bytes: dict[str, int] = field(default_factory=dict)  # this step's, by stage (to other ranks)
 
     def __post_init__(self) -> None:
@@ -224,65 +231,95 @@ class MatrixExchange:
     def orthogonalised(self, updates: dict[nn.Parameter, dict[tuple[int, int], torch.Tensor]]
                        ) -> dict[nn.Parameter, dict[tuple[int, int], torch.Tensor]]:
         """``updates``: per parameter, this rank's ranges (:attr:`Matrix.mine`) of its
-        momentum update. Returns the orthogonalised update on the same ranges."""
+        momentum update. Returns the orthogonalised update on the same ranges.
+
+        In rounds (:func:`exchange_rounds`): the next round's data-parallel gather is
+        issued before this round's iterations and its scatter after them, so both travel
+        while other matrices iterate; every rank issues the same collectives in the same
+        order, and each matrix is computed as in one exchange."""
         self.sent_bytes = {"dp": 0, "tp": 0}
-        shards = self._gather_dp(updates)  # param -> its whole local shard, on its dp owner
-        wholes = self._gather_tp(shards)  # param -> the whole tensor, on its owner
-        done = {p: orthogonalise(w, m.spec, self.steps, self.dtype).reshape(-1)
-                for p, (m, w) in wholes.items()}
-        shards = self._scatter_tp(done, shards)
-        return self._scatter_dp(shards)
+        rounds = exchange_rounds(self.matrices, self.rounds)
+        out: dict[nn.Parameter, dict[tuple[int, int], torch.Tensor]] = {}
+        if not rounds:
+            return out
+        gathering, scattering = self._start_gather_dp(rounds[0], updates), []
+        for k, ms in enumerate(rounds):
+            shards = _finish(gathering)  # param -> its whole local shard, on its dp owner
+            wholes = self._gather_tp(ms, shards)  # param -> the whole tensor, on its owner
+            if k + 1 < len(rounds):
+                gathering = self._start_gather_dp(rounds[k + 1], updates)
+            done = {p: orthogonalise(w, m.spec, self.steps, self.dtype).reshape(-1)
+                    for p, (m, w) in wholes.items()}
+            scattering.append(self._start_scatter_dp(ms, self._scatter_tp(ms, done, shards)))
+        for pending in scattering:
+            out.update(_finish(pending))
+        return out
 
     # data parallel: slices of a bucket <-> the whole shard on its owner
 
-    def _gather_dp(self, updates):
-        out = {}
-        for group, ms in self._by_group("dp"):
+    def _start_gather_dp(self, matrices: list[Matrix], updates) -> list:
+        """Issue the gathers of ``matrices``' slices to their owners; :func:`_finish` gives
+        param -> its whole local shard (on its owner)."""
+        started = []
+        for group, ms in self._by_group(matrices, "dp"):
             me = group.rank
             if group.size == 1:
-                for m in ms:
-                    out[m.param] = _assemble(m.numel, [(m.mine, [updates[m.param][r] for r in m.mine])], self.dtype)
+                shards = {m.param: _assemble(m.numel, [(m.mine, [updates[m.param][r] for r in m.mine])], self.dtype)
+                          for m in ms}
+                started.append(lambda shards=shards: shards)
                 continue
             send = [_cat([updates[m.param][r].to(self.dtype) for m in ms if m.dp_owner == o for r in m.mine],
                          self.dtype, group) for o in range(group.size)]
-            got = self._exchange(group, send, [sum(_size(m.held[s]) for m in ms if m.dp_owner == me)
-                                               for s in range(group.size)], "dp")
-            for m in (m for m in ms if m.dp_owner == me):
-                pieces = []
-                for s in range(group.size):
-                    n = _size(m.held[s])
-                    pieces.append((m.held[s], _cut(got[s][:n], m.held[s])))
-                    got[s] = got[s][n:]
-                out[m.param] = _assemble(m.numel, pieces, self.dtype)
-        return out
+            pending = self._start_exchange(group, send, [sum(_size(m.held[s]) for m in ms if m.dp_owner == me)
+                                                         for s in range(group.size)], "dp")
 
-    def _scatter_dp(self, shards):
-        out = {}
-        for group, ms in self._by_group("dp"):
+            def assemble(pending=pending, ms=ms, group=group):
+                got, out = pending.wait(), {}
+                for m in (m for m in ms if m.dp_owner == group.rank):
+                    pieces = []
+                    for s in range(group.size):
+                        n = _size(m.held[s])
+                        pieces.append((m.held[s], _cut(got[s][:n], m.held[s])))
+                        got[s] = got[s][n:]
+                    out[m.param] = _assemble(m.numel, pieces, self.dtype)
+                return out
+            started.append(assemble)
+        return started
+
+    def _start_scatter_dp(self, matrices: list[Matrix], shards) -> list:
+        """Issue the return of the owners' orthogonalised shards to the ranks holding each
+        slice; :func:`_finish` gives param -> {range: update} for this rank's ranges."""
+        started = []
+        for group, ms in self._by_group(matrices, "dp"):
             me = group.rank
             if group.size == 1:
-                for m in ms:
-                    out[m.param] = {r: shards[m.param][r[0]:r[1]] for r in m.mine}
+                ranges = {m.param: {r: shards[m.param][r[0]:r[1]] for r in m.mine} for m in ms}
+                started.append(lambda ranges=ranges: ranges)
                 continue
             send = [_cat([shards[m.param][lo:hi] for m in ms if m.dp_owner == me for lo, hi in m.held[s]],
                          self.dtype, group) for s in range(group.size)]
-            got = self._exchange(group, send, [sum(_size(m.mine) for m in ms if m.dp_owner == o)
-                                               for o in range(group.size)], "dp")
-            for m in ms:
-                o, ranges = m.dp_owner, {}
-                for lo, hi in m.mine:
-                    ranges[(lo, hi)], got[o] = got[o][:hi - lo], got[o][hi - lo:]
-                out[m.param] = ranges
-        return out
+            pending = self._start_exchange(group, send, [sum(_size(m.mine) for m in ms if m.dp_owner == o)
+                                                         for o in range(group.size)], "dp")
+
+            def cut(pending=pending, ms=ms):
+                got, out = pending.wait(), {}
+                for m in ms:
+                    o, ranges = m.dp_owner, {}
+                    for lo, hi in m.mine:
+                        ranges[(lo, hi)], got[o] = got[o][:hi - lo], got[o][hi - lo:]
+                    out[m.param] = ranges
+                return out
+            started.append(cut)
+        return started
 
     # tensor parallel: each rank's shard <-> the whole tensor on its owner
 
-    def _gather_tp(self, shards):
+    def _gather_tp(self, matrices: list[Matrix], shards):
         wholes = {}
-        for m in self.matrices:  # whole on this rank already
+        for m in matrices:  # whole on this rank already
             if m.param in shards and not m.split_over_tp:
                 wholes[m.param] = (m, shards[m.param].view(m.whole_shape))
-        for group, ms in self._by_group("tp", lambda m: m.split_over_tp and m.param in shards):
+        for group, ms in self._by_group(matrices, "tp", lambda m: m.split_over_tp and m.param in shards):
             me = group.rank
             send = [_cat([shards[m.param] for m in ms if m.tp_owner == o], self.dtype, group)
                     for o in range(group.size)]
@@ -296,10 +333,10 @@ class MatrixExchange:
                 wholes[m.param] = (m, unshard(parts, m.spec))
         return wholes
 
-    def _scatter_tp(self, done, shards):
-        split = {m.param for m in self.matrices if m.split_over_tp}
+    def _scatter_tp(self, matrices: list[Matrix], done, shards):
+        split = {m.param for m in matrices if m.split_over_tp}
         out = {p: whole for p, whole in done.items() if p not in split}  # orthogonalised here, whole
-        for group, ms in self._by_group("tp", lambda m: m.split_over_tp and m.param in shards):
+        for group, ms in self._by_group(matrices, "tp", lambda m: m.split_over_tp and m.param in shards):
             me = group.rank
             send = [_cat([shard(done[m.param].view(m.whole_shape), m.spec, t, group.size).reshape(-1)
                           for m in ms if m.tp_owner == me], self.dtype, group) for t in range(group.size)]
@@ -310,22 +347,44 @@ class MatrixExchange:
                 out[m.param], got[o] = got[o][:m.numel], got[o][m.numel:]
         return out
 
-    def _by_group(self, which: str, keep=lambda m: True):
+    @staticmethod
+    def _by_group(matrices: list[Matrix], which: str, keep=lambda m: True):
         """(group, its matrices that ``keep`` admits) for each distinct group of ``which``
-        (``dp`` or ``tp``) among the matrices, in order; groups left with none skipped."""
-        for group in _groups(self.matrices, which):
-            ms = [m for m in self.matrices if getattr(m, which) is group and keep(m)]
+        (``dp`` or ``tp``) among ``matrices``, in order; groups left with none skipped."""
+        for group in _groups(matrices, which):
+            ms = [m for m in matrices if getattr(m, which) is group and keep(m)]
             if ms:
                 yield group, ms
 
-    def _exchange(self, group: CommGroup, send: list[torch.Tensor], recv: list[int], stage: str) -> list[torch.Tensor]:
-        """One ``all_to_all`` of flat vectors: ``send[r]`` to member r; returns what each
-        member sent here (``recv[r]`` elements from member r)."""
+    def _start_exchange(self, group: CommGroup, send: list[torch.Tensor], recv: list[int], stage: str):
+        """One ``all_to_all`` of flat vectors, issued: ``send[r]`` to member r; waiting
+        gives what each member sent here (``recv[r]`` elements from member r)."""
         self.sent_bytes[stage] += sum(t.numel() for r, t in enumerate(send) if r != group.rank) * \
             torch.empty((), dtype=self.dtype).element_size()
         flat = torch.cat(send)
-        got = group.all_to_all(flat, [t.numel() for t in send], recv)
-        return list(got.split(recv))
+        return group.start_all_to_all(flat, [t.numel() for t in send], recv).then(lambda got: list(got.split(recv)))
+
+    def _exchange(self, group: CommGroup, send: list[torch.Tensor], recv: list[int], stage: str) -> list[torch.Tensor]:
+        """:meth:`_start_exchange`, waited for."""
+        return self._start_exchange(group, send, recv, stage).wait()
+
+
+def exchange_rounds(matrices: list[Matrix], rounds: int) -> list[list[Matrix]]:
+    """``matrices`` (in their order, the same on every rank) cut into at most ``rounds``
+    consecutive runs of about equal count: a round's gathers travel while the round
+    before it iterates, so more rounds hide more of the exchange behind the iterations
+    and hold fewer matrices whole at once, for more, smaller collectives."""
+    n = min(rounds, len(matrices))
+    return [matrices[k * len(matrices) // n:(k + 1) * len(matrices) // n] for k in range(n)] if n else []
+
+
+def _finish(started: list) -> dict:
+    """What :meth:`MatrixExchange._start_gather_dp` or ``_start_scatter_dp`` issued,
+    waited for: one dict over every group."""
+    out = {}
+    for finish in started:
+        out.update(finish())
+    return out
 
 
 def _groups(matrices: list[Matrix], which: str) -> list[CommGroup]:

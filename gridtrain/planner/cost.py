@@ -258,7 +258,7 @@ class Prediction:
     memory_parts: dict[str, float] = field(default_factory=dict)  # memory_bytes by kind (MEMORY_PARTS)
     optimizer: str = "adamw"
     newton_schulz_s: float = 0.0  # of optimizer_s: Muon's iterations on the matrices this rank owns
-    muon_exchange_s: float = 0.0  # of optimizer_s: Muon's gathers and scatters (muon_seconds)
+    muon_exchange_s: float = 0.0  # of optimizer_s: Muon's gathers and scatters the step waits for (muon_seconds)
     muon_exchange_bytes: float = 0.0  # what a rank sends of them per step
 
     @property
@@ -1120,16 +1120,23 @@ def newton_schulz_seconds(shape: tuple[int, int], steps: int, hw) -> float:
                     + gemm_seconds(m, n, m, hw, "bf16"))
 
 
+MUON_EXCHANGE_ROUNDS = 4  # optim/muon.py MatrixExchange.rounds (tests hold the two equal)
+
+
 def muon_seconds(job: Job, lay: Layout, steps: int = 5) -> tuple[float, float, float]:
     """Muon's work on a rank per step beyond AdamW's pass (optim/muon.py), as (Newton-Schulz
-    seconds, exchange seconds, exchange bytes sent): a stage's matrices (the model's
+    seconds, exposed exchange seconds, exchange bytes sent): a stage's matrices (the model's
     ``1 / pp``), each orthogonalised whole on one owner, the owners spread over the ranks
     that share the matrix (tp, and under ZeRO the shard group; an expert's over etp and
     its expert-data-parallel shard group); without ZeRO every data-parallel replica
     iterates all of its own. The exchange: under ZeRO each rank sends its slices of the
     stage's matrices to their owners and receives its owned matrices' updates back (2 x
     (s - 1) / s of its share, bf16, over the shard group's link), then over tp the same
-    for the shards (within a node). Not overlapped: the step waits for it."""
+    for the shards (within a node). The ZeRO group's exchange runs in
+    ``MUON_EXCHANGE_ROUNDS`` rounds, each round's gather and scatter travelling behind the
+    iterations of the rounds beside it: the step waits for the first gather and the last
+    scatter (1 / rounds of it) and for what the iterations do not cover; tp's stage is
+    not overlapped."""
     m, hw = job.model, job.hardware
     shard = lay.zero_shard if lay.zero else 1
     layers = [*range(m.n_layer), *mtp_blocks(m, True)]  # the multi-token prediction blocks too
@@ -1149,7 +1156,8 @@ def muon_seconds(job: Job, lay: Layout, steps: int = 5) -> tuple[float, float, f
     if shard > 1:
         sent = 2 * bytes_ * dense_elements / shard * (shard - 1) / shard
         exchanged += sent
-        seconds += sent / zero_links(job, lay)[0].bandwidth
+        travel, rounds = sent / zero_links(job, lay)[0].bandwidth, MUON_EXCHANGE_ROUNDS
+        seconds += travel / rounds + max(0.0, travel - ns) * (rounds - 1) / rounds
     if lay.tp > 1:
         sent = 2 * bytes_ * dense_elements / shard * (lay.tp - 1) / lay.tp
         exchanged += sent
