@@ -10,6 +10,7 @@ import torch
 
 from gridtrain.config import preset_config
 from gridtrain.models.decoder import Decoder, generate, init_parameters
+from gridtrain.models.llama import Rotary
 
 PRESETS = ("tiny", "llama-tiny")
 
@@ -95,3 +96,23 @@ def test_the_cache_is_refused_for_a_pipeline_stage_and_past_its_length():
         model(tokens(model, 1, model.cfg.seq_len - 1), cache=cache)
         with pytest.raises(ValueError, match="do not fit"):
             model(tokens(model, 1, 2), cache=cache)
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "moe-tiny"])
+@torch.no_grad()
+def test_a_rotary_model_reads_inputs_longer_than_it_was_trained_on(preset):
+    """Rotary positions come from a formula (as in transformers): past ``--seq-len`` the
+    tables grow, and the first ``seq_len`` positions' logits are the short input's."""
+    model = build(preset)
+    n = model.cfg.seq_len
+    long = tokens(model, 2, n + 8)
+    assert model(long).shape[:2] == (2, n + 8)
+    assert torch.allclose(model(long)[:, :n], model(long[:, :n]), rtol=0, atol=1e-12)
+    assert {m.cos.shape[0] for m in model.modules() if isinstance(m, Rotary)} == {n + 8}
+
+
+def test_a_learned_position_model_refuses_a_longer_input_in_one_line():
+    model = build("tiny")
+    n = model.cfg.seq_len
+    with pytest.raises(ValueError, match=f"^{n + 1} positions: the learned position table holds {n} "):
+        model(tokens(model, 1, n + 1))

@@ -169,6 +169,10 @@ class Embedding(nn.Module):
             elif self.cp.size > 1:  # the cp rank's chunks (its tp share of them under SP)
                 positions = self.cp.positions(tokens.shape[1], tokens.device)[first:first + x.shape[1]]
             else:
+                if first + x.shape[1] > self.position.num_embeddings:
+                    raise ValueError(f"{first + x.shape[1]} positions: the learned position table holds "
+                                     f"{self.position.num_embeddings} (the model's --seq-len); pass at most "
+                                     f"{self.position.num_embeddings} tokens")
                 positions = torch.arange(first, first + x.shape[1], device=tokens.device)
             x = x + self.position(positions)
         with self.tp.sharded_dropout():

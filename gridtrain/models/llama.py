@@ -247,16 +247,31 @@ class Rotary(nn.Module):
     """cos and sin of every position's angles, ``[seq_len, dim]`` (``dim``: default
     :func:`rotary_width`; each frequency twice: the two halves turn together), computed
     once in fp32 as Hugging Face does (times YaRN's :func:`rotary_attention_factor`) and
-    cast with the model; one instance is shared by all of a model's blocks."""
+    cast with the model; one instance is shared by all of a model's blocks. A forward
+    past ``seq_len`` (a model used on longer inputs than it was trained on, as
+    transformers allows) extends the tables with the same formula: the first
+    ``seq_len`` rows are unchanged."""
 
     def __init__(self, cfg: ModelConfig, dim: int | None = None):
         super().__init__()
         with torch.device("cpu"):  # derived from the config: real even in a model built on the meta device
-            angles = torch.outer(torch.arange(cfg.seq_len, dtype=torch.float32), rope_frequencies(cfg, dim))
-            angles = torch.cat([angles, angles], dim=-1)
-            factor = rotary_attention_factor(cfg)
-        self.register_buffer("cos", angles.cos() * factor if factor != 1 else angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin() * factor if factor != 1 else angles.sin(), persistent=False)
+            self._frequencies = rope_frequencies(cfg, dim)
+            self._factor = rotary_attention_factor(cfg)
+            cos, sin = self._tables(cfg.seq_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions 0..n-1, in fp32 on the CPU."""
+        angles = torch.outer(torch.arange(n, dtype=torch.float32, device="cpu"), self._frequencies)
+        angles = torch.cat([angles, angles], dim=-1)
+        factor = self._factor
+        return (angles.cos() * factor, angles.sin() * factor) if factor != 1 else (angles.cos(), angles.sin())
+
+    def _extend(self, n: int) -> None:
+        """Tables for at least ``n`` positions (computed in fp32, cast as the model's)."""
+        cos, sin = self._tables(n)
+        self.cos, self.sin = cos.to(self.cos), sin.to(self.sin)
 
     def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[b, heads, s, dim]`` at positions offset..offset+s-1 (or at
@@ -268,6 +283,8 @@ class Rotary(nn.Module):
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         else:
             end = offset + x.shape[-2]
+            if end > self.cos.shape[0]:
+                self._extend(end)
             cos, sin = self.cos[offset:end], self.sin[offset:end]
         return x * cos + rotate_half(x) * sin
 
