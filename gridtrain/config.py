@@ -34,7 +34,7 @@ DEVICES = ("cpu", "cuda")
 BACKENDS = ("nccl", "gloo")
 COMPILE_BACKENDS = ("inductor", "aot_eager")  # torch.compile's, for --compile
 # one source of a data mixture, ``WEIGHT:PATH`` (gridtrain.data.mixture)
-WEIGHTED_SOURCE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*:(.+)$")
+WEIGHTED_SOURCE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*:(.+)$")
 LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")  # gridtrain.optim.schedules
 LR_DECAY_SHAPES = ("linear", "cosine", "1-sqrt")  # the shapes of wsd's decay
 OPTIMIZERS = ("adamw", "muon")  # gridtrain.optim

@@ -25,7 +25,8 @@ def test_sources_are_parsed_from_one_text():
         Source("web.bin", 0.7), Source("code.bin", 0.2), Source("math.jsonl", 0.1)]
     assert source_names(parse_sources("3:a/web.bin,1:b/web.bin,1:code")) == ["web.0", "web.1", "code"]
     for bad, words in [("0.7:web.bin,code.bin", "has no weight"), ("0:web.bin,1:code.bin", "must be positive"),
-                       ("1:a.txt,2:a.txt", "named twice")]:
+                       ("1:a.txt,2:a.txt", "named twice"), ("0.7:a,-0.3:b", "source b has a negative weight"),
+                       ("1e999:a", "--data 1e999:a: source a has a weight that is not finite")]:
         with pytest.raises(DataError, match=words):
             parse_sources(bad)
 

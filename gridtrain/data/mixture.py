@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -55,9 +56,16 @@ def parse_sources(text: str | None, flag: str = "--data") -> list[Source]:
                         "(e.g. 0.7:web.bin,0.3:code.bin)")
     else:
         return [Source(text)]
-    for s in sources:
-        if s.weight <= 0:
-            raise DataError(f"{flag} {text}: source {s.path} has weight {s.weight:g}; weights must be positive")
+    for s, m in zip(sources, parts):
+        if not math.isfinite(s.weight):
+            raise DataError(f"{flag} {text}: source {s.path} has a weight that is not finite ({m.group(1).strip()}); "
+                            "give every source a finite positive weight")
+        if s.weight < 0:
+            raise DataError(f"{flag} {text}: source {s.path} has a negative weight ({s.weight:g}); "
+                            "weights must be positive")
+        if s.weight == 0:
+            raise DataError(f"{flag} {text}: source {s.path} has weight 0; weights must be positive "
+                            "(leave the source out instead)")
     paths = [s.path for s in sources]
     if len(set(paths)) != len(paths):
         raise DataError(f"{flag} {text}: a source is named twice; give each source once with its total weight")
