@@ -97,6 +97,44 @@ def test_diverged_fp16_run_exits_3_with_one_line(capsys):
     assert err.count("\n") == 1 and "loss nan" in err and "Traceback" not in err
 
 
+def _prompt_only(path, long: int, short: int = 1):
+    """A fine-tuning file of ``long`` examples whose prompts fill a 32-token window (their
+    completions cut away) and ``short`` ones that keep their completions."""
+    import json
+    lines = [{"prompt": f"question {i}: " + "why " * 20, "completion": " because."} for i in range(long)]
+    lines += [{"prompt": "q?", "completion": " yes."} for _ in range(short)]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.spawn)])
+def test_a_global_batch_without_loss_bearing_tokens_stops_the_run_in_one_line(tmp_path, capsys, nproc):
+    """The file has loss-bearing tokens (so it starts), but most samples are prompts only:
+    the first global batch with none is a step that cannot be taken (its loss would be
+    0 / 0), exit 3 in one line, not a traceback, from one process or two."""
+    code = cli.main(["train", "--model", "tiny", "--seq-len", "32", "--data", _prompt_only(tmp_path / "sft.jsonl", 40),
+                     "--global-batch-size", str(nproc), "--micro-batch-size", "1", "--steps", "20", "--no-progress",
+                     "--eval-interval", "0", "--sample-tokens", "0", *(["--nproc", "2"] if nproc == 2 else [])])
+    err = capsys.readouterr().err
+    assert code == EXIT_DIVERGED, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "the global batch has no token that counts in the loss" in err and "--seq-len" in err
+
+
+def test_validation_batches_without_loss_bearing_tokens_say_n_a(tmp_path, capsys):
+    """--valid-data whose first validation batch is prompts only (the file itself has a
+    completion further on, so it is not refused): the value is n/a, not 0.0000."""
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    code = cli.main(["train", "--model", "tiny", "--seq-len", "32", "--data", str(tmp_path / "text.txt"),
+                     "--valid-data", _prompt_only(tmp_path / "valid.jsonl", 4), "--global-batch-size", "1",
+                     "--micro-batch-size", "1", "--steps", "2", "--no-progress", "--eval-interval", "1",
+                     "--eval-iters", "1", "--sample-tokens", "0"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "validation loss n/a (no token of the validation batches carries a loss)" in out, out
+    assert "valid loss n/a" in out and "0.0000" not in out, out
+
+
 def test_fp16_at_the_minimum_loss_scale_exits_3_with_one_line(capsys):
     """A loss scale already at --min-loss-scale that still overflows stops the run
     (a huge initial scale with its minimum as high: the first step overflows there)."""

@@ -368,3 +368,16 @@ def test_loss_tokens_are_counted_on_the_host_through_every_wrapper(tmp_path: Pat
     assert count_loss_tokens(torch.utils.data.TensorDataset(torch.zeros(3)), [0, 1]) is None
     assert count_loss_tokens(MixtureDataset([dataset, torch.utils.data.TensorDataset(torch.zeros(3))], ["a", "b"],
                                             [0.5, 0.5]), np.array([0, len(dataset)])) is None
+
+
+def test_examples_that_lose_their_whole_completion_are_counted_and_a_source_with_none_left_refused():
+    long = {"prompt": "p" * 40, "completion": "c"}  # 40 + 1 + eot tokens: past a window of 17
+    short = {"prompt": "p", "completion": "cc"}
+    dataset = SFTDataset([long, short, long], BYTE, 16)
+    assert (dataset.truncated, dataset.lost) == (2, 2)
+    assert "(2 examples lost every completion token to the truncation: a longer --seq-len keeps them)" \
+        in dataset.summary()
+    dataset.check_loss_tokens("--data", "mixed.jsonl")  # some left: trains
+    with pytest.raises(DataError, match="^--data long.jsonl: no token of it counts in the loss at --seq-len 16 "
+                                        r"\(2 of its 2 examples are longer"):
+        SFTDataset([long, long], BYTE, 16).check_loss_tokens("--data", "long.jsonl")

@@ -13,6 +13,7 @@ process is left behind. Good configurations (configs/*.yaml) must still pass.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -126,6 +127,16 @@ DATA = {
                                             "--vocab-size", "300"], "at most 1200 tokens"),
     "token file from another tokenizer": (["--data", "{d}/tokens.bin", "--tokenizer", "{d}/hf300.json",
                                            "--vocab-size", "300"], "token file was made with tokenizer byte"),
+    # every prompt longer than --seq-len: the truncation leaves no completion token (0 / 0 as a loss)
+    "fine-tuning data with no loss-bearing token": (
+        ["--data", "{d}/sft_long.jsonl", "--seq-len", "64", "--global-batch-size", "2", "--micro-batch-size", "1"],
+        "--data {d}/sft_long.jsonl: no token of it counts in the loss at --seq-len 64 (200 of its 200 examples"),
+    "validation data with no loss-bearing token": (
+        ["--data", "{d}/small.txt", "--seq-len", "64", "--valid-data", "{d}/sft_long.jsonl"],
+        "--valid-data {d}/sft_long.jsonl: no token of it counts in the loss at --seq-len 64"),
+    "a mixture's fine-tuning source with no loss-bearing token": (
+        ["--data", "0.5:{d}/sft_long.jsonl,0.5:{d}/small.txt", "--seq-len", "64"],
+        "--data {d}/sft_long.jsonl: no token of it counts in the loss"),
 }
 
 TOKENIZERS = {
@@ -203,6 +214,8 @@ def d(tmp_path_factory) -> Path:
     """A folder of everything the catalogue refers to as {d}."""
     root = tmp_path_factory.mktemp("catalogue")
     (root / "small.txt").write_text("hello world\n" * 100)  # 1200 bytes
+    (root / "sft_long.jsonl").write_text("".join(
+        json.dumps({"prompt": f"question {i}: " + "why " * 50, "completion": " because."}) + "\n" for i in range(200)))
     (root / "empty.txt").write_text("")
     (root / "blob.dat").write_bytes(b"\xff\xfe\xfd" * 100)
     (root / "emptydir").mkdir()

@@ -436,6 +436,10 @@ class SFTDataset(torch.utils.data.Dataset):
         self.num_examples = len(records)
         self.truncated = int((lengths > window).sum())
         self.loss_tokens = int(self.loss_mask.sum())
+        # examples whose completion the truncation cut away whole
+        before = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])[offsets]
+        after = np.concatenate([[0], np.cumsum(self.loss_mask, dtype=np.int64)])[self.offsets]
+        self.lost = int(((np.diff(before) > 0) & (np.diff(after) == 0)).sum())
 
         starts, fill = [], window + 1  # greedy, in order: a new sample when the example does not fit
         for k, n in enumerate(kept.tolist()):
@@ -478,5 +482,15 @@ class SFTDataset(torch.utils.data.Dataset):
     def summary(self) -> str:
         """One line for the run's report."""
         cut = f", {self.truncated} truncated to {self.seq_len + 1} tokens" if self.truncated else ""
+        lost = (f" ({self.lost} examples lost every completion token to the truncation: a longer --seq-len "
+                "keeps them)") if self.lost else ""
         return (f"{self.num_examples} fine-tuning examples in {len(self)} samples of {self.seq_len} tokens{cut}; "
-                f"{self.loss_tokens} tokens carry the loss")
+                f"{self.loss_tokens} tokens carry the loss{lost}")
+
+    def check_loss_tokens(self, flag: str, path) -> None:
+        """Refuse a source none of whose labels carries a loss (0/0 would be its loss)."""
+        if self.loss_tokens == 0:
+            why = (f"{self.truncated} of its {self.num_examples} examples are longer than --seq-len {self.seq_len} "
+                   f"+ 1 tokens and keep only prompt" if self.truncated else "its examples have no completion tokens")
+            raise DataError(f"{flag} {path}: no token of it counts in the loss at --seq-len {self.seq_len} ({why}); "
+                            "pass a longer --seq-len or shorten the prompts")

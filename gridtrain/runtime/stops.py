@@ -79,6 +79,13 @@ class Diverged(RunStopped):
     exit_code = EXIT_DIVERGED
 
 
+class EmptyBatch(RunStopped):
+    """A global batch none of whose labels carries a loss (fine-tuning prompts and padding
+    only): its loss would be 0 / 0. Exit 3, as a diverged run: the step cannot be taken."""
+
+    exit_code = EXIT_DIVERGED
+
+
 class Preempted(RunStopped):
     exit_code = EXIT_PREEMPTED
 

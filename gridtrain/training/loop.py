@@ -69,8 +69,8 @@ def _train(cfg: Config, trainer: Trainer, clock: StartupClock) -> TrainResult:
             with report.step_window(first=step == trainer.start_step):
                 out = trainer.train_step(trainer.read_batches(step))
             health.check(done, out.loss, out.grad_norm, out.loss_scale)
-            valid_loss = trainer.evaluate() if validates and _due(done, cfg.eval.eval_interval) else None
-            report.step(done, lr, out, valid_loss)
+            validating = validates and _due(done, cfg.eval.eval_interval)
+            report.step(done, lr, out, trainer.evaluate() if validating else None, validating)
             preempted = preemption is not None and preemption.agreed(trainer.ctx.device)
             if c.save and (_due(done, c.save_interval) or (preempted and done < t.steps)):
                 trainer.save(done)
@@ -83,11 +83,12 @@ def _train(cfg: Config, trainer: Trainer, clock: StartupClock) -> TrainResult:
         if preemption is not None:
             preemption.close()
         trainer.finish_saves()  # a background write ends (or reports its failure) before anything exits
-    final_valid = trainer.evaluate() if validates and not _due(t.steps, cfg.eval.eval_interval) else None
+    validating = validates and not _due(t.steps, cfg.eval.eval_interval)
+    final_valid = trainer.evaluate() if validating else None
     if c.save and not _due(t.steps, c.save_interval):
         trainer.save(t.steps)
     trainer.finish_saves()
-    return report.finish(final_valid)
+    return report.finish(final_valid, validating)
 
 
 def _due(step: int, interval: int) -> bool:

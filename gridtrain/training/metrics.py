@@ -87,7 +87,8 @@ def tensorboard_scalars(record: StepRecord, extra: dict | None = None) -> dict[s
     if extra.get("valid_loss") is not None:
         scalars["valid/loss"] = float(extra["valid_loss"])
     for name, value in (extra.get("valid_loss_by_source") or {}).items():
-        scalars[f"valid/{name}/loss"] = float(value)
+        if value is not None:  # None: no token of that source's validation batches carried a loss
+            scalars[f"valid/{name}/loss"] = float(value)
     if extra.get("loss_scale") is not None:
         scalars["train/loss_scale"] = float(extra["loss_scale"])
     if extra.get("mtp_loss") is not None:

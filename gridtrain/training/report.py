@@ -83,6 +83,7 @@ class RunReport:
         self.tokens_seen = trainer.start_step * self.step_tokens
         self.offload = cfg.activations.offload_activations and ctx.device.type == "cuda"
         self.stage_memory: StageMemory | None = None  # this stage's, from the first step
+        self.validated = False  # whether any validation ran (its value may be None: no loss-bearing token)
         self._bytes_before: dict = {}  # the byte and call counters when the current step began ...
         self._calls_before: dict = {}
         self._elapsed = 0.0  # ... and the seconds it took
@@ -121,7 +122,7 @@ class RunReport:
             self.stage_memory = _stage_memory(meter, peak[0], trainer)
         self._elapsed = time.perf_counter() - began
 
-    def step(self, step: int, lr: float, out: StepOutput, valid_loss: float | None) -> None:
+    def step(self, step: int, lr: float, out: StepOutput, valid_loss: float | None, validated: bool = False) -> None:
         """Keep and log the step that :meth:`step_window` just measured."""
         trainer, result = self.trainer, self.result
         self.tokens_seen += self.step_tokens
@@ -153,13 +154,14 @@ class RunReport:
         for source, epoch in _wraps(trainer, step):
             self.log.print(f"data: source {source} ran out during step {step}; epoch {epoch + 1} of it begins "
                            "(a new shuffle)")
-        if valid_loss is not None:
+        if validated:
+            self.validated = True
             result.valid_loss = extra["valid_loss"] = valid_loss
             by_source = trainer.valid_by_source
             if by_source:
                 extra["valid_loss_by_source"] = dict(by_source)
-            self.log.print(f"step {step}: train loss {out.loss:.4f}, valid loss {valid_loss:.4f}"
-                           + "".join(f", {name} {v:.4f}" for name, v in by_source.items()))
+            self.log.print(f"step {step}: train loss {out.loss:.4f}, valid loss {loss_text(valid_loss)}"
+                           + "".join(f", {name} {loss_text(v)}" for name, v in by_source.items()))
         self.log.step(record, extra)
 
     def end_of_steps(self) -> None:
@@ -167,12 +169,13 @@ class RunReport:
 
     # ---- at the end --------------------------------------------------------------------------
 
-    def finish(self, valid_loss: float | None) -> TrainResult:
+    def finish(self, valid_loss: float | None, validated: bool = False) -> TrainResult:
         """The run's result; writes traces and prints the summary (collective over PP)."""
         trainer, result = self.trainer, self.result
         ctx, r = trainer.ctx, trainer.cfg.metrics
-        if valid_loss is not None:
+        if validated:
             result.valid_loss = valid_loss
+            self.validated = True
         result.valid_by_source = dict(trainer.valid_by_source)
         result.tokens_per_s = self.stats.tokens_per_s()
         if r.trace:
@@ -228,17 +231,24 @@ class RunReport:
         if self.trainer.saves:
             log.print(save_summary(self.trainer.saves, self.trainer.saver is not None))
         log.print(f"final train loss {result.losses[-1]:.4f} {data.loss_unit}")
-        if result.valid_loss is not None:
-            if log.active:  # the reference may be a pass over the corpus: only where it is printed
+        if self.validated:
+            if log.active and result.valid_loss is None:
+                log.print("validation loss n/a (no token of the validation batches carries a loss)")
+            elif log.active:  # the reference may be a pass over the corpus: only where it is printed
                 reference = data.reference_loss() if callable(data.reference_loss) else data.reference_loss
                 ref = "" if reference is None else f" (corpus unigram entropy {reference:.4f} {data.loss_unit})"
                 log.print(f"validation loss {result.valid_loss:.4f} {data.loss_unit}{ref}")
             if self.trainer.valid_by_source:
                 log.print("validation loss per source: " + ", ".join(
-                    f"{name} {v:.4f}" for name, v in self.trainer.valid_by_source.items()))
+                    f"{name} {loss_text(v)}" for name, v in self.trainer.valid_by_source.items()))
         epochs = _epochs_line(self.trainer, self.trainer.start_step + len(stats.records))
         if epochs:
             log.print(epochs)
+
+
+def loss_text(value: float | None) -> str:
+    """A validation loss as printed: n/a where no token carried a loss."""
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def _schedule_note(trainer: Trainer) -> str | None:

@@ -64,7 +64,7 @@ from gridtrain.models.moe import update_expert_biases
 from gridtrain.optim.optimizer import AdamW, build_optimizer, counts_towards_norm, lr_at, set_lr
 from gridtrain.parallel.pipeline.runtime import PipelineStage, StageStats
 from gridtrain.parallel.pipeline.schedules import build_schedule, uses_split_backward
-from gridtrain.runtime.stops import Diverged
+from gridtrain.runtime.stops import Diverged, EmptyBatch
 from gridtrain.parallel.tensor_parallel import broadcast_batches
 
 ModelProvider = Callable[[Config, DistributedContext], nn.Module]
@@ -167,12 +167,14 @@ class Trainer:
         return list(getattr(self.data.train, "names", [""]))
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self) -> float | None:
         """Mean token loss over the first ``eval_iters`` global batches of each validation
         set, forward-only through the pipeline; with several sets (a mixture's sources, or
         ``--valid-data``) each one's mean lands in :attr:`valid_by_source` and the return
         value is the mean over all their tokens. The same samples are used whatever the
-        layout, each DP rank taking its fixed slice; one all-reduce and one host read."""
+        layout, each DP rank taking its fixed slice; one all-reduce and one host read.
+        A set whose batches hold no label that carries a loss has no mean: None (printed
+        n/a), never 0 / 0."""
         t, ctx, valid = self.cfg.training, self.ctx, self.data.valid
         sets = valid if isinstance(valid, dict) else {"": valid}
         ctx.recorder.set_action("validation")
@@ -193,8 +195,11 @@ class Trainer:
         if holds_loss:
             ctx.dp_cp.all_reduce(totals)
         sums = torch.cat([totals.sum(0, keepdim=True), totals]) if len(sets) > 1 else totals
-        means = ctx.pp.broadcast(sums[:, 0] / sums[:, 1].clamp(min=1), src_index=ctx.grid.pp - 1)
-        values = host_sync.read("valid_loss", means, lambda m: m.tolist(), stand_in=[0.0] * len(sums))
+        means = ctx.pp.broadcast(torch.stack([sums[:, 0] / sums[:, 1].clamp(min=1), sums[:, 1]]),
+                                 src_index=ctx.grid.pp - 1)
+        means, counts = host_sync.read("valid_loss", means, lambda m: m.tolist(),
+                                       stand_in=[[0.0] * len(sums), [1.0] * len(sums)])
+        values = [mean if count > 0 else None for mean, count in zip(means, counts)]
         values = values if len(sets) > 1 else values * 2  # [overall, per set...]
         self.valid_by_source = dict(zip(sets, values[1:])) if len(sets) > 1 or "" not in sets else {}
         return values[0]
@@ -516,7 +521,7 @@ def _global_token_count(batches: list[Batch], ctx: DistributedContext, every_lab
     known = getattr(batches, "loss_tokens", None)
     if known is not None:
         if known == 0:
-            raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
+            raise _empty_batch(ctx)
         return known
     # summed on the device: one host read for the whole step, not one per micro-batch
     local = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum()
@@ -524,5 +529,12 @@ def _global_token_count(batches: list[Batch], ctx: DistributedContext, every_lab
     ctx.dp_cp.all_reduce(count)
     tokens = host_sync.read("token_count", count, int, stand_in=every_label)
     if tokens == 0:
-        raise ValueError("the global batch has no loss-bearing tokens (all labels are ignored)")
+        raise _empty_batch(ctx)
     return tokens
+
+
+def _empty_batch(ctx: DistributedContext) -> EmptyBatch:
+    step = ctx.recorder.step
+    return EmptyBatch(f"step {step}: the global batch has no token that counts in the loss (every label is a "
+                      "prompt or padding); pass a longer --seq-len, or give the fine-tuning sources more "
+                      "completion tokens (or less weight in the mixture)", step)

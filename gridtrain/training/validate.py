@@ -48,7 +48,7 @@ from gridtrain.config import (ROPE_SCALINGS, ActivationsConfig, Config, ConfigEr
                               range_problem, under_torchrun, world_size_of)
 from gridtrain.data import DataError, check_enough_tokens, count_tokens, load_tokenizer
 from gridtrain.data.mixture import parse_sources
-from gridtrain.data.sft import is_sft_jsonl, read_examples
+from gridtrain.data.sft import SFTDataset, is_sft_jsonl
 from gridtrain.runtime.devices import gpu_shortage, shares_gpus
 from gridtrain.parallel.context_parallel import split_problem
 from gridtrain.parallel.grid import GridError, ProcessGrid
@@ -362,10 +362,12 @@ def _validate_data(d: DataConfig, m: ModelConfig, t: TrainingConfig) -> None:
         # one source needs a global batch of training windows; a mixture's source wraps (and says so);
         # with --valid-data nothing is held out of the training sources
         batch = t.global_batch_size if len(sources) == 1 else 1
-        for source, enough, held_out in [(s, batch, None if held else d.valid_every) for s in sources] + \
-                [(s, 1, None) for s in held]:
+        for source, enough, held_out, flag in [(s, batch, None if held else d.valid_every, "--data") for s in sources] + \
+                [(s, 1, None, "--valid-data") for s in held]:
             if source.path is not None and is_sft_jsonl(source.path):
-                read_examples(source.path)  # every record read and checked; tokenized in the workers
+                # every record read and checked, tokenized and packed as the workers will: a source
+                # with no label that carries a loss would train (or validate) on 0 / 0
+                SFTDataset(source.path, tokenizer, m.seq_len).check_loss_tokens(flag, source.path)
                 continue
             count, exact = count_tokens(source.path, tokenizer)
             check_enough_tokens(count, source.path, m.seq_len, enough, held_out, exact)
