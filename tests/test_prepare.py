@@ -79,6 +79,7 @@ def _check_index(bin_path: Path, eot_id: int | None) -> np.ndarray:
         eots = np.flatnonzero(np.asarray(tokens) == eot_id)
         np.testing.assert_array_equal(index[1:], eots)
     assert header["unigram_entropy"] == pytest.approx(unigram_entropy(tokens, header["vocab_size"]), rel=1e-12)
+    assert header["max_id"] == int(np.asarray(tokens).max())  # checked against the run's vocabulary before start
     return np.asarray(index)
 
 

@@ -22,6 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gridtrain import checkpoint
@@ -127,6 +128,13 @@ DATA = {
                                             "--vocab-size", "300"], "at most 1200 tokens"),
     "token file from another tokenizer": (["--data", "{d}/tokens.bin", "--tokenizer", "{d}/hf300.json",
                                            "--vocab-size", "300"], "token file was made with tokenizer byte"),
+    # ids past the model's vocabulary: a file written before headers recorded the largest id is scanned
+    "token file with ids outside the vocabulary": (["--data", "{d}/wide.bin", "--seq-len", "4"],
+                                                   "--data {d}/wide.bin: the token file holds ids up to 300, outside "
+                                                   "--vocab-size 257; pass --vocab-size 301 or more"),
+    "token file whose header records ids outside the vocabulary": (
+        ["--data", "{d}/wide-header.bin", "--seq-len", "4"],
+        "the token file holds ids up to 400, outside --vocab-size 257"),
     # every prompt longer than --seq-len: the truncation leaves no completion token (0 / 0 as a loss)
     "fine-tuning data with no loss-bearing token": (
         ["--data", "{d}/sft_long.jsonl", "--seq-len", "64", "--global-batch-size", "2", "--micro-batch-size", "1"],
@@ -223,6 +231,16 @@ def d(tmp_path_factory) -> Path:
     (root / "binaries" / "blob.dat").write_bytes(b"\xff\xfe\xfd" * 100)
     prepare(root / "small.txt", root / "tokens")
     (root / "headless.bin").write_bytes((root / "tokens.bin").read_bytes())
+    for name, top in (("wide", None), ("wide-header", 400)):  # an id past the byte vocabulary
+        prepare(root / "small.txt", root / name)
+        ids = np.fromfile(root / f"{name}.bin", dtype="<u2")
+        ids[5] = 300
+        ids.tofile(root / f"{name}.bin")
+        header = json.loads((root / f"{name}.json").read_text())
+        assert header.pop("max_id") < 257  # recorded by prepare
+        if top is not None:
+            header["max_id"] = top
+        (root / f"{name}.json").write_text(json.dumps(header))
     prepare(root / "small.txt", root / "truncated")
     (root / "truncated.bin").write_bytes((root / "truncated.bin").read_bytes()[:-2])
     (root / "notatokenizer.json").write_text("{}")

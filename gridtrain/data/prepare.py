@@ -45,7 +45,7 @@ import numpy as np
 
 from gridtrain.data.corpora import JSONL_SHAPE, JSONL_SUFFIX, _empty, _no_text_in_folder, _text_files, text_of_line
 from gridtrain.data.errors import DataError
-from gridtrain.data.token_files import (IndexWriter, _token_paths, entropy_from_counts, finish_token_file,
+from gridtrain.data.token_files import (IndexWriter, _token_paths, finish_token_file,
                                         open_token_file, read_document_index, read_token_file)
 from gridtrain.data.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
 
@@ -423,8 +423,7 @@ def _concatenate(parts: list[Part], bin_path: Path, tokenizer: Tokenizer, input_
         index.finish(total)
     if total == 0:
         raise _empty(input_path)
-    return finish_token_file(Path(parts[0].tokens_path), index_path, bin_path, tokenizer, total,
-                             entropy_from_counts(counts))
+    return finish_token_file(Path(parts[0].tokens_path), index_path, bin_path, tokenizer, total, counts)
 
 
 def _append_file(out, path: str) -> None:
@@ -465,8 +464,7 @@ def _copy_token_file(input_path, tokens: np.ndarray, bin_path: Path, tokenizer: 
                 for s in range(0, len(starts), 1 << 17):
                     index.add(np.asarray(starts[s: s + (1 << 17)]))
             index.finish(len(tokens))
-        return finish_token_file(Path(tmp), index_path, bin_path, tokenizer, len(tokens),
-                                 entropy_from_counts(counts))
+        return finish_token_file(Path(tmp), index_path, bin_path, tokenizer, len(tokens), counts)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         index_path.unlink(missing_ok=True)

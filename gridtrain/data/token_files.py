@@ -12,7 +12,9 @@ A token file is three files:
 * ``OUT.json``: the header: ``format``, ``version``, ``dtype``, ``num_tokens``,
   ``vocab_size``, ``tokenizer``, and since version 2 ``num_documents``, ``index`` (the
   index file's name, beside the .bin) and ``unigram_entropy`` (nats per token of the
-  whole array, :func:`~gridtrain.data.datasets.unigram_entropy`, counted while writing).
+  whole array, :func:`~gridtrain.data.datasets.unigram_entropy`, counted while writing);
+  files written since also record ``max_id``, the largest id in the array (a run checks
+  it against its vocabulary before start; older files are scanned once instead).
 
 Reading maps the arrays without copying them, so a huge corpus costs no RAM and starts at
 once; the header's tokenizer must match the run's, because token ids mean nothing under
@@ -141,6 +143,22 @@ def open_token_file(path: str | os.PathLike | None, tokenizer: Tokenizer) -> np.
     return tokens
 
 
+def largest_id(path: str | os.PathLike) -> int:
+    """The largest token id of the token file at ``path``: its header's ``max_id``, else
+    (a file written before headers carried it) one pass over the memory-mapped array."""
+    header_path = find_token_header(path)
+    tokens, header = read_token_file(header_path)
+    if "max_id" in header:
+        return int(header["max_id"])
+    return max(int(tokens[start: start + (1 << 24)].max()) for start in range(0, len(tokens), 1 << 24))
+
+
+def max_id_of(counts: np.ndarray) -> int:
+    """The largest id with a nonzero count."""
+    nonzero = np.flatnonzero(counts)
+    return int(nonzero[-1]) if len(nonzero) else 0
+
+
 def read_document_index(path: str | os.PathLike) -> np.ndarray | None:
     """The memory-mapped document index of a token file (int64 token offsets, see the
     module's docstring), or None for a version-1 file, which has none."""
@@ -244,14 +262,15 @@ def write_token_file(tokens: np.ndarray, output_path: str | os.PathLike, tokeniz
         counts += np.bincount(np.asarray(tokens[start: start + (1 << 24)]), minlength=tokenizer.vocab_size)
     _write_atomic(bin_path, np.ascontiguousarray(tokens, dtype=dtype).tobytes())
     _write_atomic(_index_path(bin_path), np.ascontiguousarray(starts, dtype=INDEX_DTYPE).tobytes())
-    _write_header(bin_path, tokenizer, len(tokens), len(starts), entropy_from_counts(counts))
+    _write_header(bin_path, tokenizer, len(tokens), len(starts), entropy_from_counts(counts), max_id_of(counts))
     return bin_path
 
 
 def finish_token_file(tokens_tmp: Path, index_tmp: Path, output_path: str | os.PathLike,
-                      tokenizer: Tokenizer, num_tokens: int, entropy: float) -> Path:
+                      tokenizer: Tokenizer, num_tokens: int, counts: np.ndarray) -> Path:
     """Move a token array and index written elsewhere (in the output's folder) into place
-    as ``OUT.bin`` and ``OUT.idx``, then write the header; returns the .bin path."""
+    as ``OUT.bin`` and ``OUT.idx``, then write the header (``counts``: of each id, for the
+    entropy and the largest id); returns the .bin path."""
     bin_path, _ = _token_paths(output_path)
     with open(tokens_tmp, "rb+") as f:
         os.fsync(f.fileno())
@@ -259,12 +278,12 @@ def finish_token_file(tokens_tmp: Path, index_tmp: Path, output_path: str | os.P
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     num_documents = _index_path(bin_path).stat().st_size // INDEX_DTYPE.itemsize
-    _write_header(bin_path, tokenizer, num_tokens, num_documents, entropy)
+    _write_header(bin_path, tokenizer, num_tokens, num_documents, entropy_from_counts(counts), max_id_of(counts))
     return bin_path
 
 
 def _write_header(bin_path: Path, tokenizer: Tokenizer, num_tokens: int, num_documents: int,
-                  entropy: float) -> None:
+                  entropy: float, max_id: int) -> None:
     dtype = token_dtype(tokenizer.vocab_size)
     header = {
         "format": TOKEN_FILE_FORMAT,
@@ -276,6 +295,7 @@ def _write_header(bin_path: Path, tokenizer: Tokenizer, num_tokens: int, num_doc
         "num_documents": int(num_documents),
         "index": _index_path(bin_path).name,
         "unigram_entropy": float(entropy),
+        "max_id": int(max_id),
     }
     _write_atomic(bin_path.with_suffix(".json"), (json.dumps(header, indent=1) + "\n").encode("utf-8"))
 

@@ -49,6 +49,7 @@ from gridtrain.config import (ROPE_SCALINGS, ActivationsConfig, Config, ConfigEr
 from gridtrain.data import DataError, check_enough_tokens, count_tokens, load_tokenizer
 from gridtrain.data.mixture import parse_sources
 from gridtrain.data.sft import SFTDataset, is_sft_jsonl
+from gridtrain.data.token_files import find_token_header, largest_id
 from gridtrain.runtime.devices import gpu_shortage, shares_gpus
 from gridtrain.parallel.context_parallel import split_problem
 from gridtrain.parallel.grid import GridError, ProcessGrid
@@ -371,6 +372,11 @@ def _validate_data(d: DataConfig, m: ModelConfig, t: TrainingConfig) -> None:
                 continue
             count, exact = count_tokens(source.path, tokenizer)
             check_enough_tokens(count, source.path, m.seq_len, enough, held_out, exact)
+            if source.path is not None and find_token_header(source.path) is not None:
+                top = largest_id(source.path)  # the header's, or one pass over an older file
+                _require(top < m.vocab_size, f"{flag} {source.path}: the token file holds ids up to {top}, outside "
+                                             f"--vocab-size {m.vocab_size}; pass --vocab-size {top + 1} or more, "
+                                             "or prepare the corpus with the model's tokenizer")
     except DataError as e:
         raise ConfigError(str(e)) from None
     except OSError as e:  # e.g. a folder on the way that may not be listed
