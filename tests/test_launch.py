@@ -305,3 +305,24 @@ def test_an_unknown_start_method_is_one_line_before_any_process(monkeypatch, cap
                  "--micro-batch-size", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("gridtrain: error: GRIDTRAIN_START_METHOD='fork'"), err
+
+
+@pytest.mark.spawn
+def test_the_launcher_tells_a_stopped_worker_from_a_running_one():
+    """A stopped process cannot act on SIGTERM (it would sit out the 3 s grace): the
+    launcher tells it from a running one by its state in /proc."""
+    import subprocess
+
+    from gridtrain.runtime import launch
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not launch._is_stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not launch._is_stopped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert launch._is_stopped(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not launch._is_stopped(proc.pid)  # gone: not stopped

@@ -4,7 +4,7 @@ jobs with a stopped rank.
 The first half needs no process group: the recorder is a ring buffer with per-group
 sequence numbers, and "who never arrived" is a pure function of the published reports.
 The second half runs ``gridtrain train`` through the CLI, stops one worker with SIGSTOP
-once training has started, and checks that the job ends within ``--timeout`` + 15 s with
+once training has started, and checks that the job ends within ``--timeout`` + 10 s with
 the hang exit status and a report naming the stopped rank (issue 11).
 """
 

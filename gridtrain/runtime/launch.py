@@ -191,16 +191,29 @@ def _start_workers(ctx: Any, parent_pid: int, specs: Sequence[WorkerSpec], resul
 
 
 def _terminate(procs: Sequence[Any]) -> None:
-    """Stop every worker still alive: SIGTERM, then SIGKILL after a grace period."""
+    """Stop every worker still alive: SIGTERM, then SIGKILL after a grace period; a
+    stopped worker (SIGSTOP, a debugger) cannot act on SIGTERM, so it is killed at once."""
     for proc in procs:
         if proc.is_alive():
-            proc.terminate()
+            if _is_stopped(proc.pid):
+                proc.kill()
+            else:
+                proc.terminate()
     deadline = time.monotonic() + _KILL_GRACE_S
     for proc in procs:
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
             proc.join()
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether process ``pid`` is stopped (state T or t in /proc; False where unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _collect(results: Any, procs: Sequence[Any], timeout_s: float | None,
