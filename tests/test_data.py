@@ -161,6 +161,7 @@ def test_token_file_is_memory_mapped_with_header(corpus_dir: Path, tmp_path: Pat
         "num_documents": 3,
         "index": "tok.idx",
         "unigram_entropy": pytest.approx(unigram_entropy(tokens, 257), rel=1e-12),
+        "max_id": int(tokens.max()),  # 256: the eot between documents
     }
     assert bin_path.stat().st_size == 2 * len(tokens)
     assert find_token_header(bin_path) == bin_path.with_suffix(".json")
