@@ -107,14 +107,18 @@ def _prompt_only(path, long: int, short: int = 1):
     return str(path)
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.spawn)])
-def test_a_global_batch_without_loss_bearing_tokens_stops_the_run_in_one_line(tmp_path, capsys, nproc):
+@pytest.mark.parametrize("layout", [(), pytest.param(("--nproc", "2"), marks=pytest.mark.spawn),
+                                    pytest.param(("--nproc", "2", "--pp", "2"), marks=pytest.mark.spawn)],
+                         ids=["one process", "dp 2", "pp 2"])
+def test_a_global_batch_without_loss_bearing_tokens_stops_the_run_in_one_line(tmp_path, capsys, layout):
     """The file has loss-bearing tokens (so it starts), but most samples are prompts only:
     the first global batch with none is a step that cannot be taken (its loss would be
-    0 / 0), exit 3 in one line, not a traceback, from one process or two."""
+    0 / 0), exit 3 in one line, not a traceback, from one process or two (under pp only
+    the last stage counts the tokens; the first stage's workers end with it)."""
+    batch = "2" if layout == ("--nproc", "2") else "1"
     code = cli.main(["train", "--model", "tiny", "--seq-len", "32", "--data", _prompt_only(tmp_path / "sft.jsonl", 40),
-                     "--global-batch-size", str(nproc), "--micro-batch-size", "1", "--steps", "20", "--no-progress",
-                     "--eval-interval", "0", "--sample-tokens", "0", *(["--nproc", "2"] if nproc == 2 else [])])
+                     "--global-batch-size", batch, "--micro-batch-size", "1", "--steps", "20", "--no-progress",
+                     "--eval-interval", "0", "--sample-tokens", "0", *layout])
     err = capsys.readouterr().err
     assert code == EXIT_DIVERGED, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
