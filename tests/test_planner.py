@@ -39,6 +39,7 @@ ISSUE_KEYS = {"dp", "tp", "pp", "vpp", "micro_batch_size", "schedule", "recomput
 CP_KEYS = {"cp", "cp_comm"}  # context parallelism's (tests/test_planner_cp.py)
 ZERO_KEYS = {"zero_shard_size", "zero3_keep_gathered"}  # ZeRO-2/3 and hybrid sharding's (tests/test_planner_zero.py)
 EP_KEYS = {"ep", "etp"}  # expert (tensor) parallelism's (tests/test_planner_moe.py, test_planner_deepseek.py)
+FP8_KEYS = {"fp8_all_gather"}  # --fp8-all-gather's, per layout (tests/test_planner_fp8.py)
 
 
 # ---- communication ---------------------------------------------------------------------------------
@@ -353,11 +354,11 @@ def test_prediction_json_has_the_issues_keys():
     p = predict(job, Layout(dp=2, tp=2, pp=2, micro_batch_size=2, recompute="selective", sequence_parallel=True,
                             zero=1))
     data = p.as_json()
-    assert set(data) == ISSUE_KEYS | CP_KEYS | ZERO_KEYS | EP_KEYS | {"breakdown_s", "pp_layers",
-                                                                      "memory_breakdown_gb", "optimizer"}
+    assert set(data) == ISSUE_KEYS | CP_KEYS | ZERO_KEYS | EP_KEYS | FP8_KEYS | {"breakdown_s", "pp_layers",
+                                                                                 "memory_breakdown_gb", "optimizer"}
     assert data["pp_layers"] == [4, 4]
     assert set(data["breakdown_s"]) == {"compute", "tp_comm", "cp_comm", "zero_comm", "ep_comm", "bubble",
-                                        "dp_exposed", "optimizer"}
+                                        "dp_exposed", "optimizer", "fp8_scales"}
     assert (data["dp"], data["tp"], data["pp"], data["micro_batch_size"], data["zero"]) == (2, 2, 2, 2, 1)
     assert data["tokens_per_s_per_gpu"] == pytest.approx(32 * GPT.seq_len / p.step_time_s / 8)
     assert data["model_tflops_per_gpu"] == pytest.approx(p.model_flops / p.step_time_s / 8 / 1e12)
@@ -452,10 +453,10 @@ def test_plan_prints_k_layouts_with_their_torchrun_commands(capsys, no_process_m
 def test_plan_json_parses(capsys, no_process_may_start):
     assert cli.main([*PLAN, "--top", "2", "--json", "--recompute", "full"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert len(data["layouts"]) == 2
+    assert len(data["layouts"]) == 2 and (data["fp8"], data["fp8_all_gather"]) == ("none", False)
     for row in data["layouts"]:
-        assert set(row) == ISSUE_KEYS | CP_KEYS | ZERO_KEYS | EP_KEYS | {"breakdown_s", "pp_layers", "command",
-                                                                         "memory_breakdown_gb", "optimizer"}
+        assert set(row) == ISSUE_KEYS | CP_KEYS | ZERO_KEYS | EP_KEYS | FP8_KEYS | {
+            "breakdown_s", "pp_layers", "command", "memory_breakdown_gb", "optimizer"}
         assert row["recompute"] == "full" and row["fits"] and row["dp"] * row["tp"] * row["pp"] == 8
     assert data["layouts"][0]["step_time_s"] <= data["layouts"][1]["step_time_s"]
 

@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from gridtrain.config import OPTIMIZERS, PRESETS, STATE_DTYPES, ConfigError, ModelConfig, declared_fields, flag_of, load_config
+from gridtrain.config import (FP8_RECIPES, OPTIMIZERS, PRESETS, STATE_DTYPES, ConfigError, ModelConfig, declared_fields,
+                              flag_of, load_config)
+from gridtrain.planner import fp8
 from gridtrain.planner.cost import MEMORY_PARTS, Job, Prediction
 from gridtrain.planner.machine import MACHINES, machine
 from gridtrain.planner.search import CP_COMM, RECOMPUTE, SCHEDULES, ZERO, Fixed, search, why_none
@@ -40,6 +42,11 @@ def add_plan_parser(sub, field_flag: Callable[[argparse.ArgumentParser, str, dat
                    help="the moments' dtype (bf16: 2 bytes an element)")
     p.add_argument("--optimizer-offload", action="store_true",
                    help="the optimizer's state in host memory: none on the GPU (its copies are not costed)")
+    p.add_argument("--fp8", default="none", choices=FP8_RECIPES, metavar="none|tensorwise|rowwise",
+                   help="float8 GEMMs in the blocks' linear layers, as train's --fp8 (needs --dtype bf16 and FP8 "
+                        "Tensor Cores: h100-sxm, h200)")
+    p.add_argument("--fp8-all-gather", action="store_true",
+                   help="with --fp8: ZeRO-3 layouts gather the float8 weights as float8 (half the bytes)")
     g = p.add_argument_group("layout", "given fields are fixed; the others are searched")
     g.add_argument("--tp", type=int)
     g.add_argument("--cp", type=int, help="context parallel: ranks that split each sequence (1: none)")
@@ -109,7 +116,7 @@ def torchrun_command(args: argparse.Namespace, p: Prediction, node: int) -> str:
              "--sequence-parallel" if lay.sequence_parallel else "", " ".join(lay.zero_flags()),
              f"--optimizer {p.optimizer}" if p.optimizer != "adamw" else "",
              f"--optimizer-state-dtype {args.optimizer_state_dtype}" if args.optimizer_state_dtype != "fp32" else "",
-             "--optimizer-offload" if args.optimizer_offload else ""]
+             "--optimizer-offload" if args.optimizer_offload else "", " ".join(p.fp8_flags())]
     return " ".join(x for x in parts if x)
 
 
@@ -142,18 +149,25 @@ def plan_command(args: argparse.Namespace) -> int:
         hw = machine(args.hardware, args.gpus)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    problem = fp8.refusal(args.fp8, args.fp8_all_gather, args.dtype, hw, args.zero, args.etp)
+    if problem:
+        raise ConfigError(problem)
     job = Job(model=model, global_batch_size=args.global_batch_size, hardware=hw, dtype=args.dtype,
               gpus_per_node=args.gpus_per_node, optimizer=args.optimizer,
-              optimizer_state_dtype=args.optimizer_state_dtype, optimizer_offload=args.optimizer_offload)
+              optimizer_state_dtype=args.optimizer_state_dtype, optimizer_offload=args.optimizer_offload,
+              fp8=args.fp8, fp8_all_gather=args.fp8_all_gather)
+    # the runtime's float8 experts take etp 1 only (fp8.refusal refuses a fixed other one)
+    etp = 1 if job.fp8_on and args.etp is None and model.n_experts else args.etp
     fixed = Fixed(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
                   schedule=args.schedule, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                   zero=args.zero, cp=args.cp, cp_comm=args.cp_comm, zero_shard_size=args.zero_shard_size,
-                  zero3_keep_gathered=args.zero3_keep_gathered, ep=args.ep, etp=args.etp)
+                  zero3_keep_gathered=args.zero3_keep_gathered, ep=args.ep, etp=etp)
     best = search(job, args.gpus, fixed, top=args.top)
     if not best:
         raise ConfigError(why_none(job, args.gpus, fixed))
     if args.json:
-        print(json.dumps({"layouts": [{**p.as_json(), "command": torchrun_command(args, p, job.node)} for p in best]},
+        print(json.dumps({"fp8": args.fp8, "fp8_all_gather": args.fp8_all_gather,
+                          "layouts": [{**p.as_json(), "command": torchrun_command(args, p, job.node)} for p in best]},
                          indent=1))
     else:
         experts = (f", {model.n_experts} experts (top {model.moe_top_k}) in {len(model.moe_layers)} layers"
@@ -162,7 +176,8 @@ def plan_command(args: argparse.Namespace) -> int:
             + (f", {model.mtp_layers} MTP" if getattr(model, "mtp_layers", 0) else "")
         print(f"gridtrain plan: {args.gpus} x {hw.name} ({job.node} per node), {model.arch} {model.n_layer} layers "
               f"d {model.d_model}{extras}{experts}, seq {model.seq_len}, global batch {args.global_batch_size}, "
-              f"{args.dtype}")
+              f"{args.dtype}" + (f", fp8 {args.fp8}{' (float8 all-gathers)' if args.fp8_all_gather else ''}"
+                                 if job.fp8_on else ""))
         for i, p in enumerate(best, 1):
             print(f"{i}. {describe(p)}\n    {torchrun_command(args, p, job.node)}")
     if args.explain is not None:
@@ -174,7 +189,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
         fitting = [p for p in best if p.fits]
         results = measure(model_flags(args), fitting, args.global_batch_size, args.seq_len, args.dtype,
-                          args.measure_steps)
+                          args.measure_steps)  # (each prediction carries its --fp8 flags: train_args)
         print("\n".join(table(results)))
     return 0
 

@@ -95,6 +95,10 @@ experts) is modelled as gridtrain runs it:
   carry ``etp`` times the rank's rows and each expert slice runs ``H / etp`` wide on
   them; the expert grid's groups lie ``tp`` apart in a dp x cp group, or neighbours where
   folded over a stage's ranks (:attr:`Layout.expert_stride`);
+* **float8 GEMMs** (``--fp8``; fp8.py): the blocks' linear GEMMs at the FP8 peak times
+  the same efficiency, their casts as memory traffic, the weights' scales all-reduced
+  once a step (in the optimizer's part), and under ``--fp8-all-gather`` ZeRO-3's block
+  gathers at one byte an element;
 * **the optimizer**: one memory-bound pass over the owned master weights, moments and
   gradients;
 * **memory** per GPU: the memory model (memory/model.py, which the dry run is checked
@@ -126,6 +130,7 @@ from gridtrain.memory.zero import zero_step_collectives
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.parallel.pipeline.schedules import build_schedule
 from gridtrain.parallel.pipeline.simulate import Costs, simulate
+from gridtrain.planner.fp8 import FP8_GATHER_BYTES, RECIPE_SPEED, SCALE_BYTES, block_float8, cast_bytes, scale_count
 from gridtrain.planner.machine import Link, ring_seconds  # noqa: F401 (ring_seconds: re-exported)
 
 # memory-bound passes over a block's activations (b s d elements each) in a forward:
@@ -146,7 +151,7 @@ KERNELS_PER_BLOCK = 24  # launches in one block's forward (twice in backward)
 OVERLAP_COST = 0.3
 SCORE_PASSES_FORWARD = 7
 SCORE_PASSES_BACKWARD = 5
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8, "fp8": 1}
 
 
 @dataclass(frozen=True)
@@ -225,6 +230,16 @@ class Job:
     optimizer: str = "adamw"  # adamw | muon (muon_seconds)
     optimizer_state_dtype: str = "fp32"  # the moments' (memory.optimizer)
     optimizer_offload: bool = False  # the optimizer's state in host memory (none on the GPU)
+    fp8: str = "none"  # float8 GEMMs in the blocks' linears: none | tensorwise | rowwise (fp8.py)
+    fp8_all_gather: bool = False  # ZeRO-3 layouts gather the float8 weights as float8
+
+    @property
+    def fp8_on(self) -> bool:
+        return self.fp8 != "none"
+
+    def fp8_gathers(self, lay: Layout) -> bool:
+        """Whether this layout's ZeRO-3 gathers travel as float8 (--fp8-all-gather)."""
+        return self.fp8_on and self.fp8_all_gather and lay.zero == 3
 
     @property
     def node(self) -> int:
@@ -260,6 +275,15 @@ class Prediction:
     newton_schulz_s: float = 0.0  # of optimizer_s: Muon's iterations on the matrices this rank owns
     muon_exchange_s: float = 0.0  # of optimizer_s: Muon's gathers and scatters the step waits for (muon_seconds)
     muon_exchange_bytes: float = 0.0  # what a rank sends of them per step
+    fp8: str = "none"  # the job's --fp8 recipe
+    fp8_all_gather: bool = False  # this (ZeRO-3) layout gathers float8 weights as float8
+    fp8_scales_s: float = 0.0  # of optimizer_s: the float8 weights' scale all-reduces
+
+    def fp8_flags(self) -> list[str]:
+        """The float8 flags of ``gridtrain train`` for this layout (none without --fp8)."""
+        if self.fp8 == "none":
+            return []
+        return ["--fp8", self.fp8] + (["--fp8-all-gather"] if self.fp8_all_gather else [])
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -283,7 +307,7 @@ class Prediction:
                 "micro_batch_size": lay.micro_batch_size, "schedule": lay.schedule, "recompute": lay.recompute,
                 "sequence_parallel": lay.sequence_parallel, "zero": lay.zero, "cp_comm": lay.cp_comm,
                 "zero_shard_size": lay.zero_shard_size, "zero3_keep_gathered": lay.zero3_keep_gathered,
-                "pp_layers": self.pp_layers, "step_time_s": self.step_time_s,
+                "pp_layers": self.pp_layers, "fp8_all_gather": self.fp8_all_gather, "step_time_s": self.step_time_s,
                 "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
                 "model_tflops_per_gpu": self.model_tflops_per_gpu,
                 "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
@@ -291,7 +315,8 @@ class Prediction:
                 "memory_breakdown_gb": {k: v / 1e9 for k, v in self.memory_parts.items()},
                 "breakdown_s": {"compute": self.compute_s, "tp_comm": self.tp_comm_s, "cp_comm": self.cp_comm_s,
                                 "zero_comm": self.zero_comm_s, "ep_comm": self.ep_comm_s, "bubble": self.bubble_s,
-                                "dp_exposed": self.dp_exposed_s, "optimizer": self.optimizer_s},
+                                "dp_exposed": self.dp_exposed_s, "optimizer": self.optimizer_s,
+                                "fp8_scales": self.fp8_scales_s},
                 "optimizer": {"name": self.optimizer, "state_gb": self.memory_parts.get("optimizer", 0.0) / 1e9,
                               "step_s": self.optimizer_s, "newton_schulz_s": self.newton_schulz_s,
                               "exchange_s": self.muon_exchange_s, "exchange_gb": self.muon_exchange_bytes / 1e9}}
@@ -300,15 +325,40 @@ class Prediction:
 # ---- compute --------------------------------------------------------------------------------------
 
 
-def gemm_seconds(m: int, n: int, k: int, hw, dtype: str, batch: int = 1) -> float:
-    """One (batched) GEMM, ``m x k`` by ``k x n``: the roofline of the module docstring."""
+def gemm_seconds(m: int, n: int, k: int, hw, dtype: str, batch: int = 1, speed: float = 1.0) -> float:
+    """One (batched) GEMM, ``m x k`` by ``k x n``: the roofline of the module docstring.
+    ``fp8``: one-byte operands, a bf16 output, the FP8 peak; ``speed``: a factor on the
+    compute side's rate (fp8.RECIPE_SPEED)."""
     if min(m, n, k) <= 0:
         return 0.0
     flops = 2.0 * m * n * k * batch
-    moved = (m * k + k * n + m * n) * DTYPE_BYTES[dtype] * batch
+    out = DTYPE_BYTES["bf16" if dtype == "fp8" else dtype]
+    moved = ((m * k + k * n) * DTYPE_BYTES[dtype] + m * n * out) * batch
     x = min(m, n, k)
     eff = hw.gemm_efficiency * x / (x + hw.gemm_half)
-    return max(flops / (hw.peak_flops(dtype) * eff), moved / hw.memory_bandwidth) + hw.kernel_s
+    return max(flops / (hw.peak_flops(dtype) * eff * speed), moved / hw.memory_bandwidth) + hw.kernel_s
+
+
+def linear_seconds(job: Job, shapes: list[tuple[int, int, int]], flags: list[bool] | None = None,
+                   grad_weight_fp8: bool = True) -> tuple[float, float, float]:
+    """Linear layers' GEMMs (each its forward ``(m, n, k)``) as (forward, input gradient,
+    weight gradient) seconds: in the job's dtype, each of the three as many FLOPs as the
+    forward; under ``--fp8`` those ``flags`` marks in float8 (fp8.py: the recipe's speed,
+    its casts as memory traffic, in the forward and the input gradient's backward), the
+    weight gradient in bf16 where ``grad_weight_fp8`` is False (experts)."""
+    hw, dt = job.hardware, job.dtype
+    f = b = w = 0.0
+    for (m, n, k), fp8 in zip(shapes, flags if job.fp8_on and flags is not None else [False] * len(shapes)):
+        wide = gemm_seconds(m, n, k, hw, dt)
+        if not fp8:
+            f, b, w = f + wide, b + wide, w + wide
+            continue
+        narrow = gemm_seconds(m, n, k, hw, "fp8", speed=RECIPE_SPEED[job.fp8])
+        cast_f, cast_b = cast_bytes(job.fp8, m, n, k, grad_weight_fp8)
+        f += narrow + cast_f / hw.memory_bandwidth
+        b += narrow + cast_b / hw.memory_bandwidth
+        w += narrow if grad_weight_fp8 else wide
+    return f, b, w
 
 
 def block_gemms(m: ModelConfig, tokens: int, tp: int, mlp: bool = True) -> list[tuple[int, int, int]]:
@@ -408,11 +458,9 @@ def block_cost(job: Job, lay: Layout, moe: bool = False) -> BlockCost:
     m, hw, dt = job.model, job.hardware, job.dtype
     b, t = lay.micro_batch_size, lay.tp
     tokens = b * local_seq(job, lay)
+    gemm_f, gemm_b, gemm_w = linear_seconds(job, block_gemms(m, tokens, t, mlp=not moe), block_float8(m, t, not moe))
     if moe:
-        gemms = sum(gemm_seconds(mm, n, k, hw, dt) for mm, n, k in block_gemms(m, tokens, t, mlp=False)) \
-            + moe_gemm_seconds(job, lay)
-    else:
-        gemms = sum(gemm_seconds(mm, n, k, hw, dt) for mm, n, k in block_gemms(m, tokens, t))
+        gemm_f, gemm_b, gemm_w = (a + x for a, x in zip((gemm_f, gemm_b, gemm_w), moe_gemm_passes(job, lay)))
     if lay.cp == 1:
         core = attention_core_seconds(m, b, t, hw, dt)
         scores_f, scores_b = attention_score_seconds(m, b, t, hw, dt)
@@ -430,15 +478,15 @@ def block_cost(job: Job, lay: Layout, moe: bool = False) -> BlockCost:
     # a MoE block without shared experts leaves the TP region only for attention
     table = MOE_BLOCK_COLLECTIVES if moe and not m.moe_shared_experts else BLOCK_COLLECTIVES
     comm_f, comm_b = tp_collectives(job, lay, act, table)
-    forward = gemms + core + scores_f + elementwise + comm_f + cp_f + ep_f
+    forward = gemm_f + core + scores_f + elementwise + comm_f + cp_f + ep_f
     # selective recomputes the attention core, but not the cp core (it keeps no scores)
     selective = core + scores_f if lay.cp == 1 else 0.0
     recompute = {"none": 0.0, "selective": selective, "full": forward}[lay.recompute]
     # backward: the input-gradient GEMMs (as many FLOPs as the forward's), the attention
     # core's backward (twice its forward, and its passes over the scores), twice the
     # elementwise work, the mirrored collectives; the weight-gradient GEMMs as many FLOPs again
-    b_time = gemms + 2 * core + scores_b + 2 * elementwise + comm_b + cp_b + ep_b + recompute
-    return BlockCost(f=forward, b=b_time, w=gemms, tp_comm_f=comm_f, tp_comm_b=comm_b, cp_comm_f=cp_f,
+    b_time = gemm_b + 2 * core + scores_b + 2 * elementwise + comm_b + cp_b + ep_b + recompute
+    return BlockCost(f=forward, b=b_time, w=gemm_w, tp_comm_f=comm_f, tp_comm_b=comm_b, cp_comm_f=cp_f,
                      cp_comm_b=cp_b, ep_comm_f=ep_f, ep_comm_b=ep_b)
 
 
@@ -481,16 +529,23 @@ def moe_gemm_seconds(job: Job, lay: Layout) -> float:
     of its ``E / ep`` experts' MLP GEMMs on its ``N k ep / E`` rows, one expert after
     another (no grouped GEMM), and the shared experts' MLP (``S H / tp`` wide, every
     token of the micro-batch, as the dense MLP)."""
+    return moe_gemm_passes(job, lay)[0]
+
+
+def moe_gemm_passes(job: Job, lay: Layout) -> tuple[float, float, float]:
+    """:func:`moe_gemm_seconds` as (forward, input gradient, weight gradient): under
+    ``--fp8`` the experts' and shared experts' GEMMs in float8 (the experts' weight
+    gradient in bf16), the router's never."""
     m, hw, dt = job.model, job.hardware, job.dtype
     n = moe_routing(job, lay)[0]
     router = gemm_seconds(n, m.n_experts, m.d_model, hw, dt)
-    experts = expert_gemm_seconds(job, lay)
-    shared = 0.0
+    passes = [router + e for e in expert_gemm_passes(job, lay)]
     if m.moe_shared_experts:
         tokens = lay.micro_batch_size * local_seq(job, lay)
         width = m.moe_shared_experts * m.moe_ffn_size // lay.tp
-        shared = sum(gemm_seconds(r, c, k, hw, dt) for r, c, k in mlp_gemms(m, tokens, width))
-    return router + experts + shared
+        shapes = mlp_gemms(m, tokens, width)
+        passes = [p + s for p, s in zip(passes, linear_seconds(job, shapes, [True] * len(shapes)))]
+    return tuple(passes)
 
 
 def moe_elementwise_seconds(job: Job, lay: Layout) -> float:
@@ -537,11 +592,18 @@ def statistics_seconds(job: Job, lay: Layout) -> tuple[float, float]:
     start_global_sum): over ``dp x cp``, and over tp under sequence parallelism, as
     (the first, the second). Latency only, each as a tree (NCCL's choice for a few
     bytes): ``2 log2(n)`` latencies of its link."""
-    def tree(n: int, stride: int) -> float:
-        link = ring_link(job.hardware, n, stride, job.node)
-        return 2 * math.ceil(math.log2(n)) * link.rates("all_reduce")[0] if n > 1 else 0.0
+    return tree_all_reduce_seconds(job, lay.dp * lay.cp, lay.tp), \
+        (tree_all_reduce_seconds(job, lay.tp, 1) if lay.sequence_parallel else 0.0)
 
-    return tree(lay.dp * lay.cp, lay.tp), (tree(lay.tp, 1) if lay.sequence_parallel else 0.0)
+
+def tree_all_reduce_seconds(job: Job, n: int, stride: int, nbytes: float = 0.0) -> float:
+    """A small all-reduce over ``n`` ranks ``stride`` apart as a tree (NCCL's choice for a
+    few bytes): ``2 log2(n)`` latencies of the group's link, and the bytes up and down."""
+    if n <= 1:
+        return 0.0
+    link = ring_link(job.hardware, n, stride, job.node)
+    latency, bandwidth = link.rates("all_reduce")
+    return 2 * math.ceil(math.log2(n)) * latency + 2 * nbytes / bandwidth
 
 
 def tiny_all_reduce_seconds(job: Job, lay: Layout) -> float:
@@ -552,10 +614,17 @@ def tiny_all_reduce_seconds(job: Job, lay: Layout) -> float:
 def expert_gemm_seconds(job: Job, lay: Layout) -> float:
     """The forward GEMMs of a rank's ``E / ep`` experts (of :func:`moe_gemm_seconds`),
     each its ``1 / etp`` slice on the etp group's pooled rows."""
-    m, hw, dt = job.model, job.hardware, job.dtype
+    return expert_gemm_passes(job, lay)[0]
+
+
+def expert_gemm_passes(job: Job, lay: Layout) -> tuple[float, float, float]:
+    """:func:`expert_gemm_seconds` as (forward, input gradient, weight gradient); under
+    ``--fp8`` in float8 but for the weight gradient (fp8.py)."""
+    m = job.model
     rows = max(1, round(moe_routing(job, lay)[2]))
-    return m.n_experts // lay.ep * sum(gemm_seconds(r, c, k, hw, dt)
-                                       for r, c, k in mlp_gemms(m, rows, m.moe_ffn_size // lay.etp))
+    shapes = mlp_gemms(m, rows, m.moe_ffn_size // lay.etp)
+    one = linear_seconds(job, shapes, [True] * len(shapes), grad_weight_fp8=False)
+    return tuple(m.n_experts // lay.ep * x for x in one)
 
 
 def etp_seconds(job: Job, lay: Layout) -> float:
@@ -830,14 +899,19 @@ def zero_chunk_seconds(job: Job, lay: Layout, blocks: int, embeds: bool, ends: b
 
     if lay.zero == 2:
         return 0.0, 0.0, timed((sum(u[0] for u in units), sum(u[1] for u in units)), w, "reduce_scatter")
-    counts: dict[tuple[int, int], int] = {}
-    for u in units:  # the blocks are alike: time each size once
-        counts[u] = counts.get(u, 0) + 1
-    scatters = sum(n * timed(u, w, "reduce_scatter") for u, n in counts.items())
+    # under --fp8-all-gather the blocks' units (all but the embedding's and the root's) gather as float8
+    narrow = job.fp8_gathers(lay)
+    first_block, end = (1 if embeds else 0), len(units) - (1 if ends else 0)
+    counts: dict[tuple[tuple[int, int], int], int] = {}
+    for i, u in enumerate(units):  # the blocks are alike: time each size once
+        key = (u, FP8_GATHER_BYTES if narrow and first_block <= i < end else e)
+        counts[key] = counts.get(key, 0) + 1
+    scatters = sum(n * timed(u, w, "reduce_scatter") for (u, _), n in counts.items())
     if lay.zero3_keep_gathered:
         return 0.0, 0.0, scatters
-    gathers = sum(n * timed(u, e, "all_gather") for u, n in counts.items())
-    first = timed(units[0], e, "all_gather") if units else 0.0
+    gathers = sum(n * timed(u, nbytes, "all_gather") for (u, nbytes), n in counts.items())
+    first = timed(units[0], FP8_GATHER_BYTES if narrow and first_block == 0 < end else e, "all_gather") \
+        if units else 0.0
     return gathers, first, gathers + scatters
 
 
@@ -871,7 +945,8 @@ def config_of(job: Job, lay: Layout) -> Config:
         if k not in known:
             setattr(cfg.parallel, k, v)
     cfg.training = replace(cfg.training, micro_batch_size=lay.micro_batch_size,
-                           global_batch_size=job.global_batch_size, dtype=job.dtype)
+                           global_batch_size=job.global_batch_size, dtype=job.dtype, fp8=job.fp8,
+                           fp8_all_gather=job.fp8_gathers(lay))
     cfg.optim = replace(cfg.optim, optimizer=job.optimizer, optimizer_state_dtype=job.optimizer_state_dtype,
                         optimizer_offload=job.optimizer_offload)
     cfg.activations = replace(cfg.activations, recompute=lay.recompute)
@@ -1006,7 +1081,10 @@ def predict(job: Job, lay: Layout, *, memory: bool | float | dict[str, float] = 
     if moe is not None:
         exposed += expert_tp_seconds(job, lay, experts)
     ns, exchange, exchanged = muon_seconds(job, lay) if job.optimizer == "muon" else (0.0, 0.0, 0.0)
-    optimizer += ns + exchange
+    stage_blocks = [(sum(layers[c * lay.pp + s] for c in range(lay.vpp)),
+                     sum(moe_layers[c * lay.pp + s] for c in range(lay.vpp))) for s in range(lay.pp)]
+    scales = fp8_scale_seconds(job, lay, *max(stage_blocks))
+    optimizer += ns + exchange + scales
     step = makespan + exposed + gather + optimizer
     tokens = job.global_batch_size * m.seq_len
     flops_per_token = model_flops_per_token(m)
@@ -1029,7 +1107,30 @@ def predict(job: Job, lay: Layout, *, memory: bool | float | dict[str, float] = 
                       tokens=tokens, gpus=lay.gpus, peak_flops=hw.peak_flops(job.dtype), pp_layers=layers,
                       cp_comm_s=cp_comm, zero_comm_s=zero_comm, ep_comm_s=ep_comm, moe=bool(m.n_experts),
                       memory_parts=parts, optimizer=job.optimizer, newton_schulz_s=ns, muon_exchange_s=exchange,
-                      muon_exchange_bytes=exchanged)
+                      muon_exchange_bytes=exchanged, fp8=job.fp8, fp8_all_gather=job.fp8_gathers(lay),
+                      fp8_scales_s=scales)
+
+
+def fp8_scale_seconds(job: Job, lay: Layout, blocks: int, moe_blocks: int = 0) -> float:
+    """``--fp8``: the float8 weights' amaxes of a stage's ``blocks`` blocks (``moe_blocks``
+    of them MoE blocks) all-reduced once a step after the optimizer (float8.
+    refresh_weight_scales), over the ZeRO-3 shard group (its ranks hold pieces of each
+    weight) and over tp (where tp splits what the scale reduces over; counted for every
+    weight): one small tree all-reduce each (fp8.scale_count), not overlapped. Nothing
+    without --fp8."""
+    if not job.fp8_on or (lay.zero != 3 and lay.tp == 1):
+        return 0.0
+    m, tp, recipe = job.model, lay.tp, job.fp8
+    count = (blocks - moe_blocks) * scale_count(recipe, block_gemms(m, 1, tp), block_float8(m, tp))
+    if moe_blocks:
+        shared = mlp_gemms(m, 1, m.moe_shared_experts * m.moe_ffn_size // tp) if m.moe_shared_experts else []
+        experts = mlp_gemms(m, 1, m.moe_ffn_size // lay.etp)
+        count += moe_blocks * (scale_count(recipe, block_gemms(m, 1, tp, mlp=False), block_float8(m, tp, False))
+                               + scale_count(recipe, shared, [True] * len(shared))
+                               + m.n_experts // lay.ep * scale_count(recipe, experts, [True] * len(experts)))
+    nbytes = SCALE_BYTES * count
+    shard = tree_all_reduce_seconds(job, lay.zero_shard, lay.tp, nbytes) if lay.zero == 3 else 0.0
+    return shard + tree_all_reduce_seconds(job, tp, 1, nbytes)
 
 
 @lru_cache(maxsize=256)

@@ -11,7 +11,8 @@ Conventions (every field is per GPU):
 * FLOP/s are dense (no 2:4 structured sparsity). NVIDIA's H100/H200 tables print the
   Tensor Core figures with sparsity and state that dense is half; the dense value here is
   that printed figure halved. fp32 is the non-tensor (CUDA core) rate; TF32 Tensor Core
-  rates are not used.
+  rates are not used. ``peak_tflops_fp8`` is the dense FP8 (e4m3/e5m2) Tensor Core rate,
+  None on a GPU without FP8 Tensor Cores (Ampere): ``--fp8`` is refused there.
 * GB and GB/s are decimal (10**9 bytes), as NVIDIA prints them. ``memory_gb`` is the
   nominal capacity; what CUDA reports as usable is somewhat lower, so a memory check
   should leave headroom or read the device's own total.
@@ -44,10 +45,12 @@ class Hardware:
     gpus_per_node: int
     source: str
     notes: str = ""
+    peak_tflops_fp8: float | None = None  # dense FP8 Tensor Core; None: no FP8 Tensor Cores
 
     def peak_tflops(self, dtype: object) -> float:
         """Peak TFLOP/s for a dtype or its name ("bf16"/"bfloat16", "fp16"/"float16"/"half",
-        "fp32"/"float32"/"float"); ValueError for anything else."""
+        "fp32"/"float32"/"float", "fp8"/"float8" and the float8 formats); ValueError for
+        anything else, and for fp8 on a GPU without FP8 Tensor Cores."""
         key = str(dtype).lower().removeprefix("torch.")
         if key in ("bf16", "bfloat16"):
             return self.peak_tflops_bf16
@@ -55,7 +58,14 @@ class Hardware:
             return self.peak_tflops_fp16
         if key in ("fp32", "float32", "float"):
             return self.peak_tflops_fp32
-        raise ValueError(f"no peak FLOP/s for dtype {dtype!r} (known: bf16, fp16, fp32)")
+        if key in FP8_NAMES:
+            if self.peak_tflops_fp8 is None:
+                raise ValueError(f"the {self.name} has no FP8 Tensor Cores (FP8 needs Hopper: h100-sxm, h200)")
+            return self.peak_tflops_fp8
+        raise ValueError(f"no peak FLOP/s for dtype {dtype!r} (known: bf16, fp16, fp32, fp8)")
+
+
+FP8_NAMES = ("fp8", "float8", "float8_e4m3fn", "float8_e5m2", "e4m3", "e5m2")
 
 
 HDR_GBIT = 200  # InfiniBand HDR line rate, Gb/s (DGX A100: one adapter per GPU)
@@ -87,7 +97,8 @@ HARDWARE: dict[str, Hardware] = {
         network_gbs_per_gpu=HDR_GBIT / 8,
         gpus_per_node=8,
         source=_A100_SOURCE,
-        notes="HBM2. Sparse Tensor Core rates are twice the dense ones (624 for bf16/fp16).",
+        notes="HBM2. Sparse Tensor Core rates are twice the dense ones (624 for bf16/fp16). No FP8 "
+              "Tensor Cores (Ampere's are 16-bit, TF32 and integer): --fp8 is refused.",
     ),
     "a100-80gb": Hardware(
         name="NVIDIA A100 SXM4 80 GB",
@@ -102,7 +113,7 @@ HARDWARE: dict[str, Hardware] = {
         source=_A100_SOURCE,
         notes=(
             "HBM2e; same compute as the 40 GB part. The GPU of Narayanan et al. 2021 "
-            "(whose 312 TFLOP/s peak is this bf16/fp16 figure)."
+            "(whose 312 TFLOP/s peak is this bf16/fp16 figure). No FP8 Tensor Cores."
         ),
     ),
     "h100-sxm": Hardware(
@@ -123,8 +134,11 @@ HARDWARE: dict[str, Hardware] = {
         ),
         notes=(
             "HBM3. Dense 16-bit peak computed from clocks is 989.4 TFLOP/s and fp32 66.9; "
-            "the rounded datasheet figures are kept."
+            "the rounded datasheet figures are kept. FP8 Tensor Core: 3,958 TFLOPS with "
+            "sparsity in the same H100 SXM column, so 1,979 dense (1,978.9 from clocks, twice "
+            "the 16-bit rate: docs/planner-sources.md H5, H6)."
         ),
+        peak_tflops_fp8=1979.0,
     ),
     "h200": Hardware(
         name="NVIDIA H200 SXM 141 GB",
@@ -142,9 +156,25 @@ HARDWARE: dict[str, Hardware] = {
             "TFLOPS, 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s; DGX H200 total GPU memory "
             "1,128 GB (docs.nvidia.com DGX BasePOD); " + _HOPPER_NVLINK_NET
         ),
-        notes="Same GH100 compute as the H100 SXM; more and faster memory (HBM3e).",
+        notes=(
+            "Same GH100 compute as the H100 SXM; more and faster memory (HBM3e). FP8 Tensor "
+            "Core: 3,958 TFLOPS with sparsity in the H200 SXM column, 1,979 dense, the H100's "
+            "(docs/planner-sources.md H9, H6)."
+        ),
+        peak_tflops_fp8=1979.0,
     ),
 }
+
+# the table's entry for a CUDA device's name (torch.cuda.get_device_name): the first tag it
+# contains; an H100 PCIe or NVL part is not the SXM entry's (its clocks are lower), but is
+# taken as it, as the bf16 MFU table of training/metrics.py takes it
+DEVICE_TAGS = (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb"))
+
+
+def hardware_key(device_name: str) -> str | None:
+    """The ``HARDWARE`` key of a CUDA device by its name, or None for an unlisted one."""
+    return next((key for tag, key in DEVICE_TAGS if tag in device_name), None)
+
 
 # --- "cpu" entry: calibrated at run time, not published ---------------------------------
 # HARDWARE deliberately has no "cpu" key. A host CPU's matmul rate and memory bandwidth

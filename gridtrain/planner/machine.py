@@ -16,6 +16,11 @@ Published figures (hardware.py: datasheet numbers with their sources) become a
 * ``usable_fraction``: the share of device memory a run can fill (the CUDA context,
   NCCL's buffers and the allocator's fragmentation take the rest).
 
+``peak["fp8"]`` is there only where the GPU has FP8 Tensor Cores (Hopper), and its GEMMs
+reach the same ``gemm_efficiency`` of it as bf16's of theirs (an assumption: no FP8 run
+has calibrated it); the ``cpu`` machine's is its fp32 rate, as float8 GEMMs are emulated
+on a CPU by dequantised fp32 products (parallel/float8.py).
+
 The ``cpu`` machine is measured on the host instead (profile.py).
 """
 
@@ -102,9 +107,10 @@ GEMM_EFFICIENCY = {"a100-40gb": 0.8, "a100-80gb": 0.8, "h100-sxm": 0.7, "h200": 
 def from_hardware(key: str, hw: Hardware) -> Machine:
     """The cost model's view of published figures (hardware.py), with this module's
     assumptions (efficiency, launch cost, latencies, usable memory)."""
+    fp8 = {"fp8": hw.peak_tflops_fp8 * 1e12} if hw.peak_tflops_fp8 else {}
     return Machine(name=key, gemm_efficiency=GEMM_EFFICIENCY.get(key, 0.8),
                    peak={"bf16": hw.peak_tflops_bf16 * 1e12, "fp16": hw.peak_tflops_fp16 * 1e12,
-                         "fp32": hw.peak_tflops_fp32 * 1e12},
+                         "fp32": hw.peak_tflops_fp32 * 1e12, **fp8},
                    memory_bandwidth=hw.memory_bandwidth_gbs * GB, memory=hw.memory_gb * GB,
                    nvlink=Link(hw.nvlink_gbs_per_direction * GB, NVLINK_LATENCY_S),
                    network=Link(hw.network_gbs_per_gpu * GB, NETWORK_LATENCY_S), gpus_per_node=hw.gpus_per_node,
@@ -143,7 +149,7 @@ def machine_from_profile(profile: dict, world: int) -> Machine:
     latency, bandwidth = profile["link"]["all_reduce"]
     link = Link(bandwidth / crowd, latency, kinds)
     return Machine(name="cpu", peak={"fp32": peak * share, "fp64": peak * share / 2, "bf16": peak * share / 4,
-                                     "fp16": peak * share / 8},
+                                     "fp16": peak * share / 8, "fp8": peak * share},  # fp8: emulated in fp32
                    memory_bandwidth=profile["bandwidth"] * share, memory=_host_memory(), nvlink=link, network=link,
                    gpus_per_node=max(world, 1), gemm_efficiency=1.0, gemm_half=half, kernel_s=profile["kernel_s"],
                    usable_fraction=0.8, source=f"measured on this host ({cores} cores)")

@@ -50,7 +50,7 @@ def train_args(model_args: list[str], p: Prediction, global_batch_size: int, seq
         args += ["--etp", str(lay.etp)]
     if lay.sequence_parallel:
         args.append("--sequence-parallel")
-    return args + lay.zero_flags()
+    return args + lay.zero_flags() + p.fp8_flags()
 
 
 def measure_one(args: list[str], timeout_s: float = 600) -> float:
