@@ -1182,17 +1182,22 @@ def data_parallel_seconds(job: Job, lay: Layout, params: int, cost, bucket_mb: f
                                     keep_gathered=lay.zero3_keep_gathered)
     links = zero_links(job, lay)
 
-    def one(name: str) -> float:  # one of the step's collectives of that name
+    def one(name: str, share: float = 1.0) -> float:  # one of the step's collectives of that name
         c = traffic.get(name)
-        return links[name == "replicas"].collective(c.nbytes, c.ranks, c.kind) if c else 0.0
+        return links[name == "replicas"].collective(c.nbytes * share, c.ranks, c.kind) if c else 0.0
 
-    grads, replicas, gather = one("gradients"), one("replicas"), one("parameters")
+    # --fp8-all-gather, ZeRO-3 kept gathered: the blocks' share of the step's gather at one byte an
+    # element (the embedding, final norm and head of a one-stage model counted at e: a bound for a stage)
+    narrow = FP8_GATHER_BYTES / e if job.fp8_gathers(lay) else 1.0
+    outside = min(params, stage_parameters(job.model, lay.tp, 0, True, True)) if narrow < 1 else params
+    share = (outside + narrow * (params - outside)) / params if params else 1.0
+    grads, replicas, gather = one("gradients"), one("replicas"), one("parameters", share)
     if experts and edp > 1:  # the experts' own buffer, over the expert-data-parallel group
         link = ring_link(hw, edp, lay.expert_stride * lay.ep * lay.etp, job.node)
         apart = zero_step_collectives(experts, job.dtype, lay.zero, micro_batches(job, lay), edp)
         grads += link.collective(apart["gradients"].nbytes, edp, apart["gradients"].kind)
         if "parameters" in apart:
-            gather += link.collective(apart["parameters"].nbytes, edp, "all_gather")
+            gather += link.collective(apart["parameters"].nbytes * narrow, edp, "all_gather")
     backward = sum(cost(0, c).b + cost(0, c).w for c in range(lay.vpp))
     bucket = min(1.0, bucket_mb * 2**20 / max((params + experts) * wide_bytes(e), 1))
     if lay.zero < 2:

@@ -30,7 +30,9 @@ the same efficiency, with one-byte operands and a bf16 output, and adds:
   tp (float8.refresh_weight_scales), latency-bound (a tree);
 * ``--fp8-all-gather`` (ZeRO-3): the blocks' parameter gathers move one byte an element
   instead of two (the norms and router among them are counted at one byte too: under a
-  percent of a block). A ZeRO-3 layout kept gathered is costed as in bf16.
+  percent of a block); kept gathered, the step's one gather moves the blocks' share of
+  the rank's parameters at one byte (the embedding, final norm and head of a one-stage
+  model at two: a bound for any stage).
 
 MFU stays against the bf16 peak (the model FLOPs are the same): a float8 step reaching
 40% of the bf16 peak is 20% of the FP8 one.
