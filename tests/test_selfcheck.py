@@ -126,8 +126,8 @@ def test_the_report_is_complete_after_every_step_and_lists_what_did_not_run(tmp_
 
 def test_the_gpu_plan_covers_what_the_check_promises(tmp_path):
     steps = {s.name: s for s in plan_steps("cuda", tmp_path, tiny=False, peak_tflops=None)}
-    assert list(steps)[:6] == ["environment", "optimizers", "cp-attention", "document-mask", "moe",
-                               "gpu-tests"]  # newest first
+    assert list(steps)[:7] == ["fp8", "environment", "optimizers", "cp-attention", "document-mask", "moe",
+                               "gpu-tests"]  # newest first, float8 before anything
     assert "--model moe" in " ".join(steps["moe"].commands[0])
     commands = {name: " ".join(" ".join(c) for c in s.commands) for name, s in steps.items()}
     assert "tests/test_gpu.py" in commands["gpu-tests"]
@@ -158,3 +158,111 @@ def test_a_cpu_rehearsal_of_the_measuring_steps(tmp_path):
     (planner,) = data["planner"]
     assert planner["hardware"] == "cpu" and planner["predicted_ms"] > 0
     assert "## Throughput" in (out / "report.md").read_text()
+
+
+# ---- the fp8 step -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device,tiny", [("cuda", False), ("cpu", True)])
+def test_the_fp8_step_is_planned_first_with_a_well_formed_command(tmp_path, device, tiny):
+    from gridtrain.selfcheck import fp8
+
+    steps = plan_steps(device, tmp_path, tiny=tiny, peak_tflops=989.0)
+    first = steps[0]
+    assert first.name == "fp8" and len(first.commands) == 1 and first.result_file
+    command = first.commands[0]
+    assert command[:3] == [PY, "-m", "gridtrain.selfcheck.fp8"]
+    args = fp8.build_parser().parse_args(command[3:])
+    assert (args.device, args.tiny, args.peak_tflops, args.result) == (device, tiny, 989.0, first.result_file)
+    assert 0 < first.timeout_s <= 300  # a modest share of the ten-minute lease
+    assert "torchao" in first.what and "1.25x" in first.what
+
+
+def test_the_fp8_runs_are_bf16_tensorwise_rowwise_compiled_first_and_valid(tmp_path):
+    """On a GPU each compile mode runs bf16, tensorwise and rowwise back to back, compiled
+    first; on a CPU eager only. Every run is one ``gridtrain train`` configuration that
+    validation accepts: TinyLlama's shape (the preset), bf16, one micro-batch a step."""
+    from gridtrain.selfcheck import fp8
+    from gridtrain.training.validate import validate
+
+    args = fp8.build_parser().parse_args(["--device", "cpu", "--result", str(tmp_path / "r.json")])
+    assert [(c, r) for c, r, _ in fp8.run_configs(args, torch.device("cuda"))] == \
+        [(True, "none"), (True, "tensorwise"), (True, "rowwise"), (False, "none"), (False, "tensorwise"),
+         (False, "rowwise")]
+    runs = fp8.run_configs(args, torch.device("cpu"))
+    assert [(c, r) for c, r, _ in runs] == [(False, "none"), (False, "tensorwise"), (False, "rowwise")]
+    for _, recipe, cfg in runs:
+        m, t = cfg.model, cfg.training
+        assert (m.arch, m.n_layer, m.d_model, m.n_head, m.n_kv_head, m.ffn_hidden, m.seq_len) == \
+            ("llama", 22, 2048, 32, 4, 5632, 2048)
+        assert (t.fp8, t.dtype, t.micro_batch_size, t.global_batch_size) == (recipe, "bf16", 4, 4)
+        assert 30 <= t.steps <= 50
+        validate(cfg, 1)
+    tiny = fp8.build_parser().parse_args(["--device", "cpu", "--result", "x", "--tiny"])
+    assert {cfg.model.d_model for _, _, cfg in fp8.run_configs(tiny, torch.device("cpu"))} == {64}
+
+
+def test_the_fp8_summary_against_bf16_and_its_target():
+    from gridtrain.selfcheck.fp8 import summary_row
+
+    base = {"tokens_per_s": 1000.0, "step_ms": 10.0, "mfu": 0.4, "losses": [5.0, 4.0], "peak_gib": 10.0}
+    fast = {**base, "tokens_per_s": 1300.0, "losses": [5.0, 4.02], "peak_gib": 9.0}
+    row = summary_row("tensorwise", True, fast, base, 1.4)
+    assert row["vs_bf16"] == pytest.approx(1.3) and row["final_loss_rel_diff"] == pytest.approx(0.005)
+    assert row["memory_vs_bf16"] == pytest.approx(0.9) and row["target"] == "pass"
+    assert summary_row("rowwise", True, {**fast, "tokens_per_s": 1200.0}, base, None)["target"] == "fail"  # slow
+    assert summary_row("rowwise", True, {**fast, "losses": [5.0, 4.1]}, base, None)["target"] == "fail"  # loss
+    assert summary_row("tensorwise", False, fast, base, None)["target"] == "n/a"  # eager: not the target's
+    assert summary_row("none", True, base, base, 1.0)["target"] == "n/a"
+
+
+@pytest.mark.spawn
+def test_a_result_that_says_skipped_marks_its_step_skipped_in_one_line(tmp_path):
+    result = tmp_path / "fp8.json"
+    line = "fp8: skipped: torchao's float8 does not import here (ImportError: no torchao); pip install torchao"
+    write = _python(f"import json; print({line!r}); json.dump({{'skipped': {line!r}}}, open({str(result)!r}, 'w'))")
+    got = run_step(Step("fp8", "float8", 30, [write], str(result)), tmp_path, budget_left_s=60)
+    assert (got.status, got.detail, got.tail) == ("skipped", line, "")
+    report = Report(tmp_path, "x", "cuda", planned=[("fp8", "float8")])
+    report.add(got)
+    assert f"| fp8 | float8 | skipped: {line} |" in "\n".join(report.markdown())
+
+
+def test_the_fp8_check_skips_without_torchao(tmp_path, monkeypatch, capsys):
+    from gridtrain.selfcheck import fp8
+
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import torchao.float8 raises ImportError
+    assert fp8.torchao_missing().startswith("fp8: skipped: torchao's float8 does not import here")
+    assert fp8.main(["--device", "cpu", "--tiny", "--result", str(tmp_path / "r.json")]) == 0
+    assert capsys.readouterr().out.count("\n") == 1
+    assert json.loads((tmp_path / "r.json").read_text())["skipped"].startswith("fp8: skipped")
+
+
+def test_the_report_has_a_float8_table(tmp_path):
+    report = Report(tmp_path, "x", "cuda", planned=[("fp8", "float8")])
+    row = {"run": "fp8 tensorwise compile", "tokens_per_s": 12000.0, "vs_bf16": 1.31, "predicted_vs_bf16": 1.28,
+           "final_loss": 4.0, "final_loss_rel_diff": 0.004, "max_loss_rel_diff": 0.008, "steps": 40,
+           "peak_gib": 30.0, "memory_vs_bf16": 0.95, "target": "pass"}
+    report.add(StepResult("fp8", "float8", "pass", 200.0, data={"fp8": [row]}))
+    md = "\n".join(report.markdown())
+    assert "## Float8 against bf16 (one device)" in md
+    assert "| fp8 tensorwise compile | 12,000 | 1.310x | 1.280x | 4.0000 | 0.40% | 0.80% | 40 | 30.00 | 0.950x | pass |" \
+        in md
+    assert report.as_json()["fp8"] == [row]
+
+
+@pytest.mark.spawn
+def test_a_cpu_rehearsal_of_the_fp8_step(tmp_path):
+    """The tiny variant end to end on the CPU (float8 emulated): three eager runs, their
+    summary against bf16 and the planner's predicted ratio."""
+    pytest.importorskip("torchao.float8")
+    result = tmp_path / "fp8.json"
+    done = subprocess.run([PY, "-m", "gridtrain.selfcheck.fp8", "--device", "cpu", "--tiny", "--result", str(result)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(result.read_text())
+    assert [r["loop"] for r in data["fp8_runs"]] == ["bf16", "fp8 tensorwise", "fp8 rowwise"]
+    rows = {r["fp8"]: r for r in data["fp8"]}
+    assert set(rows) == {"none", "tensorwise", "rowwise"} and rows["none"]["vs_bf16"] == 1.0
+    for recipe in ("tensorwise", "rowwise"):
+        assert rows[recipe]["final_loss_rel_diff"] < 0.05 and rows[recipe]["predicted_vs_bf16"] > 0
+        assert rows[recipe]["target"] == "n/a" and rows[recipe]["steps"] == 6

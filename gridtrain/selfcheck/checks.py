@@ -166,6 +166,12 @@ def watchdog(args, result: Result) -> int:
 def _gridtrain_run(cfg, device: torch.device, work: Path, label: str) -> tuple[list[float], int]:
     """``gridtrain train`` (the whole loop: data, step, report) in this process; each step's
     seconds from its metrics file, and the peak device memory."""
+    rows, peak = gridtrain_rows(cfg, device, work, label)
+    return [r["step_time_s"] for r in rows], peak
+
+
+def gridtrain_rows(cfg, device: torch.device, work: Path, label: str) -> tuple[list[dict], int]:
+    """:func:`_gridtrain_run` with each step's whole metrics row (loss, seconds, ...)."""
     from gridtrain.training.loop import pretrain
     from gridtrain.training.providers import decoder_forward_step, decoder_model_provider, text_datasets_provider
 
@@ -179,7 +185,7 @@ def _gridtrain_run(cfg, device: torch.device, work: Path, label: str) -> tuple[l
     del result
     peak = torch.cuda.max_memory_allocated(device) - before if device.type == "cuda" else 0
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [r["step_time_s"] for r in rows], peak
+    return rows, peak
 
 
 def _free(device: torch.device) -> None:
@@ -188,20 +194,20 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _hardware_key(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device)
-    return next((key for tag, key in (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb")) if tag in name),
-                None)
+def hardware_key(device: torch.device) -> str | None:
+    """The planner's hardware for this device ("cpu" off CUDA; None for an unlisted GPU)."""
+    from gridtrain.planner.hardware import hardware_key as by_name
+
+    return "cpu" if device.type != "cuda" else by_name(torch.cuda.get_device_name(device))
 
 
-def predicted_step_s(model_cfg: ModelConfig, micro_batch_size: int, dtype: str, hardware: str) -> float:
-    """The planner's step time for one device, one micro-batch per step."""
+def predicted_step_s(model_cfg: ModelConfig, micro_batch_size: int, dtype: str, hardware: str,
+                     fp8: str = "none") -> float:
+    """The planner's step time for one device, one micro-batch per step (``fp8``: its recipe)."""
     from gridtrain.planner.cost import Job, Layout, predict
     from gridtrain.planner.machine import machine
 
-    job = Job(model_cfg, global_batch_size=micro_batch_size, hardware=machine(hardware, 1), dtype=dtype)
+    job = Job(model_cfg, global_batch_size=micro_batch_size, hardware=machine(hardware, 1), dtype=dtype, fp8=fp8)
     return predict(job, Layout(dp=1, tp=1, pp=1, micro_batch_size=micro_batch_size), memory=False).step_time_s
 
 
@@ -245,7 +251,7 @@ def _memory_row(result: Result, label: str, cfg, device: torch.device, peaks: li
 
 
 def _planner_row(result: Result, label: str, cfg, device: torch.device, measured_s: float) -> None:
-    hardware = _hardware_key(device)
+    hardware = hardware_key(device)
     if hardware:
         expected = predicted_step_s(cfg.model, cfg.training.micro_batch_size, cfg.training.dtype, hardware)
         result.add("planner", {"run": label, "hardware": hardware, "predicted_ms": expected * 1e3,

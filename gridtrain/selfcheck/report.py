@@ -68,7 +68,8 @@ class Report:
                 "steps": [asdict(s) for s in self.steps]
                 + [{"name": n, "what": w, "status": "not run"} for n, w in self.planned if n not in done],
                 "throughput": self.rows("throughput"), "memory": self.rows("memory"),
-                "planner": self.rows("planner"), "parity": self.rows("parity"), "attention": self.rows("attention")}
+                "planner": self.rows("planner"), "parity": self.rows("parity"), "attention": self.rows("attention"),
+                "fp8": self.rows("fp8")}
 
     # ---- writing ----------------------------------------------------------------------------------
 
@@ -107,6 +108,16 @@ class Report:
                         "gridtrain; causal, masked, causal, masked); model FLOPs per token by the Narayanan et "
                         "al. formula, the same for both loops (and for a masked run, which does less attention "
                         "work); MFU against the device's dense bf16 peak.")
+        lines += _table("Float8 against bf16 (one device)", d["fp8"],
+                        [("run", "run", "{}"), ("tokens/s", "tokens_per_s", "{:,.0f}"),
+                         ("speed vs bf16", "vs_bf16", "{:.3f}x"), ("planner's", "predicted_vs_bf16", "{:.3f}x"),
+                         ("final loss", "final_loss", "{:.4f}"), ("vs bf16", "final_loss_rel_diff", "{:.2%}"),
+                         ("largest step difference", "max_loss_rel_diff", "{:.2%}"), ("steps", "steps", "{}"),
+                         ("peak GiB", "peak_gib", "{:.2f}"), ("memory vs bf16", "memory_vs_bf16", "{:.3f}x"),
+                         ("target", "target", "{}")],
+                        "Each float8 recipe against bf16 of the same compile mode, the same seed and data, run "
+                        "back to back; target: compiled at 1.25x bf16's tokens/s or more with the final loss "
+                        "within 1% (reported, not failed on). MFU stays against the bf16 peak.")
         lines += _table("Attention at long context: context parallelism's blocks vs fused SDPA", d["attention"],
                         [("run", "run", "{}"), ("path", "path", "{}"), ("ms (fwd + bwd)", "ms", "{:.1f}"),
                          ("attention TFLOP/s", "tflops", "{:.1f}"), ("transient GiB", "transient_gib", "{:.2f}"),

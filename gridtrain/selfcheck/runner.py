@@ -7,8 +7,9 @@ step starts anyway. The whole check has a budget too (``--budget-s``, 9.5 minute
 default, inside the 10 that a lent GPU machine allows one command): a step never gets
 more than what is left, and steps that no time is left for are marked ``skipped``.
 
-Steps that measure (``gridtrain.selfcheck.checks``) write a JSON result beside their log;
-the report merges it. Nothing here imports torch at the top: on a machine without torch
+Steps that measure (``gridtrain.selfcheck.checks``, ``gridtrain.selfcheck.fp8``) write a
+JSON result beside their log; the report merges it. A result that names a reason under
+``skipped`` (the fp8 step without torchao) marks its step skipped, with that one line. Nothing here imports torch at the top: on a machine without torch
 or without CUDA ``--gpu`` must refuse in one line (exit 2), not with a traceback.
 """
 
@@ -30,6 +31,7 @@ from gridtrain.selfcheck.report import Report, StepResult
 REPO = Path(__file__).resolve().parents[2]
 GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_attention_blocks.py")  # the tests that need CUDA (skipped without)
 EXIT_REFUSED = 2
+FP8_TIMEOUT_S = 300  # three compiled and three eager TinyLlama runs of 40 steps (selfcheck/fp8.py)
 TAIL_LINES = 30
 KILL_GRACE_S = 5.0
 
@@ -77,7 +79,9 @@ def run_step(step: Step, logs: Path, budget_left_s: float) -> StepResult:
             data = json.loads(Path(step.result_file).read_text())
         except ValueError as e:
             status, detail = "fail", f"its result file is not JSON ({e})"
-    tail = _tail(log) if status != "pass" else ""
+    if status == "pass" and isinstance(data.get("skipped"), str):
+        status, detail = "skipped", data["skipped"]
+    tail = _tail(log) if status not in ("pass", "skipped") else ""
     return StepResult(step.name, step.what, status, round(seconds, 1), detail, tail, data)
 
 
@@ -120,10 +124,11 @@ def _train(*flags: str) -> list[str]:
             "--eval-interval", "0", "--eval-iters", "1", *flags]
 
 
-def _check(name: str, out: Path, device: str, *flags: str) -> tuple[list[str], str]:
+def _check(name: str, out: Path, device: str, *flags: str, module: str = "") -> tuple[list[str], str]:
+    """A measuring step's command: ``gridtrain.selfcheck.checks NAME``, or a module of its own."""
     result = str(out / "results" / f"{name}.json")
-    return [sys.executable, "-m", "gridtrain.selfcheck.checks", name, "--device", device, "--result", result,
-            *flags], result
+    head = ["-m", module] if module else ["-m", "gridtrain.selfcheck.checks", name]
+    return [sys.executable, *head, "--device", device, "--result", result, *flags], result
 
 
 def plan_steps(device: str, out: Path, *, tiny: bool, peak_tflops: float | None) -> list[Step]:
@@ -136,10 +141,14 @@ def plan_steps(device: str, out: Path, *, tiny: bool, peak_tflops: float | None)
     extra = (["--tiny"] if tiny else []) + (["--peak-tflops", str(peak_tflops)] if peak_tflops else [])
     steps = []
 
-    def check(name, what, timeout_s, *flags):
-        command, result = _check(name, out, device, *flags, *extra)
+    def check(name, what, timeout_s, *flags, module=""):
+        command, result = _check(name, out, device, *flags, *extra, module=module)
         steps.append(Step(name, what, timeout_s, [command], result))
 
+    # first of all (issue 44): float8 against bf16, the newest path, measured before anything else
+    check("fp8", "gridtrain train --fp8 tensorwise and rowwise vs bf16 (TinyLlama-1.1B shape), compiled then "
+          "eager, interleaved: tokens/s ratio, loss curve, peak memory; target 1.25x compiled bf16 within 1% loss "
+          "(reported, not failed on); skipped without torchao", FP8_TIMEOUT_S, module="gridtrain.selfcheck.fp8")
     check("environment", "versions of the GPU, driver, torch, CUDA, NCCL", 60)
     # the newest paths first: a short GPU lease measures them before anything else
     ck0 = str(work / "muon-offload")

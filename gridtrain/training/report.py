@@ -35,6 +35,7 @@ from gridtrain.parallel.comm import CommGroup
 from gridtrain.parallel.zero3 import whole_shape
 from gridtrain.parallel.distributed import DistributedContext
 from gridtrain.parallel.experts import LayerRouting
+from gridtrain.planner.hardware import HARDWARE, hardware_key
 from gridtrain.training.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.models.decoder import training_flops_per_token
 from gridtrain.optim.schedules import resume_note, schedule_in_meta, schedule_of
@@ -206,6 +207,8 @@ class RunReport:
         peak = peak_tflops(ctx.device, self.trainer.cfg.metrics.peak_tflops)
         mfu = f"MFU {100 * tflops / peak:.1f}% of {peak:g} TFLOP/s" if peak else \
             f"MFU n/a (no known peak for {ctx.device.type}; pass --peak-tflops)"
+        if peak and self.trainer.cfg.training.fp8 != "none":
+            mfu = mfu_fp8_line(tflops, peak, fp8_peak_tflops(ctx.device))
         log.print(f"throughput: {stats.tokens_per_s():,.0f} tokens/s, {tflops:.4f} TFLOP/s per device "
                   f"({stats.flops_per_token / 1e6:.2f} MFLOP per token), {mfu}")
         if result.startup is not None:
@@ -453,6 +456,24 @@ def _layer_order(name: str) -> tuple[int, int]:
     if name.startswith("blocks."):
         return (1, int(name.split(".")[1]))
     return ({"embedding": 0, "head": 2}.get(name, 3), 0)
+
+
+def fp8_peak_tflops(device: torch.device) -> float | None:
+    """The device's dense FP8 Tensor Core peak (planner/hardware.py), or None: a CPU
+    (float8 emulated), an unlisted GPU, or one without FP8 Tensor Cores."""
+    if device.type != "cuda":
+        return None
+    key = hardware_key(torch.cuda.get_device_name(device))
+    return HARDWARE[key].peak_tflops_fp8 if key else None
+
+
+def mfu_fp8_line(tflops: float, peak: float, fp8_peak: float | None) -> str:
+    """MFU of an ``--fp8`` run: against the bf16 peak as every run's (the model FLOPs are
+    the same; only the blocks' linears run in float8), named so, and against the FP8
+    peak beside it where the device's is known."""
+    line = f"MFU {100 * tflops / peak:.1f}% of the bf16 peak ({peak:g} TFLOP/s)"
+    return line + (f", {100 * tflops / fp8_peak:.1f}% of the fp8 peak ({fp8_peak:g} TFLOP/s)" if fp8_peak else
+                   ", fp8 peak not known for this device")
 
 
 @contextlib.contextmanager
