@@ -33,6 +33,7 @@ QK_NORMS = ("head", "full")
 DEVICES = ("cpu", "cuda")
 BACKENDS = ("nccl", "gloo")
 COMPILE_BACKENDS = ("inductor", "aot_eager")  # torch.compile's, for --compile
+FP8_RECIPES = ("none", "tensorwise", "rowwise")  # --fp8 (parallel/float8.py)
 # one source of a data mixture, ``WEIGHT:PATH`` (gridtrain.data.mixture)
 WEIGHTED_SOURCE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*:(.+)$")
 LR_SCHEDULES = ("cosine", "linear", "wsd", "constant")  # gridtrain.optim.schedules
@@ -386,6 +387,19 @@ class TrainingConfig:
                                       "backward with eager kernels: compiles in a fraction of the time, for "
                                       "checking that a layout composes with compilation, or for telling a "
                                       "kernel's numerics from the capture's)")
+    fp8: str = option("none", choices=FP8_RECIPES, metavar="none|tensorwise|rowwise",
+                      help="float8 GEMMs in the blocks' linear layers (needs --dtype bf16 and torchao)",
+                      doc="the blocks' linear layers (attention projections, MLPs, experts; not the embedding, "
+                          "head or router) run their GEMMs in float8 with dynamic scales: `tensorwise` (one "
+                          "scale per tensor; e4m3 forward, e5m2 gradients) or `rowwise` (a power-of-two scale "
+                          "per row of each operand, e4m3 throughout). Every layout quantises with the scales "
+                          "one process would compute (docs/fp8.md). Needs `--dtype bf16` and torchao "
+                          "(`pip install gridtrain[fp8]`); on CPU the float8 GEMMs are emulated (exact "
+                          "dequantised products), for checking numerics, not speed")
+    fp8_all_gather: bool = option(False, help="--zero 3: gather the float8 weights as float8 (half the bytes)",
+                                  doc="with `--fp8` and `--zero 3`: each weight shard is cast to float8 with "
+                                      "the weight's global scale before its all-gather (half the bytes of "
+                                      "bf16); the master weights and checkpoints stay as they are")
     dist_timeout_s: float = option(300.0, flag="--timeout", range="> 0", metavar="S",
                                    help="collective timeout in seconds",
                                    doc="seconds any rank may wait in one collective or point-to-point transfer "

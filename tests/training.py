@@ -39,7 +39,15 @@ def summarize(result: TrainResult) -> dict:
             "peak_in_flight": result.peak_in_flight, "memory": result.memory,
             "recomputed": result.ctx.recompute.recomputed, "rebuilt_early": result.ctx.recompute.rebuilt_early,
             "routing": result.routing,  # MoE layers' routing per step (global counts: the same on every rank)
-            "received": {layer: s.received for layer, s in result.ctx.ep.log.layers.items()}}  # last step, this rank
+            "received": {layer: s.received for layer, s in result.ctx.ep.log.layers.items()},  # last step, this rank
+            "fp8_scales": _fp8_scales(result.ctx.tp.fp8)}
+
+
+def _fp8_scales(fp8) -> dict:
+    """--fp8: the first step's scales by (weight name, operand) (float8.ScaleLog)."""
+    if fp8 is None or fp8.log is None:
+        return {}
+    return {key: value.double().cpu().numpy() for key, value in fp8.log.entries.items()}
 
 
 def _train_worker(rank: int, world_size: int, cfg: Config) -> dict:

@@ -175,6 +175,8 @@ def _dry_run(args: argparse.Namespace) -> int:
     if cfg.training.compile:
         raise ConfigError("--dry-run measures the eager blocks (what a compiled block keeps for backward is "
                           "inductor's choice); drop --compile")
+    if cfg.training.fp8 != "none":
+        raise ConfigError("--dry-run does not take --fp8 yet; plan float8 runs with gridtrain plan --fp8")
     checked = copy.deepcopy(cfg)
     checked.training.device = None  # the dry run needs no GPU, even for cuda
     validate(checked, world, data=False)

@@ -69,8 +69,8 @@ from gridtrain.models import llama
 from gridtrain.models.attention import Documents, KVCache, LayerCache, SelfAttention
 from gridtrain.parallel.context_parallel import ContextParallel
 from gridtrain.parallel.recompute import Recomputation
-from gridtrain.parallel.split_backward import linear
-from gridtrain.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallel, column_linears
+from gridtrain.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallel, column_linears,
+                                                local_linear)
 
 
 # the latent norms' epsilon: DeepSeek's (its q_a_layernorm and kv_a_layernorm take the
@@ -157,7 +157,7 @@ class LatentAttention(SelfAttention):
     def _local(self, x: torch.Tensor, layer: ColumnParallelLinear) -> torch.Tensor:
         """A column-parallel up-projection of a latent already inside the TP region (whole
         sequence, the same on every rank): no entry, a local product."""
-        return linear(x, layer.weight, None, self.tp.weight_grads)
+        return local_linear(x, layer.weight, None, self.tp, self.tp.weight_grads)
 
 
 class LatentCache(KVCache):

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gridtrain.config import ModelConfig
+from gridtrain.parallel import float8
 from gridtrain.parallel.meta import on_meta
 from gridtrain.parallel.experts import (ExpertParallel, RoutingLog, capacity_order, dispatch_combine,
                                        grouped_gemm_fits, grouped_mm, permutation, start_counts_exchange,
@@ -186,11 +187,17 @@ class _GroupedLinear(torch.autograd.Function):
     backward, as an ``nn.Linear``'s are), as the per-expert loop does."""
 
     @staticmethod
-    def forward(ctx, rows, offs, width, bias, *params):
+    def forward(ctx, rows, offs, width, bias, fp8, *params):
         per = width + int(bias)
-        ctx.width, ctx.bias, ctx.rows = width, bias, [p.shape[0] for p in params[:width]]
+        ctx.width, ctx.bias, ctx.rows, ctx.fp8 = width, bias, [p.shape[0] for p in params[:width]], fp8
         groups = [params[i:i + per] for i in range(0, len(params), per)]
-        out = grouped_mm(rows, stacked([g[:width] for g in groups]).transpose(1, 2), offs)
+        weights = stacked([g[:width] for g in groups])
+        if fp8 is not None:  # rows per token, weights per expert (row), dequantised: float8.py's experts
+            scales = torch.stack([float8.expert_scales(g[:width], fp8, "rows") for g in groups])
+            out = _grouped_dequantised(float8.quantised_rows(rows, fp8),
+                                       float8.quantised_experts(weights, scales, 1).transpose(1, 2), offs, rows.dtype)
+        else:
+            out = grouped_mm(rows, weights.transpose(1, 2), offs)
         if bias:
             out += stacked([g[width:] for g in groups]).index_select(0, _group_of_rows(offs, rows.shape[0]))
         ctx.offs = offs  # E int32, held beside the saved tensors (the memory model counts per token)
@@ -202,9 +209,16 @@ class _GroupedLinear(torch.autograd.Function):
         (rows, *params), offs = ctx.saved_tensors, ctx.offs
         width, per = ctx.width, ctx.width + int(ctx.bias)
         groups = [params[i:i + per] for i in range(0, len(params), per)]
-        grad = grad.contiguous()
-        d_rows = grouped_mm(grad, stacked([g[:width] for g in groups]), offs) if ctx.needs_input_grad[0] else None
-        d_weights = grouped_mm(grad.t(), rows, offs)  # [E, N, K]
+        grad, fp8 = grad.contiguous(), ctx.fp8
+        d_rows = None
+        if ctx.needs_input_grad[0] and fp8 is None:
+            d_rows = grouped_mm(grad, stacked([g[:width] for g in groups]), offs)
+        elif ctx.needs_input_grad[0]:
+            scales = torch.stack([float8.expert_scales(g[:width], fp8, "cols") for g in groups])
+            d_rows = _grouped_dequantised(float8.quantised_rows(grad, fp8, fp8.grad_dtype),
+                                          float8.quantised_experts(stacked([g[:width] for g in groups]), scales, 2),
+                                          offs, grad.dtype)
+        d_weights = grouped_mm(grad.t(), rows, offs)  # [E, N, K]; float8 too: a sum over the tokens, in bf16
         if ctx.bias:
             d_bias = grad.new_zeros((len(groups), grad.shape[1])).index_add_(0, _group_of_rows(offs, grad.shape[0]),
                                                                              grad)
@@ -213,7 +227,17 @@ class _GroupedLinear(torch.autograd.Function):
             grads.extend(d.split(ctx.rows, 0) if width > 1 else (d,))
             if ctx.bias:
                 grads.append(d_bias[e])
-        return (d_rows, None, None, None, *grads)
+        return (d_rows, None, None, None, None, *grads)
+
+
+def _grouped_dequantised(rows: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """The grouped GEMM of dequantised float8 operands (fp32): in fp32 where the grouped
+    GEMM takes it (CPU), else in bf16 (CUDA's grouped GEMM: the dequantised values
+    rounded once more); the result in ``dtype``."""
+    if not grouped_gemm_fits(torch.float32, rows.device, 16, 16):
+        rows, weights = rows.to(torch.bfloat16), weights.to(torch.bfloat16)
+    return grouped_mm(rows, weights, offs).to(dtype)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -309,6 +333,8 @@ class MoE(nn.Module):
             p.sequence_parallel = tp.sequence_parallel  # partial sums over tp under SP
         for p in self.experts.parameters():
             p.expert = True  # reduced over the expert-data-parallel group, not dp x cp
+            if tp.fp8 is not None and p.dim() == 2:  # their grouped GEMMs in float8 (float8.py: experts)
+                float8.mark(p, "expert")
             if ep.folded:  # the expert grid spans tp: a rank's experts are its own, not copies of its tp peers'
                 p.tp_distinct, p.sequence_parallel = True, False
         self.shared = shared
@@ -404,13 +430,13 @@ class MoE(nn.Module):
         """Every local expert on its rows (``rows`` sorted expert-major, ``offs`` each
         expert's end row) by grouped GEMMs: SwiGLU as two (gate and up joined: their
         weights lie one after the other), GELU as two with per-expert biases."""
-        per_expert = self._expert_parameters()
+        per_expert, fp8 = self._expert_parameters(), self.tp.fp8
         if self.cfg.arch == "llama":  # gate, up, down
-            gate_up = _GroupedLinear.apply(rows, offs, 2, False, *[p for ps in per_expert for p in ps[:2]])
-            return _GroupedLinear.apply(_SwiGLU.apply(gate_up), offs, 1, False, *[ps[2] for ps in per_expert])
+            gate_up = _GroupedLinear.apply(rows, offs, 2, False, fp8, *[p for ps in per_expert for p in ps[:2]])
+            return _GroupedLinear.apply(_SwiGLU.apply(gate_up), offs, 1, False, fp8, *[ps[2] for ps in per_expert])
         # fc weight and bias, proj weight and bias
-        hidden = _GroupedLinear.apply(rows, offs, 1, True, *[p for ps in per_expert for p in ps[:2]])
-        return _GroupedLinear.apply(F.gelu(hidden, approximate="tanh"), offs, 1, True,
+        hidden = _GroupedLinear.apply(rows, offs, 1, True, fp8, *[p for ps in per_expert for p in ps[:2]])
+        return _GroupedLinear.apply(F.gelu(hidden, approximate="tanh"), offs, 1, True, fp8,
                                     *[p for ps in per_expert for p in ps[2:]])
 
     def _balance(self, out: torch.Tensor, probs: torch.Tensor, stats: torch.Tensor, received: int | torch.Tensor,

@@ -25,6 +25,7 @@ from gridtrain.parallel.comm import ByteCounter, CommGroup, single
 from gridtrain.config import Config
 from gridtrain.runtime.devices import cuda_device_from_env, process_group_device, shares_gpus
 from gridtrain.parallel.context_parallel import ContextParallel
+from gridtrain.parallel.float8 import Float8, ScaleLog
 from gridtrain.parallel.experts import ExpertParallel
 from gridtrain.parallel.grid import ProcessGrid, ProcessGroups, create_process_groups
 from gridtrain.runtime.launch import backend_for, init_from_env, resolve_device_type
@@ -161,6 +162,9 @@ def setup_distributed(cfg: Config) -> DistributedContext:
     tp = TensorParallel(comm("tp"), sequence_parallel=p.sequence_parallel and p.tp > 1, rng=rng,
                         weight_grads=weight_grads)
     dp, dp_x_cp, cp = comm("dp"), comm("dp_cp"), comm("cp")
+    if cfg.training.fp8 != "none":  # the scales' groups: tp, and cp (a micro-batch's tokens)
+        tp.fp8 = Float8(cfg.training.fp8, tp.comm, cp or single("cp"), emulate=device.type != "cuda",
+                        log=ScaleLog())  # the first step's scales (tests)
     return DistributedContext(grid=grid, groups=groups, rank=rank, device=device,
                               dtype=cfg.training.dtype, tp=tp,
                               recompute=Recomputation(policy_from(cfg.activations), rng),

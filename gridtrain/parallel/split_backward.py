@@ -64,11 +64,14 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def weight_grad_of(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor,
-                   store: WeightGradStore | None) -> torch.Tensor | None:
-    """The weight gradient ``grad_out^T x``, returned for autograd to accumulate; or,
-    while ``store`` is deferring (ZB's B), queued for W, which accumulates it itself
-    (returns None then)."""
+                   store: WeightGradStore | None, product: Callable[[], torch.Tensor] | None = None
+                   ) -> torch.Tensor | None:
+    """The weight gradient ``grad_out^T x`` (or ``product()``, the same product computed
+    otherwise: float8), returned for autograd to accumulate; or, while ``store`` is
+    deferring (ZB's B), queued for W, which accumulates it itself (returns None then)."""
     def weight_grad() -> torch.Tensor:
+        if product is not None:
+            return product().to(weight.dtype)
         g = grad_out.reshape(-1, grad_out.shape[-1]).transpose(0, 1) @ x.reshape(-1, x.shape[-1]).to(grad_out.dtype)
         return g.to(weight.dtype)
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from gridtrain.parallel import comm
 from gridtrain.parallel.comm import CommGroup, OnGroup
+from gridtrain.parallel.float8 import Float8, Float8Linear, kind_of, mark
 from gridtrain.parallel.rng import RNGStatesTracker
 from gridtrain.parallel.split_backward import WeightGradStore, linear, outside_compiled_graphs, weight_grad_of
 
@@ -120,6 +121,7 @@ class TensorParallel(OnGroup):
     sequence_parallel: bool = False
     rng: RNGStatesTracker = field(default_factory=lambda: RNGStatesTracker(torch.device("cpu")))
     weight_grads: WeightGradStore | None = None  # zero-bubble schedules: queue weight gradients here
+    fp8: Float8 | None = None  # --fp8: the blocks' linears run float8 GEMMs (float8.py)
 
     def leave(self, partial: torch.Tensor) -> torch.Tensor:
         """Out of a row-parallel layer: sum partial results (keeping a sequence shard under SP)."""
@@ -166,6 +168,8 @@ class ColumnParallelLinear(nn.Module):
         spec = ShardSpec(0, parts, replicas)
         self.weight = _param(out_features // slices, in_features, spec=spec)
         self.bias = _param(out_features // slices, spec=spec) if bias else None
+        if tp.fp8 is not None and replicas == 1:  # a slice held by several ranks gets partial output gradients
+            mark(self.weight, "column")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_linear(x, self.weight, self.bias, self.tp)
@@ -184,24 +188,40 @@ class _ColumnLinears(torch.autograd.Function):
     backward (ZB-H1's B) the weight gradients are queued instead (split_backward.py)."""
 
     @staticmethod
-    def forward(ctx, x, comm, sequence_parallel, store, *weights):
-        ctx.save_for_backward(x)
-        ctx.weights, ctx.comm, ctx.store = weights, comm, store  # the parameters themselves (see split_backward.py)
+    def forward(ctx, x, comm, sequence_parallel, store, fp8, *weights):
+        ctx.weights, ctx.comm, ctx.store, ctx.fp8 = weights, comm, store, fp8  # the parameters themselves (see split_backward.py)
         ctx.sequence_parallel = sequence_parallel
         total = comm.all_gather(x, 1) if sequence_parallel else x
-        return tuple(F.linear(total, w) for w in weights)
+        outputs, scales = [], []
+        for w in weights:  # float8 weights cast the gathered input (its scale: the whole sequences')
+            if fp8 is not None and kind_of(w):
+                y, s = fp8.forward(total, w, "column")
+                outputs.append(y)
+                scales.append(s)
+            else:
+                outputs.append(F.linear(total, w))
+        ctx.save_for_backward(x, *scales)
+        return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
-        (x,), comm, sp = ctx.saved_tensors, ctx.comm, ctx.sequence_parallel
+        (x, *scales), comm, sp, fp8 = ctx.saved_tensors, ctx.comm, ctx.sequence_parallel, ctx.fp8
         gathering = comm.start_all_gather(x, 1) if sp else None  # again: the price of keeping 1/t of the input
-        grad_in = grad_outs[0] @ ctx.weights[0].to(grad_outs[0].dtype)
-        for w, g in zip(ctx.weights[1:], grad_outs[1:]):
-            grad_in = grad_in + g @ w.to(g.dtype)
+        grad_in, kept = None, []
+        for w, g in zip(ctx.weights, grad_outs):
+            if fp8 is not None and kind_of(w):
+                part, k = fp8.grad_input(g, w, "column")
+                kept.append(k)
+            else:
+                part = g @ w.to(g.dtype)
+            grad_in = part if grad_in is None else grad_in + part
         reducing = comm.start_reduce_scatter(grad_in, 1) if sp else comm.start_all_reduce(grad_in)
         total = gathering.wait() if sp else x
-        grad_weights = [weight_grad_of(w, g, total, ctx.store) for w, g in zip(ctx.weights, grad_outs)]
-        return reducing.wait(), None, None, None, *grad_weights
+        grad_weights, scales, kept = [], iter(scales), iter(kept)
+        for w, g in zip(ctx.weights, grad_outs):
+            product = fp8.grad_weight(g, total, next(scales), next(kept)) if fp8 is not None and kind_of(w) else None
+            grad_weights.append(weight_grad_of(w, g, total, ctx.store, product))
+        return reducing.wait(), None, None, None, None, *grad_weights
 
 
 def column_linears(x: torch.Tensor, weights: list[torch.Tensor], tp: TensorParallel,
@@ -216,10 +236,10 @@ def column_linears(x: torch.Tensor, weights: list[torch.Tensor], tp: TensorParal
     gradients in B under a split backward (see :func:`parallel_lm_logits`)."""
     store = tp.weight_grads if defer else None
     if tp.size == 1:
-        return [linear(x, w, None, store) for w in weights]
+        return [local_linear(x, w, None, tp, store) for w in weights]
     apply, sp = _ColumnLinears.apply, tp.sequence_parallel
-    outputs = apply(x, tp.comm, sp, None, *weights) if store is None else \
-        outside_compiled_graphs(apply, x, tp.comm, sp, store, *weights)
+    outputs = apply(x, tp.comm, sp, None, tp.fp8, *weights) if store is None else \
+        outside_compiled_graphs(apply, x, tp.comm, sp, store, tp.fp8, *weights)
     return list(outputs)
 
 
@@ -227,8 +247,22 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   tp: TensorParallel, defer: bool = True) -> torch.Tensor:
     """``x A^T + b`` for one column-parallel weight (see :func:`column_linears`)."""
     if tp.size == 1:
-        return linear(x, weight, bias, tp.weight_grads if defer else None)
+        return local_linear(x, weight, bias, tp, tp.weight_grads if defer else None)
     (y,) = column_linears(x, [weight], tp, defer)
+    return y if bias is None else y + bias
+
+
+def local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel,
+                 store: WeightGradStore | None) -> torch.Tensor:
+    """``x A^T + b`` on this rank's input as it is (a row-parallel layer, a column layer at
+    tp 1 or fed a replicated input): split_backward's :func:`linear`, or in float8 where
+    the weight is a float8 operand (float8.py), its weight gradient deferrable alike."""
+    kind = kind_of(weight) if tp.fp8 is not None else None
+    if kind is None:
+        return linear(x, weight, bias, store)
+    apply = Float8Linear.apply
+    y = apply(x, weight, tp.fp8, kind, store) if store is None else \
+        outside_compiled_graphs(apply, x, weight, tp.fp8, kind, store)
     return y if bias is None else y + bias
 
 
@@ -244,9 +278,11 @@ class RowParallelLinear(nn.Module):
         self.bias = _param(out_features) if bias else None  # added once, after the sum
         if bias:
             self.bias.sequence_parallel = tp.sequence_parallel
+        if tp.fp8 is not None:
+            mark(self.weight, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.leave(linear(x, self.weight, None, self.tp.weight_grads))
+        y = self.tp.leave(local_linear(x, self.weight, None, self.tp, self.tp.weight_grads))
         return y if self.bias is None else y + self.bias
 
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from gridtrain.parallel import float8
 from gridtrain.parallel.comm import CommGroup, Pending
 from gridtrain.parallel.data_parallel import Bucket, GradientReducer, weak_hook
 from gridtrain.parallel.recompute import rebuilding_ahead
@@ -76,6 +77,7 @@ class Unit:
     buckets: list[Bucket]
     root: bool = False
     gathered: list[torch.Tensor] | None = None  # one tensor per bucket while gathered
+    lossy: bool = False  # gathered in float8 (--fp8-all-gather): the values are not the shard's
     pending: list[Pending] = field(default_factory=list)  # gathers in flight
     ready: bool = False  # gathered and waited for: the parameters point into ``gathered``
 
@@ -86,9 +88,14 @@ class ParameterShards:
 
     def __init__(self, model: nn.Module, reducer: GradientReducer, units: list[Unit], dp: CommGroup, *,
                  keep_gathered: bool = False, sequences: list[list[Unit]] | None = None,
-                 fill: Callable[[torch.Tensor, list], None] | None = None):
+                 fill: Callable[[torch.Tensor, list], None] | None = None, fp8_gather: bool = False):
         self.model, self.reducer, self.units, self.dp = model, reducer, units, dp
         self.keep_gathered = keep_gathered
+        # --fp8-all-gather: buckets of float8 weights (make_reducer gives them their own)
+        # travel as float8, cast with each weight's scales of the step (float8.py)
+        self.fp8_buckets = {id(b) for u in units for b in u.buckets
+                            if fp8_gather and b.params and all(float8.kind_of(p) for p in b.params)}
+        self._exact = False  # gather_all: the shard's values, never float8
         self.dtype = reducer.params[0].dtype if reducer.params else torch.float32
         self.device = reducer.device
         self.unit_of = {p: u for u in units for p in u.params}
@@ -126,11 +133,17 @@ class ParameterShards:
         if u.gathered is not None:
             return
         u.gathered = []
+        u.lossy = False
         for b in u.buckets:
             group = b.group  # the shard group, or for a rank's experts their expert-data-parallel group
             size = (b.end - b.start) // group.size
-            whole = torch.empty(b.end - b.start, dtype=self.dtype, device=self.device)
             own = self.shard[b.at:b.at + size]
+            if id(b) in self.fp8_buckets and not self._exact:
+                whole = torch.empty(b.end - b.start, dtype=torch.uint8, device=self.device)
+                own = self._float8_slice(b, own)
+                u.lossy = True
+            else:
+                whole = torch.empty(b.end - b.start, dtype=self.dtype, device=self.device)
             if group.size == 1:
                 whole.copy_(own)
             else:
@@ -149,11 +162,43 @@ class ParameterShards:
             pending.wait()
         u.pending = []
         for i, (b, whole) in enumerate(zip(u.buckets, u.gathered)):
+            if whole.dtype == torch.uint8:  # float8 bytes: the weights dequantised for the layers
+                whole = u.gathered[i] = self._dequantised(b, whole)
             self._storages[whole.untyped_storage()._cdata] = (u, i)
             for p in b.params:
                 o = self.reducer.offsets[p] - b.start
                 p.data = whole[o:o + math.prod(p.whole_shape)].view(p.whole_shape)
         u.ready = True
+
+    def _float8_slice(self, b: Bucket, own: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of float8 bucket ``b`` as float8 bytes: each piece cast with
+        its weight's scales of the step (per row, rowwise: the row of each element)."""
+        out = torch.zeros(own.numel(), dtype=torch.uint8, device=own.device)
+        for p in b.params:
+            scales = p.fp8_scales
+            for q in self.reducer._pieces_of[p]:
+                lo, hi = q.at - b.at, q.end - b.at
+                if scales.tensor is not None:
+                    scale = scales.tensor
+                else:
+                    k = p.whole_shape[-1]
+                    scale = scales.rows[:, 0][torch.arange(q.lo, q.hi, device=own.device) // k]
+                out[lo:hi] = float8.cast_with(own[lo:hi], scale, float8.E4M3).view(torch.uint8)
+        return out
+
+    def _dequantised(self, b: Bucket, gathered: torch.Tensor) -> torch.Tensor:
+        """The whole bucket in the parameters' dtype from its float8 bytes: each weight's
+        values over its scales. Cast again with the same scales (as the float8 layers
+        do), each gives back exactly the float8 value it travelled as: the layers compute
+        what they would from the bf16 gather, from half the bytes."""
+        whole = torch.empty(gathered.numel(), dtype=self.dtype, device=self.device)
+        values = gathered.view(float8.E4M3)
+        for p in b.params:
+            o, n = self.reducer.offsets[p] - b.start, math.prod(p.whole_shape)
+            scales = p.fp8_scales
+            scale = scales.tensor if scales.tensor is not None else scales.rows
+            whole[o:o + n] = (values[o:o + n].view(p.whole_shape).float() / scale).reshape(-1).to(self.dtype)
+        return whole
 
     def _free(self, u: Unit) -> None:
         if u.pending:  # a prefetch never used: let it land before dropping its memory
@@ -162,7 +207,7 @@ class ParameterShards:
             u.pending = []
         for whole in u.gathered or ():
             self._storages.pop(whole.untyped_storage()._cdata, None)
-        u.gathered, u.ready = None, False
+        u.gathered, u.ready, u.lossy = None, False, False
         for p in u.params:
             p.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
@@ -266,9 +311,16 @@ class ParameterShards:
     @torch.no_grad()
     def gather_all(self) -> None:
         """Every parameter whole, and left so until the next step: the end of a run (its
-        evaluation, sample and export read the weights), whole-tensor loads."""
-        for u in self.units:
-            self._ready(u)
+        evaluation, sample and export read the weights), whole-tensor loads. Always the
+        shard's own values: a unit gathered in float8 is gathered again."""
+        self._exact = True
+        try:
+            for u in self.units:
+                if u.lossy:
+                    self._free(u)
+                self._ready(u)
+        finally:
+            self._exact = False
         self.pinned = True
 
     @torch.no_grad()

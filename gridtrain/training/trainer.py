@@ -49,6 +49,7 @@ from gridtrain.parallel.distributed import DistributedContext, setup_distributed
 from gridtrain.parallel.meta import is_meta, on_meta, stand_in
 from gridtrain.parallel.experts import LayerRouting, step_routing
 from gridtrain.parallel.fully_sharded import ShardedGradientReducer
+from gridtrain.parallel.float8 import kind_of, refresh_weight_scales
 from gridtrain.parallel.zero3 import ParameterShards, attach_buckets, make_units
 from gridtrain.optim.distributed_muon import DistributedMuon
 from gridtrain.optim.distributed_optimizer import DistributedOptimizer, LossScaler
@@ -128,6 +129,7 @@ class Trainer:
         """One optimizer step: the stage's schedule (forward, backward and gradient
         reduction of every micro-batch), clipping, the optimizer."""
         ctx = self.ctx
+        self.refresh_fp8()
         self.reducer.zero()
         holds_loss = ctx.grid.is_last_stage(ctx.rank)
         every_label_counts = self.data is not None and self.data.every_label_counts
@@ -178,6 +180,7 @@ class Trainer:
         t, ctx, valid = self.cfg.training, self.ctx, self.data.valid
         sets = valid if isinstance(valid, dict) else {"": valid}
         ctx.recorder.set_action("validation")
+        self.refresh_fp8()
         self.model.eval()
         holds_loss = ctx.grid.is_last_stage(ctx.rank)
         totals = torch.zeros(len(sets), 2, dtype=torch.float64, device=ctx.device)
@@ -231,6 +234,16 @@ class Trainer:
         report.blocked_s = time.perf_counter() - began
         self.saves.append(report)
 
+    def refresh_fp8(self) -> None:
+        """``--fp8``: every float8 weight's scales from the weights as they are now (the
+        last step's, or the loaded ones): once per step, before its first forward, and
+        before evaluation and sampling (parallel/float8.py). The weights must be in
+        place: ZeRO-1's parameter gathers are waited for first."""
+        fp8 = self.ctx.tp.fp8
+        if fp8 is not None:
+            self.parameters_ready()
+            refresh_weight_scales(self.model, fp8, self.param_shards)
+
     def parameters_ready(self) -> None:
         """Wait for ZeRO-1's parameter gathers still in flight after the last step (the
         next forward would wait for them itself; anything else reading the weights calls
@@ -245,6 +258,7 @@ class Trainer:
         self.parameters_ready()
         if self.param_shards is not None:
             self.param_shards.gather_all()
+        self.refresh_fp8()
 
     def finish_saves(self) -> None:
         """Wait for a background save in flight; raise its failure (never silent)."""
@@ -398,6 +412,9 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext, micro_b
     if p.zero == 2:
         return ShardedGradientReducer(model, ctx.shard_group, experts=ctx.expert_dp, **common), None
     units, unit_of = make_units(model, Block)
+    fp8_gather = cfg.training.fp8_all_gather
+    if fp8_gather:  # a unit's float8 weights in buckets of their own: they travel as float8 (zero3.py)
+        unit_of = {q: (i, kind_of(q) is not None) for q, i in unit_of.items()}
     reducer = ShardedGradientReducer(model, ctx.shard_group, **{**common, "bucket_mb": math.inf}, units=unit_of,
                                      experts=ctx.expert_dp)
     attach_buckets(units, reducer)
@@ -407,7 +424,8 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext, micro_b
     sequences = None if chunks is None else \
         [[by_module[id(model.blocks[str(i)])] for i in c.layer_ids] + (mtp if c.post_process else []) for c in chunks]
     shards = ParameterShards(model, reducer, units, ctx.shard_group, keep_gathered=p.zero3_keep_gathered,
-                             sequences=sequences, fill=start_from.shard_filler(model, ctx) if start_from else None)
+                             sequences=sequences, fill=start_from.shard_filler(model, ctx) if start_from else None,
+                             fp8_gather=fp8_gather)
     reducer.after_grad = shards.after_grad
     ctx.recompute.early_limit = 1  # a region rebuilt ahead stays gathered until its backward (zero3.py)
     return reducer, shards

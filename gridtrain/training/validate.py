@@ -52,6 +52,7 @@ from gridtrain.data.sft import SFTDataset, is_sft_jsonl
 from gridtrain.data.token_files import find_token_header, largest_id
 from gridtrain.runtime.devices import gpu_shortage, shares_gpus
 from gridtrain.parallel.context_parallel import split_problem
+from gridtrain.parallel.float8 import torchao_problem
 from gridtrain.parallel.grid import GridError, ProcessGrid
 from gridtrain.checkpoint.huggingface import HFError, check_init_from
 from gridtrain.runtime.launch import resolve_device_type
@@ -189,6 +190,24 @@ def _validate_optimizer(o: OptimConfig, m, p) -> None:
         _require(m.arch != "llama" or m.mla or p.tp <= m.kv_heads,
                  f"--qk-clip with --tp {p.tp} above the {m.kv_heads} key/value heads (replicated over tp ranks) is not "
                  f"supported; use --tp {m.kv_heads} or fewer")
+
+
+def _validate_fp8(t: TrainingConfig, p: ParallelConfig) -> None:
+    """Float8 GEMMs: a bf16 run, torchao installed, what they do not compose with yet."""
+    _require(not t.fp8_all_gather or t.fp8 != "none",
+             "--fp8-all-gather gathers float8 weights, and this run has --fp8 none; pass --fp8 tensorwise or "
+             "rowwise, or drop it")
+    _require(not t.fp8_all_gather or p.zero == 3,
+             f"--fp8-all-gather casts ZeRO-3's parameter gathers, and this run has --zero {p.zero}; pass --zero 3 "
+             f"or drop it")
+    if t.fp8 == "none":
+        return
+    _require(t.dtype == "bf16", f"--fp8 {t.fp8} runs float8 GEMMs inside a bf16 run, and this run has --dtype "
+                                f"{t.dtype}; pass --dtype bf16")
+    _require(p.etp == 1, f"--fp8 with --etp {p.etp} is not supported yet (an expert slice's per-token scales "
+                         f"would need the etp group's amax); use --etp 1")
+    problem = torchao_problem()
+    _require(problem is None, problem or "")
 
 
 def _validate_recompute(a: ActivationsConfig, t: TrainingConfig) -> None:
@@ -562,6 +581,7 @@ def validate(cfg: Config, world_size: int | None = None, *, data: bool = True) -
     _validate_schedule(cfg.optim, t)
     _validate_optimizer(cfg.optim, m, p)
     _validate_recompute(cfg.activations, t)
+    _validate_fp8(t, p)
     _validate_document_mask(cfg.data, t)
     _validate_parallel(p, world_size)
     _validate_host(cfg)
