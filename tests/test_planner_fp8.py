@@ -250,3 +250,16 @@ def test_bad_fp8_plans_are_one_line(case, capsys, no_process_may_start):
     assert cli.main([*PLAN, *flags]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1 and expected in captured.err, captured.err
+
+
+def test_the_training_report_names_both_peaks_of_an_fp8_run():
+    """MFU of an --fp8 run: against the bf16 peak, said so, and the FP8 peak (the planner's
+    table) beside it; an unknown FP8 peak is said in words. Off CUDA no FP8 peak."""
+    import torch
+
+    from gridtrain.training.report import fp8_peak_tflops, mfu_fp8_line
+
+    assert mfu_fp8_line(405.0, 989.0, 1979.0) == \
+        "MFU 41.0% of the bf16 peak (989 TFLOP/s), 20.5% of the fp8 peak (1979 TFLOP/s)"
+    assert mfu_fp8_line(10.0, 100.0, None) == "MFU 10.0% of the bf16 peak (100 TFLOP/s), fp8 peak not known for this device"
+    assert fp8_peak_tflops(torch.device("cpu")) is None
