@@ -23,7 +23,7 @@ from gridtrain.planner.command import torchrun_command
 from gridtrain.planner.cost import (Job, Layout, block_cost, block_gemms, data_parallel_seconds, expert_gemm_passes,
                                     fp8_scale_seconds, gemm_seconds, linear_seconds, predict, ring_link,
                                     zero_chunk_seconds, zero_links, zero_units)
-from gridtrain.planner.hardware import HARDWARE, hardware_key
+from gridtrain.planner.hardware import DEVICE_TAGS, HARDWARE, hardware_key
 from gridtrain.planner.machine import machine, machine_from_profile
 from gridtrain.planner.measure import train_args
 
@@ -257,7 +257,10 @@ def test_the_training_report_names_both_peaks_of_an_fp8_run():
     table) beside it; an unknown FP8 peak is said in words. Off CUDA no FP8 peak."""
     import torch
 
-    from gridtrain.training.report import fp8_peak_tflops, mfu_fp8_line
+    from gridtrain.training.report import PEAK_FP8_TFLOPS, fp8_peak_tflops, mfu_fp8_line
+
+    for tag, key in DEVICE_TAGS:  # the report's table is the planner's (A100: none in either)
+        assert HARDWARE[key].peak_tflops_fp8 == PEAK_FP8_TFLOPS.get(tag)
 
     assert mfu_fp8_line(405.0, 989.0, 1979.0) == \
         "MFU 41.0% of the bf16 peak (989 TFLOP/s), 20.5% of the fp8 peak (1979 TFLOP/s)"

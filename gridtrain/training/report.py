@@ -35,7 +35,6 @@ from gridtrain.parallel.comm import CommGroup
 from gridtrain.parallel.zero3 import whole_shape
 from gridtrain.parallel.distributed import DistributedContext
 from gridtrain.parallel.experts import LayerRouting
-from gridtrain.planner.hardware import HARDWARE, hardware_key
 from gridtrain.training.metrics import MetricsLogger, RunStats, StepRecord, peak_tflops
 from gridtrain.models.decoder import training_flops_per_token
 from gridtrain.optim.schedules import resume_note, schedule_in_meta, schedule_of
@@ -458,13 +457,20 @@ def _layer_order(name: str) -> tuple[int, int]:
     return ({"embedding": 0, "head": 2}.get(name, 3), 0)
 
 
+# Dense FP8 Tensor Core peak TFLOP/s per device name tag, as training/metrics.py's bf16 table
+# (the planner's hardware table holds the same figures with their sources; training may
+# not import the planner, and tests/test_planner_fp8.py holds the two equal). Ampere and
+# older have no FP8 Tensor Cores: no entry.
+PEAK_FP8_TFLOPS = {"H200": 1979.0, "H100": 1979.0}
+
+
 def fp8_peak_tflops(device: torch.device) -> float | None:
-    """The device's dense FP8 Tensor Core peak (planner/hardware.py), or None: a CPU
-    (float8 emulated), an unlisted GPU, or one without FP8 Tensor Cores."""
+    """The device's dense FP8 Tensor Core peak, or None: a CPU (float8 emulated), an
+    unlisted GPU, or one without FP8 Tensor Cores."""
     if device.type != "cuda":
         return None
-    key = hardware_key(torch.cuda.get_device_name(device))
-    return HARDWARE[key].peak_tflops_fp8 if key else None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FP8_TFLOPS.items() if k in name), None)
 
 
 def mfu_fp8_line(tflops: float, peak: float, fp8_peak: float | None) -> str:
