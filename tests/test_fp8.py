@@ -183,21 +183,29 @@ def test_fp8_without_torchao_is_refused_in_one_line(monkeypatch):
 
 # ---- one process: float8 tracks bf16 -------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_fp8_tracks_bf16_within_3_percent_per_step_over_100_steps():
-    """The tiny Llama (2 blocks, 64 tokens) for 100 steps: --fp8 tensorwise's loss within
-    3% of bf16's at every step."""
-    def run(recipe):
-        cfg = set_fields(preset_config("llama-tiny"), dtype="bf16", fp8=recipe, steps=100, global_batch_size=8,
-                         micro_batch_size=4, eval_interval=0, eval_iters=1, progress=False, lr=3e-3,
-                         warmup_steps=10)
-        return train_in_process(cfg)["losses"]
+_100_STEPS: dict[str, list[float]] = {}
 
-    bf16, fp8 = run("none"), run("tensorwise")
+
+def _hundred_steps(recipe: str) -> list[float]:
+    if recipe not in _100_STEPS:
+        cfg = set_fields(preset_config("llama-tiny"), dtype="bf16", fp8=recipe, steps=100, global_batch_size=8,
+                         micro_batch_size=4, eval_interval=0, eval_iters=1, progress=False, lr=1e-3,
+                         warmup_steps=10)
+        _100_STEPS[recipe] = train_in_process(cfg)["losses"]
+    return _100_STEPS[recipe]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_tracks_bf16_within_3_percent_per_step_over_100_steps(recipe):
+    """The tiny Llama (2 blocks, 64 tokens, 8 sequences a step) for 100 steps: the float8
+    run's loss within 3% of bf16's at every step (measured: at most 0.35% tensorwise,
+    0.1% rowwise; 2.5% at lr 3e-3, where this small batch trains less stably)."""
+    bf16, fp8 = _hundred_steps("none"), _hundred_steps(recipe)
     worst = max(abs(a - b) / b for a, b in zip(fp8, bf16))
     assert worst <= 0.03, worst
     assert fp8 != bf16  # the float8 GEMMs ran
-    assert bf16[-1] < 0.8 * bf16[0]  # and the model learned
+    assert bf16[-1] < 0.6 * bf16[0]  # and the model learned
 
 
 # ---- every layout against one process (real gloo processes) -----------------------------------------------------
@@ -205,6 +213,8 @@ def test_fp8_tracks_bf16_within_3_percent_per_step_over_100_steps():
 RUNS = {  # name -> (world, (recipe, preset, fields))
     "dp2": (2, ("tensorwise", "llama-tiny", dict(dp=2))),
     "tp2-sp": (2, ("tensorwise", "llama-tiny", dict(tp=2, sequence_parallel=True))),
+    "tp2-sp-compiled": (2, ("tensorwise", "llama-tiny", dict(tp=2, sequence_parallel=True, compile=True,
+                                                             compile_backend="aot_eager"))),
     "pp2-zbh1-full": (2, ("tensorwise", "llama-tiny", dict(pp=2, schedule="zb-h1", recompute="full"))),
     "cp2": (2, ("tensorwise", "llama-tiny", dict(cp=2))),
     "zero3": (2, ("tensorwise", "llama-tiny", dict(dp=2, zero=3))),

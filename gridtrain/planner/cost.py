@@ -130,7 +130,8 @@ from gridtrain.memory.zero import zero_step_collectives
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.parallel.pipeline.schedules import build_schedule
 from gridtrain.parallel.pipeline.simulate import Costs, simulate
-from gridtrain.planner.fp8 import FP8_GATHER_BYTES, RECIPE_SPEED, SCALE_BYTES, block_float8, cast_bytes, scale_count
+from gridtrain.planner.fp8 import (FP8_GATHER_BYTES, RECIPE_SPEED, SCALE_BYTES, block_float8, cast_bytes,
+                                  dequantised_bytes, scale_count)
 from gridtrain.planner.machine import Link, ring_seconds  # noqa: F401 (ring_seconds: re-exported)
 
 # memory-bound passes over a block's activations (b s d elements each) in a forward:
@@ -623,8 +624,14 @@ def expert_gemm_passes(job: Job, lay: Layout) -> tuple[float, float, float]:
     m = job.model
     rows = max(1, round(moe_routing(job, lay)[2]))
     shapes = mlp_gemms(m, rows, m.moe_ffn_size // lay.etp)
-    one = linear_seconds(job, shapes, [True] * len(shapes), grad_weight_fp8=False)
-    return tuple(m.n_experts // lay.ep * x for x in one)
+    f, b, w = linear_seconds(job, shapes)  # bf16 GEMMs: under --fp8 on dequantised operands (fp8.py)
+    if job.fp8_on:
+        for r, n, k in shapes:
+            cast_f, cast_b = cast_bytes(job.fp8, r, n, k, grad_weight=False)
+            deq_f, deq_b = dequantised_bytes(r, n, k)
+            f += (cast_f + deq_f) / job.hardware.memory_bandwidth
+            b += (cast_b + deq_b) / job.hardware.memory_bandwidth
+    return tuple(m.n_experts // lay.ep * x for x in (f, b, w))
 
 
 def etp_seconds(job: Job, lay: Layout) -> float:

@@ -3,7 +3,9 @@ move, and when the plan refuses it.
 
 The runtime (parallel/float8.py) runs the three GEMMs of every block linear (forward,
 input gradient, weight gradient) on float8 operands: the attention projections, the MLPs
-and the experts (whose weight gradient stays bf16); not the attention core, the
+and the experts (per token, their weight gradient in bf16, and their grouped GEMMs run
+on dequantised operands: costed as bf16 GEMMs plus the casts' and dequantisation's
+traffic, slower than bf16, as the runtime is today); not the attention core, the
 embedding, the head or the router, nor a column layer whose weight slice several tp
 ranks hold (Llama key/value heads when tp exceeds their count, latent attention's
 down-projections under tp > 1). The cost model (cost.py) times a float8 GEMM with the
@@ -63,6 +65,15 @@ def cast_bytes(recipe: str, rows: int, n: int, k: int, grad_weight: bool = True)
     def moved(gemm: str) -> float:
         return float(sum(b * elements[operand] for operand, b in table[gemm].items()))
     return moved("forward"), moved("input_grad") + (moved("weight_grad") if grad_weight else 0.0)
+
+
+def dequantised_bytes(rows: int, n: int, k: int) -> tuple[float, float]:
+    """Bytes the experts' dequantisation moves, as (forward, backward): the runtime runs
+    the experts' grouped GEMMs on float8 operands dequantised to bf16 (parallel/float8.py:
+    no scaled grouped GEMM yet), reading each one-byte cast and writing it as two bytes
+    (the rows and weights forward, the output gradient and weights for the input
+    gradient); the GEMMs themselves are bf16's."""
+    return 3.0 * (rows * k + n * k), 3.0 * (rows * n + n * k)
 
 
 def block_float8(m, tp: int, mlp: bool = True) -> list[bool]:
