@@ -220,6 +220,8 @@ RUNS = {  # name -> (world, (recipe, preset, fields))
     "zero3": (2, ("tensorwise", "llama-tiny", dict(dp=2, zero=3))),
     "zero3-gather": (2, ("tensorwise", "llama-tiny", dict(dp=2, zero=3, fp8_all_gather=True))),
     "ep2": (2, ("tensorwise", "moe-tiny", dict(dp=2, ep=2))),
+    "ep2-zero3-gather": (2, ("tensorwise", "moe-tiny", dict(dp=2, ep=2, zero=3, fp8_all_gather=True))),
+    "gpt2-tp2-sp": (2, ("tensorwise", "tiny", dict(tp=2, sequence_parallel=True))),  # biases, fused qkv
     "rowwise-tp2-sp": (2, ("rowwise", "llama-tiny", dict(tp=2, sequence_parallel=True, recompute="selective"))),
     "rowwise-cp2": (2, ("rowwise", "llama-tiny", dict(cp=2))),
     "rowwise-zero3": (2, ("rowwise", "llama-tiny", dict(dp=2, zero=3))),
@@ -282,7 +284,7 @@ def test_every_layout_trains_the_one_process_fp8_model(name):
     assert seen >= len(weights)  # every weight's scale, on some rank
     if RUNS[name][1][0] == "tensorwise":  # (rowwise: per token, of this rank's tokens)
         # rank 0 holds block 0 and the global batch's first micro-batch (or its part) on every layout
-        first = ("blocks.0.attn.q.weight", "input")
+        first = ("blocks.0.attn.qkv.weight" if RUNS[name][1][1] == "tiny" else "blocks.0.attn.q.weight", "input")
         assert np.array_equal(runs[0]["fp8_scales"][first], ref_scales[first])
 
 
