@@ -131,7 +131,7 @@ from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.parallel.pipeline.schedules import build_schedule
 from gridtrain.parallel.pipeline.simulate import Costs, simulate
 from gridtrain.planner.fp8 import (FP8_GATHER_BYTES, RECIPE_SPEED, SCALE_BYTES, block_float8, cast_bytes,
-                                  dequantised_bytes, scale_count)
+                                  cast_kernels, dequantised_bytes, scale_count)
 from gridtrain.planner.machine import Link, ring_seconds  # noqa: F401 (ring_seconds: re-exported)
 
 # memory-bound passes over a block's activations (b s d elements each) in a forward:
@@ -332,6 +332,11 @@ def gemm_seconds(m: int, n: int, k: int, hw, dtype: str, batch: int = 1, speed: 
     compute side's rate (fp8.RECIPE_SPEED)."""
     if min(m, n, k) <= 0:
         return 0.0
+    if dtype == "fp8" and getattr(hw, "fp8_emulated", False):
+        # emulated (parallel/float8.py on CPU): each one-byte operand read and written as
+        # fp32, then an fp32 GEMM of those
+        dequantised = 5.0 * (m * k + k * n) * batch / hw.memory_bandwidth
+        return gemm_seconds(m, n, k, hw, "fp32", batch) + dequantised
     flops = 2.0 * m * n * k * batch
     out = DTYPE_BYTES["bf16" if dtype == "fp8" else dtype]
     moved = ((m * k + k * n) * DTYPE_BYTES[dtype] + m * n * out) * batch
@@ -356,8 +361,9 @@ def linear_seconds(job: Job, shapes: list[tuple[int, int, int]], flags: list[boo
             continue
         narrow = gemm_seconds(m, n, k, hw, "fp8", speed=RECIPE_SPEED[job.fp8])
         cast_f, cast_b = cast_bytes(job.fp8, m, n, k, grad_weight_fp8)
-        f += narrow + cast_f / hw.memory_bandwidth
-        b += narrow + cast_b / hw.memory_bandwidth
+        kernels_f, kernels_b = cast_kernels(job.fp8, grad_weight_fp8)
+        f += narrow + cast_f / hw.memory_bandwidth + kernels_f * hw.kernel_s
+        b += narrow + cast_b / hw.memory_bandwidth + kernels_b * hw.kernel_s
         w += narrow if grad_weight_fp8 else wide
     return f, b, w
 
@@ -629,8 +635,9 @@ def expert_gemm_passes(job: Job, lay: Layout) -> tuple[float, float, float]:
         for r, n, k in shapes:
             cast_f, cast_b = cast_bytes(job.fp8, r, n, k, grad_weight=False)
             deq_f, deq_b = dequantised_bytes(r, n, k)
-            f += (cast_f + deq_f) / job.hardware.memory_bandwidth
-            b += (cast_b + deq_b) / job.hardware.memory_bandwidth
+            kernels_f, kernels_b = cast_kernels(job.fp8, grad_weight=False)
+            f += (cast_f + deq_f) / job.hardware.memory_bandwidth + kernels_f * job.hardware.kernel_s
+            b += (cast_b + deq_b) / job.hardware.memory_bandwidth + kernels_b * job.hardware.kernel_s
     return tuple(m.n_experts // lay.ep * x for x in (f, b, w))
 
 

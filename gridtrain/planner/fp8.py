@@ -27,6 +27,9 @@ the same efficiency, with one-byte operands and a bf16 output, and adds:
   write one byte: 2); rowwise casts every operand again for each GEMM along that GEMM's
   reduction dimension. Eager kernels: ``--compile`` fuses some of these passes into
   their neighbours, which the planner does not model;
+* the casts' kernels (``CAST_KERNELS``: about 9 for a dynamic cast, 4 for one with the
+  step's scales), each the machine's per-kernel time: on a small model's eager step
+  these launches, not the bytes, are the casts' cost;
 * the weights' scales: one all-reduce per step of one fp32 amax per float8 weight
   (tensorwise) or one per row and column (rowwise), over the ZeRO-3 shard group and over
   tp (float8.refresh_weight_scales), latency-bound (a tree);
@@ -51,6 +54,13 @@ CAST_BYTES = {
     "tensorwise": {"forward": {"x": 5, "w": 3}, "input_grad": {"g": 5, "w": 2}, "weight_grad": {"g": 2, "x": 2}},
     "rowwise": {"forward": {"x": 5, "w": 3}, "input_grad": {"g": 5, "w": 3}, "weight_grad": {"g": 5, "x": 5}},
 }
+# eager kernels of the casts of one linear, by GEMM: a dynamic cast about 9 (abs, amax,
+# the scale's 4, multiply, clamp, convert), one with the step's scales 4, a transposed
+# copy 1 (the kernel-launch side of CAST_BYTES; --compile fuses most of them)
+CAST_KERNELS = {
+    "tensorwise": {"forward": 9 + 4, "input_grad": 9 + 4, "weight_grad": 4 + 2},
+    "rowwise": {"forward": 9 + 4, "input_grad": 9 + 4, "weight_grad": 9 + 9},
+}
 FP8_GATHER_BYTES = 1  # a float8 weight's element in ZeRO-3's gathers under --fp8-all-gather
 SCALE_BYTES = 4  # one fp32 amax
 
@@ -65,6 +75,12 @@ def cast_bytes(recipe: str, rows: int, n: int, k: int, grad_weight: bool = True)
     def moved(gemm: str) -> float:
         return float(sum(b * elements[operand] for operand, b in table[gemm].items()))
     return moved("forward"), moved("input_grad") + (moved("weight_grad") if grad_weight else 0.0)
+
+
+def cast_kernels(recipe: str, grad_weight: bool = True) -> tuple[int, int]:
+    """Eager kernels of one float8 linear's casts, as (forward, backward)."""
+    table = CAST_KERNELS[recipe]
+    return table["forward"], table["input_grad"] + (table["weight_grad"] if grad_weight else 0)
 
 
 def dequantised_bytes(rows: int, n: int, k: int) -> tuple[float, float]:

@@ -87,6 +87,7 @@ class Machine:
     usable_fraction: float = 0.92
     source: str = ""
     notes: dict[str, str] = field(default_factory=dict)
+    fp8_emulated: bool = False  # float8 GEMMs as fp32 GEMMs of dequantised operands (the CPU)
 
     def peak_flops(self, dtype: str) -> float:
         return self.peak.get(dtype) or self.peak["fp32"]
@@ -150,7 +151,7 @@ def machine_from_profile(profile: dict, world: int) -> Machine:
     link = Link(bandwidth / crowd, latency, kinds)
     return Machine(name="cpu", peak={"fp32": peak * share, "fp64": peak * share / 2, "bf16": peak * share / 4,
                                      "fp16": peak * share / 8, "fp8": peak * share},  # fp8: emulated in fp32
-                   memory_bandwidth=profile["bandwidth"] * share, memory=_host_memory(), nvlink=link, network=link,
+                   fp8_emulated=True,                   memory_bandwidth=profile["bandwidth"] * share, memory=_host_memory(), nvlink=link, network=link,
                    gpus_per_node=max(world, 1), gemm_efficiency=1.0, gemm_half=half, kernel_s=profile["kernel_s"],
                    usable_fraction=0.8, source=f"measured on this host ({cores} cores)")
 
