@@ -256,7 +256,6 @@ REFUSED = {
     "gather without fp8": (["--hardware", "h100-sxm", "--fp8-all-gather"], "--fp8 none"),
     "gather without zero 3": (["--hardware", "h100-sxm", "--fp8", "tensorwise", "--fp8-all-gather", "--zero", "2"],
                               "pass --zero 3"),
-    "etp": (["--hardware", "h100-sxm", "--fp8", "tensorwise", "--etp", "2"], "use --etp 1"),
 }
 
 

@@ -187,14 +187,15 @@ class _GroupedLinear(torch.autograd.Function):
     backward, as an ``nn.Linear``'s are), as the per-expert loop does."""
 
     @staticmethod
-    def forward(ctx, rows, offs, width, bias, fp8, *params):
+    def forward(ctx, rows, offs, width, bias, f8, *params):
         per = width + int(bias)
-        ctx.width, ctx.bias, ctx.rows, ctx.fp8 = width, bias, [p.shape[0] for p in params[:width]], fp8
+        fp8 = f8.fp8
+        ctx.width, ctx.bias, ctx.rows, ctx.f8 = width, bias, [p.shape[0] for p in params[:width]], f8
         groups = [params[i:i + per] for i in range(0, len(params), per)]
         weights = stacked([g[:width] for g in groups])
         if fp8 is not None:  # rows per token, weights per expert (row), dequantised: float8.py's experts
             scales = torch.stack([float8.expert_scales(g[:width], fp8, "rows") for g in groups])
-            out = _grouped_dequantised(float8.quantised_rows(rows, fp8),
+            out = _grouped_dequantised(float8.quantised_rows(rows, fp8, groups=f8.rows),
                                        float8.quantised_experts(weights, scales, 1).transpose(1, 2), offs, rows.dtype)
         else:
             out = grouped_mm(rows, weights.transpose(1, 2), offs)
@@ -209,13 +210,13 @@ class _GroupedLinear(torch.autograd.Function):
         (rows, *params), offs = ctx.saved_tensors, ctx.offs
         width, per = ctx.width, ctx.width + int(ctx.bias)
         groups = [params[i:i + per] for i in range(0, len(params), per)]
-        grad, fp8 = grad.contiguous(), ctx.fp8
+        grad, fp8 = grad.contiguous(), ctx.f8.fp8
         d_rows = None
         if ctx.needs_input_grad[0] and fp8 is None:
             d_rows = grouped_mm(grad, stacked([g[:width] for g in groups]), offs)
         elif ctx.needs_input_grad[0]:
             scales = torch.stack([float8.expert_scales(g[:width], fp8, "cols") for g in groups])
-            d_rows = _grouped_dequantised(float8.quantised_rows(grad, fp8, fp8.grad_dtype),
+            d_rows = _grouped_dequantised(float8.quantised_rows(grad, fp8, fp8.grad_dtype, ctx.f8.gradients),
                                           float8.quantised_experts(stacked([g[:width] for g in groups]), scales, 2),
                                           offs, grad.dtype)
         d_weights = grouped_mm(grad.t(), rows, offs)  # [E, N, K]; float8 too: a sum over the tokens, in bf16
@@ -228,6 +229,18 @@ class _GroupedLinear(torch.autograd.Function):
             if ctx.bias:
                 grads.append(d_bias[e])
         return (d_rows, None, None, None, None, *grads)
+
+
+class _Float8Rows:
+    """A grouped linear's float8 recipe (None: bf16) and the groups holding the rest of
+    each token's row of its input (``rows``: a down projection's slice under etp) and of
+    its output gradient (``gradients``: gate and up's slices)."""
+
+    def __init__(self, fp8: float8.Float8 | None, rows: CommGroup | None = None,
+                 gradients: CommGroup | None = None):
+        self.fp8 = fp8
+        self.rows = (rows,) if rows is not None else ()
+        self.gradients = (gradients,) if gradients is not None else ()
 
 
 def _grouped_dequantised(rows: torch.Tensor, weights: torch.Tensor, offs: torch.Tensor,
@@ -431,12 +444,15 @@ class MoE(nn.Module):
         expert's end row) by grouped GEMMs: SwiGLU as two (gate and up joined: their
         weights lie one after the other), GELU as two with per-expert biases."""
         per_expert, fp8 = self._expert_parameters(), self.tp.fp8
-        if self.cfg.arch == "llama":  # gate, up, down
-            gate_up = _GroupedLinear.apply(rows, offs, 2, False, fp8, *[p for ps in per_expert for p in ps[:2]])
-            return _GroupedLinear.apply(_SwiGLU.apply(gate_up), offs, 1, False, fp8, *[ps[2] for ps in per_expert])
+        if self.cfg.arch == "llama":  # gate, up, down (under etp: slices by rows, by columns)
+            etp = self.ep.etp if fp8 is not None and self.ep.etp.size > 1 else None
+            gate_up = _GroupedLinear.apply(rows, offs, 2, False, _Float8Rows(fp8, gradients=etp),
+                                           *[p for ps in per_expert for p in ps[:2]])
+            return _GroupedLinear.apply(_SwiGLU.apply(gate_up), offs, 1, False, _Float8Rows(fp8, rows=etp),
+                                        *[ps[2] for ps in per_expert])
         # fc weight and bias, proj weight and bias
-        hidden = _GroupedLinear.apply(rows, offs, 1, True, fp8, *[p for ps in per_expert for p in ps[:2]])
-        return _GroupedLinear.apply(F.gelu(hidden, approximate="tanh"), offs, 1, True, fp8,
+        hidden = _GroupedLinear.apply(rows, offs, 1, True, _Float8Rows(fp8), *[p for ps in per_expert for p in ps[:2]])
+        return _GroupedLinear.apply(F.gelu(hidden, approximate="tanh"), offs, 1, True, _Float8Rows(fp8),
                                     *[p for ps in per_expert for p in ps[2:]])
 
     def _balance(self, out: torch.Tensor, probs: torch.Tensor, stats: torch.Tensor, received: int | torch.Tensor,

@@ -35,7 +35,10 @@ expert-parallel all-to-all), so no scale over an expert's tokens can be the one-
 one. Their rows and output gradients are therefore scaled per token under both recipes
 (a token's scale depends only on itself), their weights per expert (tensorwise) or per
 row (rowwise), and their weight gradient (a sum over the tokens) stays in bf16, as
-torchao's ``rowwise_with_gw_hp`` recipe keeps it.
+torchao's ``rowwise_with_gw_hp`` recipe keeps it. Under expert tensor parallelism
+(``--etp``) a token's row is split where the slice splits it (the down projection's
+input, gate and up's output gradient): its amax is reduced over the etp group, as are
+the slices' weight amaxes.
 
 **Not float8**: the embedding, the head and the router (as torchao and Megatron leave
 them), and a column layer whose weight slice several tp ranks hold (Llama key/value
@@ -335,6 +338,15 @@ def refresh_weight_scales(model: torch.nn.Module, fp8: Float8, shards=None) -> i
                 by_group.setdefault(id(group), (group, []))[1].extend(a)
         for group, tensors in by_group.values():
             _reduce_joined(tensors, group)
+    by_etp: dict[int, tuple[CommGroup, list[torch.Tensor]]] = {}
+    for (_, p), a in zip(weights, amaxes):  # an expert's slice (--etp): over its etp group, likewise
+        etp = getattr(p, "etp_shard", None)
+        if etp is not None and etp[1].size > 1:
+            spec, group = etp
+            picked = a[0] if not fp8.rowwise else (a[0] if spec.dim == 1 else a[1])
+            by_etp.setdefault(id(group), (group, []))[1].append(picked)
+    for group, tensors in by_etp.values():
+        _reduce_joined(tensors, group)
     if fp8.tp.size > 1:  # over tp where it splits the reduced dimension (experts: never)
         split = []
         for (_, p), a in zip(weights, amaxes):
@@ -407,9 +419,11 @@ def expert_scales(weights: list[torch.Tensor], fp8: Float8, use: str) -> torch.T
     return torch.stack(parts).amin(0)  # gate and up joined along N: the smaller scale (larger amax)
 
 
-def quantised_rows(rows: torch.Tensor, fp8: Float8, dtype: torch.dtype = E4M3) -> torch.Tensor:
-    """``rows`` [M, K] cast per token and dequantised to fp32 (what the scaled GEMM reads)."""
-    q, s = fp8.cast(rows, -1, (), dtype)
+def quantised_rows(rows: torch.Tensor, fp8: Float8, dtype: torch.dtype = E4M3,
+                   groups: tuple[CommGroup, ...] = ()) -> torch.Tensor:
+    """``rows`` [M, K] cast per token and dequantised to fp32 (what the scaled GEMM reads);
+    ``groups``: the ranks holding the rest of each row (an expert slice's etp group)."""
+    q, s = fp8.cast(rows, -1, groups, dtype)
     return q.float() / s
 
 

@@ -149,19 +149,17 @@ def plan_command(args: argparse.Namespace) -> int:
         hw = machine(args.hardware, args.gpus)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    problem = fp8.refusal(args.fp8, args.fp8_all_gather, args.dtype, hw, args.zero, args.etp)
+    problem = fp8.refusal(args.fp8, args.fp8_all_gather, args.dtype, hw, args.zero)
     if problem:
         raise ConfigError(problem)
     job = Job(model=model, global_batch_size=args.global_batch_size, hardware=hw, dtype=args.dtype,
               gpus_per_node=args.gpus_per_node, optimizer=args.optimizer,
               optimizer_state_dtype=args.optimizer_state_dtype, optimizer_offload=args.optimizer_offload,
               fp8=args.fp8, fp8_all_gather=args.fp8_all_gather)
-    # the runtime's float8 experts take etp 1 only (fp8.refusal refuses a fixed other one)
-    etp = 1 if job.fp8_on and args.etp is None and model.n_experts else args.etp
     fixed = Fixed(tp=args.tp, pp=args.pp, vpp=args.vpp, micro_batch_size=args.micro_batch_size,
                   schedule=args.schedule, recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                   zero=args.zero, cp=args.cp, cp_comm=args.cp_comm, zero_shard_size=args.zero_shard_size,
-                  zero3_keep_gathered=args.zero3_keep_gathered, ep=args.ep, etp=etp)
+                  zero3_keep_gathered=args.zero3_keep_gathered, ep=args.ep, etp=args.etp)
     best = search(job, args.gpus, fixed, top=args.top)
     if not best:
         raise ConfigError(why_none(job, args.gpus, fixed))

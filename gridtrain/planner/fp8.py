@@ -117,10 +117,10 @@ def scale_count(recipe: str, shapes: list[tuple[int, int, int]], flags: list[boo
     return sum((1 if recipe == "tensorwise" else n + k) for (_, n, k), f in zip(shapes, flags) if f)
 
 
-def refusal(fp8: str, fp8_all_gather: bool, dtype: str, hardware, zero: int | None, etp: int | None) -> str | None:
+def refusal(fp8: str, fp8_all_gather: bool, dtype: str, hardware, zero: int | None) -> str | None:
     """Why ``plan`` cannot take these float8 flags (one line, as ``train`` refuses them),
     or None. ``hardware``: the machine (its ``peak`` has "fp8" only with FP8 Tensor
-    Cores); ``zero`` and ``etp``: the fixed ones (None: searched)."""
+    Cores); ``zero``: the fixed stage (None: searched)."""
     if fp8 not in FP8_RECIPES:
         return f"plan: --fp8 {fp8} is not one of {', '.join(FP8_RECIPES)}"
     if fp8_all_gather and fp8 == "none":
@@ -137,7 +137,4 @@ def refusal(fp8: str, fp8_all_gather: bool, dtype: str, hardware, zero: int | No
     if "fp8" not in hardware.peak:
         return f"plan: --fp8 {fp8} needs FP8 Tensor Cores, which the {hardware.name} does not have; plan it on " \
                "--hardware h100-sxm or h200, or drop --fp8"
-    if etp not in (None, 1):
-        return f"plan: --fp8 with --etp {etp} is not supported by the runtime yet; use --etp 1 (or leave it to " \
-               "the search)"
     return None

@@ -204,8 +204,6 @@ def _validate_fp8(t: TrainingConfig, p: ParallelConfig) -> None:
         return
     _require(t.dtype == "bf16", f"--fp8 {t.fp8} runs float8 GEMMs inside a bf16 run, and this run has --dtype "
                                 f"{t.dtype}; pass --dtype bf16")
-    _require(p.etp == 1, f"--fp8 with --etp {p.etp} is not supported yet (an expert slice's per-token scales "
-                         f"would need the etp group's amax); use --etp 1")
     problem = torchao_problem()
     _require(problem is None, problem or "")
 
