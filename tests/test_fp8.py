@@ -216,6 +216,8 @@ RUNS = {  # name -> (world, (recipe, preset, fields))
                                                              compile_backend="aot_eager"))),
     "pp2-zbh1-full": (2, ("tensorwise", "llama-tiny", dict(pp=2, schedule="zb-h1", recompute="full"))),
     "cp2": (2, ("tensorwise", "llama-tiny", dict(cp=2))),
+    "zero1": (2, ("tensorwise", "llama-tiny", dict(dp=2, zero=1))),  # scales from the master shard
+    "rowwise-zero2": (2, ("rowwise", "llama-tiny", dict(dp=2, zero=2))),
     "zero3": (2, ("tensorwise", "llama-tiny", dict(dp=2, zero=3))),
     "zero3-gather": (2, ("tensorwise", "llama-tiny", dict(dp=2, zero=3, fp8_all_gather=True))),
     "ep2": (2, ("tensorwise", "moe-tiny", dict(dp=2, ep=2))),

@@ -311,22 +311,26 @@ def _scales_from(amaxes: list[torch.Tensor], fp8: Float8) -> WeightScales:
 
 
 @torch.no_grad()
-def refresh_weight_scales(model: torch.nn.Module, fp8: Float8, shards=None) -> int:
+def refresh_weight_scales(model: torch.nn.Module, fp8: Float8, shard: torch.Tensor | None = None,
+                          reducer=None) -> int:
     """Every float8 weight's scales for the coming step, from the weights as they are
-    (after the optimizer step; at start): local amaxes, reduced over the ZeRO-3 shard
-    group where the weight lies in flat pieces (``shards``: zero3.ParameterShards), then
-    over tp where tp splits the reduced dimension. One all-reduce per group. Returns how
-    many weights it refreshed."""
+    (after the optimizer step; at start): local amaxes, reduced over the shard group
+    where the weight is read from flat pieces of ``shard`` (at ``reducer``'s positions:
+    ZeRO-3's parameter shard, or ZeRO-1/2's master shard before its parameter gather
+    lands, rounded to the parameters' dtype as the gather rounds it: rounding is
+    monotonic, so the amax is the gathered weight's), then over tp where tp splits the
+    reduced dimension. One all-reduce per group. Returns how many weights it refreshed."""
     weights = [(n, p) for n, p in model.named_parameters() if kind_of(p) is not None]
     if not weights:
         return 0
-    reducer = shards.reducer if shards is not None else None
+    if shard is None:
+        reducer = None
     amaxes = []
     for name, p in weights:
         p.fp8_name = name
         if reducer is not None and p in reducer.offsets:
-            pieces = [(shards.shard[q.at:q.end], q.lo) for q in reducer._pieces_of[p]]
-            shape = tuple(p.whole_shape)
+            pieces = [(shard[q.at:q.end].to(p.dtype), q.lo) for q in reducer._pieces_of[p]]
+            shape = tuple(getattr(p, "whole_shape", p.shape))  # ZeRO-3's parameters are empty between uses
             amaxes.append(_local_amaxes(None, pieces, fp8.rowwise, (shape[0], shape[-1] if len(shape) > 1 else 1)))
         else:
             amaxes.append(_local_amaxes(p.detach(), None, fp8.rowwise))

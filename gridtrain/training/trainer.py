@@ -237,12 +237,22 @@ class Trainer:
     def refresh_fp8(self) -> None:
         """``--fp8``: every float8 weight's scales from the weights as they are now (the
         last step's, or the loaded ones): once per step, before its first forward, and
-        before evaluation and sampling (parallel/float8.py). The weights must be in
-        place: ZeRO-1's parameter gathers are waited for first."""
+        before evaluation and sampling (parallel/float8.py). Read from ZeRO-3's parameter
+        shard, or from ZeRO-1/2's master shard, whose parameter gathers then stay in
+        flight behind the next forward; otherwise from the parameters themselves."""
         fp8 = self.ctx.tp.fp8
-        if fp8 is not None:
-            self.parameters_ready()
-            refresh_weight_scales(self.model, fp8, self.param_shards)
+        if fp8 is None:
+            return
+        if self.param_shards is not None:
+            refresh_weight_scales(self.model, fp8, self.param_shards.shard, self.reducer)
+            return
+        master = getattr(self.optimizer, "master", None)
+        if isinstance(self.optimizer, DistributedOptimizer) and self.reducer.shard and master is not None \
+                and master.numel() == self.reducer.shard_numel and master.device == self.ctx.device:
+            refresh_weight_scales(self.model, fp8, master, self.reducer)
+            return
+        self.parameters_ready()
+        refresh_weight_scales(self.model, fp8)
 
     def parameters_ready(self) -> None:
         """Wait for ZeRO-1's parameter gathers still in flight after the last step (the
