@@ -5,6 +5,10 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# a CUDA build of the same torch, for the tests that run the step on fake CUDA tensors
+# (tests/test_cuda_semantics.py; no GPU needed): --isolated skips a local CPU-only wheel
+CUDA_VENV ?= .venv-cuda
+CUDA_STAMP := $(CUDA_VENV)/.installed
 TRAIN_ARGS ?=
 
 .PHONY: install train test test-fast gpu-check clean
@@ -15,13 +19,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+$(CUDA_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(CUDA_VENV)
+	for try in 1 2 3; do $(CUDA_VENV)/bin/pip install --isolated -q $(TORCH) numpy pyyaml tqdm safetensors && break; sleep 10; done
+	$(CUDA_VENV)/bin/pip install --isolated -q --no-deps "torchao>=0.18"
+	$(CUDA_VENV)/bin/python -c "import torch; assert torch.backends.cuda.is_built(), torch.__version__"
+	touch $(CUDA_STAMP)
+
 install: $(STAMP)
 
 train: $(STAMP)
 	$(PY) -m gridtrain train --config configs/small.yaml $(TRAIN_ARGS)
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+test: $(STAMP) $(CUDA_STAMP)
+	GRIDTRAIN_CUDA_PYTHON=$(abspath $(CUDA_VENV))/bin/python $(PY) -m pytest -q
 
 # the tests that start no process and take no more than a second or two (under a minute)
 test-fast: $(STAMP)
@@ -34,4 +45,4 @@ gpu-check:
 	@PYTHONPATH=$(CURDIR) $(PYTHON) -m gridtrain.selfcheck --gpu --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(CUDA_VENV) runs .pytest_cache

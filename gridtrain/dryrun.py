@@ -82,16 +82,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gridtrain.runtime import host_sync
 from gridtrain.runtime import activation_meter, watchdog
+from gridtrain.runtime.cuda_rules import CudaKernelShapes, CudaRuleError, CudaRules, call_site, fake_cuda_runtime, tensors
 from gridtrain.config import Config, ConfigError
 from gridtrain.parallel.grid import ProcessGrid
 from gridtrain.parallel.zero3 import whole_shape
 
 
-class DeviceDisciplineError(RuntimeError):
+class DeviceDisciplineError(CudaRuleError):
     """A tensor on the wrong device was handed to a collective or P2P operation."""
 
 
-class UnnamedHostSync(RuntimeError):
+class UnnamedHostSync(CudaRuleError):
     """The step read device data on the host outside a named point (host_sync.py)."""
 
 
@@ -173,13 +174,44 @@ def choose_ranks(grid: ProcessGrid, spec: str) -> list[int]:
     return list(dict.fromkeys(ranks))
 
 
-def dry_run_device(requested: str | None) -> str:
-    """cuda by default where torch can make fake CUDA tensors (a CUDA build), else cpu."""
+@dataclass(frozen=True)
+class DryRunDevices:
+    """Where the dry run runs a rank's step. ``device``: the layout's device. ``autograd``:
+    whether autograd can run on fake tensors of it: on ``cpu`` always; on ``cuda`` only
+    where a GPU is visible (torch's autograd engine looks up each device's streams, which
+    needs a driver). ``cpu_build``: this torch has no CUDA kernels (fake CUDA tensors can
+    be made there, but not sliced). A cuda layout without autograd runs its step on fake
+    CPU tensors for the memory figures, held to CUDA's kernel shape rules
+    (cuda_rules.CudaKernelShapes); with a CUDA build, first also on fake CUDA tensors
+    without the backward (construction, forwards, gradient reductions, clipping, the
+    optimizer step and parameter gathers, under the CUDA rules of runtime/cuda_rules.py)."""
+
+    device: str
+    autograd: bool = True
+    cpu_build: bool = False
+
+    @property
+    def split(self) -> bool:
+        return self.device == "cuda" and not self.autograd
+
+    def describe(self) -> str:
+        if not self.split:
+            return f"device {self.device}"
+        if self.cpu_build:
+            return ("device cuda (a CPU build of torch: the step on fake cpu under CUDA's kernel shape rules; a "
+                    "CUDA build of torch also runs it on fake cuda)")
+        return ("device cuda (no GPU here: construction, forwards, gradient reductions and the optimizer step on "
+                "fake cuda; the backward and the memory figures on fake cpu, under CUDA's kernel shape rules)")
+
+
+def dry_run_device(requested: str | None) -> DryRunDevices:
+    """cuda by default where torch is a CUDA build, else cpu; ``--device cuda`` on a CPU
+    build runs what it can on fake CUDA (:class:`DryRunDevices`)."""
     cuda_built = torch.backends.cuda.is_built()
-    if requested == "cuda" and not cuda_built:
-        raise ConfigError("--dry-run --device cuda needs a CUDA build of torch (no GPU needed); this torch "
-                          f"({torch.__version__}) is CPU-only: use --device cpu")
-    return requested or ("cuda" if cuda_built else "cpu")
+    device = requested or ("cuda" if cuda_built else "cpu")
+    if device != "cuda":
+        return DryRunDevices(device)
+    return DryRunDevices("cuda", autograd=cuda_built and torch.cuda.is_available(), cpu_build=not cuda_built)
 
 
 # ---- patches -------------------------------------------------------------------------------------
@@ -221,8 +253,10 @@ def _patched(fake_mode, device_type: str):
             device = torch.device("cuda", 0) if device is None else torch.device(device)
             return 0 if device.index is None else device.index
 
+        blank = torch.zeros(16, dtype=torch.uint8)  # made before any step: a host tensor by design
+
         def get_rng_state(device="cuda"):
-            return states.setdefault(index(device), torch.zeros(16, dtype=torch.uint8)).clone()
+            return states.get(index(device), blank).clone()
 
         def set_rng_state(state, device="cuda"):
             states[index(device)] = state.clone()
@@ -236,8 +270,10 @@ def _patched(fake_mode, device_type: str):
         patch(torch.cuda, "get_rng_state", get_rng_state)
         patch(torch.cuda, "set_rng_state", set_rng_state)
         patch(torch.cuda, "manual_seed", manual_seed)
+    runtime = fake_cuda_runtime() if device_type == "cuda" else contextlib.nullcontext()
     try:
-        yield
+        with runtime:
+            yield
     finally:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)
@@ -255,7 +291,7 @@ class _CollectiveDevices(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace in ("c10d", "_c10d_functional"):
             self.calls += 1
-            for t in _tensors((args, kwargs)):
+            for t in tensors((args, kwargs)):
                 if t.device.type != self.device.type:
                     raise DeviceDisciplineError(f"{func.name()} got a {t.device.type} tensor {tuple(t.shape)} "
                                                 f"{t.dtype} on a {self.device.type} rank, at {_call_site()}")
@@ -275,8 +311,8 @@ class LiveBytes(TorchDispatchMode):
         self.refs: dict[int, weakref.ref] = {}
         self.current = self.peak = 0
 
-    def track(self, *tensors) -> None:
-        for t in _tensors(list(tensors)):
+    def track(self, *given) -> None:
+        for t in tensors(list(given)):
             if t.device.type != self.device_type:
                 continue
             st = t.untyped_storage()
@@ -298,29 +334,8 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for x in tree:
-            yield from _tensors(x)
-    elif isinstance(tree, dict):
-        for x in tree.values():
-            yield from _tensors(x)
-
-
 def _call_site() -> str:
-    """The innermost frame outside torch and this module: who issued the operation."""
-    return _innermost(traceback.extract_stack())
-
-
-def _innermost(frames) -> str:
-    torch_dir = str(Path(torch.__file__).parent)
-    for frame in reversed(frames):
-        if not frame.filename.startswith(torch_dir) and frame.filename != __file__ \
-                and "contextlib" not in frame.filename:
-            return f"{Path(frame.filename).name}:{frame.lineno} ({frame.name})"
-    return "unknown"
+    return call_site(skip=(__file__,))
 
 
 # ---- one rank -------------------------------------------------------------------------------------
@@ -356,10 +371,15 @@ def _storages(tensors) -> dict[int, int]:
     return out
 
 
-def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
+def measure_step(trainer, batches, *, fake: bool = True, backward: bool = True,
+                 rules: CudaRules | None = None) -> RankMemory:
     """One ``train_step`` of ``trainer`` under the meters, and what the rank holds after
     it. The same for fake tensors (the dry run) and real ones (tests compare the two;
-    ``fake=False``: the named host reads return the real values)."""
+    ``fake=False``: the named host reads return the real values). ``backward=False``:
+    the schedule's backward actions do nothing (fake CUDA without a GPU). ``rules``: the
+    CUDA rules the step is held to; a breach raises :class:`CudaRuleError`."""
+    from gridtrain.parallel.pipeline import runtime as pipeline_runtime
+
     ctx, model = trainer.ctx, trainer.model
     meter = activation_meter.ActivationMeter.for_model(model)
     tracker = LiveBytes(ctx.device.type)
@@ -368,8 +388,15 @@ def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
                   trainer.optimizer.state_tensors())
     trainer.set_lr(0)
     syncs = host_sync.allowing() if fake else contextlib.nullcontext([])
-    with tracker, _CollectiveDevices(ctx.device), activation_meter.saved_activations(meter), syncs as hits:
+    skip = contextlib.ExitStack()
+    if not backward:
+        skip.enter_context(_replaced(pipeline_runtime.PipelineStage, "_backward", _no_backward))
+    with skip, tracker, _CollectiveDevices(ctx.device), activation_meter.saved_activations(meter), syncs as hits, \
+            rules or contextlib.nullcontext():
         trainer.train_step(batches)
+    if rules is not None and rules.breaches:
+        unique = list(dict.fromkeys(str(b) for b in rules.breaches))
+        raise CudaRuleError(f"rank {ctx.rank}: the step broke {len(unique)} CUDA rule(s):\n  " + "\n  ".join(unique))
     params = list(model.parameters())
     shards = trainer.param_shards.held_tensors() if trainer.param_shards is not None else []
     param_storages = _storages(params + shards)  # ZeRO-3: the parameter shard (the parameters are empty)
@@ -388,8 +415,43 @@ def measure_step(trainer, batches, *, fake: bool = True) -> RankMemory:
                       peak_bytes=tracker.peak, sync_points=sorted(set(hits)))
 
 
-def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankMemory:
-    """Build rank ``rank`` of the layout and run one step on fake tensors."""
+def _no_backward(stage, mb: int, chunk: int) -> None:
+    """A pipeline stage's backward action without autograd: its output is dropped and the
+    gradient it would send back is a stand-in of its input's shape."""
+    stage.outputs.pop((mb, chunk))
+    if not stage._is_last(chunk):
+        stage.grads.pop((mb, chunk))
+    x = stage.inputs.get((mb, chunk))
+    if x is not None:
+        x.grad = torch.zeros_like(x)
+    stage.recompute.forget((mb, chunk))
+    stage.in_flight -= 1
+
+
+@contextlib.contextmanager
+def _replaced(owner, name: str, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def run_rank(cfg: Config, world_size: int, rank: int, devices: DryRunDevices | str) -> RankMemory:
+    """Build rank ``rank`` of the layout and run one step on fake tensors: on
+    ``devices.device``, or, split (:class:`DryRunDevices`), first without the backward on
+    fake CUDA, then whole on fake CPU for the memory figures."""
+    devices = DryRunDevices(devices) if isinstance(devices, str) else devices
+    if devices.split:
+        if not devices.cpu_build:
+            _run_rank(cfg, world_size, rank, devices)
+        return _run_rank(cfg, world_size, rank, DryRunDevices("cpu"), kernel_shapes=True)
+    return _run_rank(cfg, world_size, rank, devices)
+
+
+def _run_rank(cfg: Config, world_size: int, rank: int, devices: DryRunDevices,
+              kernel_shapes: bool = False) -> RankMemory:
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -397,6 +459,7 @@ def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankM
     from gridtrain.training.trainer import build
 
     began = time.perf_counter()
+    device_type = devices.device
     cfg = copy.deepcopy(cfg)
     cfg.training.device = device_type
     cfg.parallel.nproc = None
@@ -407,11 +470,20 @@ def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankM
         # real inputs allowed: the RNG states that recomputation captures and replays
         # (torch.get_rng_state) are real host tensors, by design
         fake = FakeTensorMode(allow_non_fake_inputs=True)
+        cuda = device_type == "cuda"
         with _patched(fake, device_type), fake, counting_communicators() as communicators:
+            # the build may copy between the host and the device as it likes (a CPU build
+            # of torch needs those copies answered: the rules do that)
             with LiveBytes(device_type) as startup:  # the model materialised, the optimizer made
                 trainer = build(cfg, decoder_model_provider, decoder_forward_step)
+            fp8 = getattr(trainer.ctx.tp, "fp8", None)
+            if fp8 is not None:  # the GEMMs as the GPU runs them: torch's meta checks their shapes
+                fp8.emulate = False
             try:
-                result = measure_step(trainer, _fake_batches(cfg, trainer))
+                batches = _fake_batches(cfg, trainer)
+                rules = CudaRules() if cuda else None
+                with CudaKernelShapes() if kernel_shapes else contextlib.nullcontext():
+                    result = measure_step(trainer, batches, backward=devices.autograd, rules=rules)
             except DataDependentOutputException as e:
                 raise UnnamedHostSync(f"rank {rank}: the step read device data on the host outside a named "
                                       f"sync point ({e}); at {_host_read_site(e)}") from e
@@ -425,7 +497,7 @@ def run_rank(cfg: Config, world_size: int, rank: int, device_type: str) -> RankM
 
 def _host_read_site(error: BaseException) -> str:
     """The innermost frame outside torch of the traceback that read a fake tensor."""
-    return _innermost(traceback.extract_tb(error.__traceback__))
+    return call_site(traceback.extract_tb(error.__traceback__), skip=(__file__,))
 
 
 # ---- the command ----------------------------------------------------------------------------------
@@ -435,10 +507,14 @@ def dry_run(cfg: Config, world_size: int, ranks: str = "edges", report: str | No
     """Run the chosen ranks; print a table; write the JSON report; return it."""
     p = cfg.parallel
     grid = ProcessGrid.build(world_size, tp=p.tp, pp=p.pp, dp=p.dp, cp=p.cp)
-    device_type = dry_run_device(cfg.training.device)
+    devices = dry_run_device(cfg.training.device)
     chosen = choose_ranks(grid, ranks)
-    out(f"dry run: {grid.describe()}, ranks {chosen}, device {device_type} (fake tensors, fake process group)")
-    results = [run_rank(cfg, world_size, r, device_type) for r in chosen]
+    out(f"dry run: {grid.describe()}, ranks {chosen}, {devices.describe()} (fake tensors, fake process group)")
+    results = []
+    for r in chosen:
+        began = time.perf_counter()
+        results.append(run_rank(cfg, world_size, r, devices))
+        results[-1].seconds = time.perf_counter() - began
     for line in table_lines(results):
         out(line)
     data = {"world_size": world_size, "ranks": [asdict(r) for r in results]}

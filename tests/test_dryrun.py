@@ -153,12 +153,20 @@ def test_a_cpu_tensor_in_a_cuda_collective_is_caught():
         dist.destroy_process_group()
 
 
-def test_cuda_is_refused_without_a_cuda_build():
-    if torch.backends.cuda.is_built():
-        pytest.skip("this torch can make fake CUDA tensors")
-    assert dryrun.dry_run_device(None) == "cpu"
-    with pytest.raises(ConfigError, match="CUDA build"):
-        dryrun.dry_run_device("cuda")
+def test_which_device_the_dry_run_plans_for(monkeypatch):
+    """cpu by default on a CPU build, cuda on a CUDA build; a cuda layout without a GPU
+    (a login node) or without CUDA kernels (a CPU build) runs what it can on fake CUDA and
+    the rest on fake CPU, and says so."""
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: False)
+    assert dryrun.dry_run_device(None) == dryrun.DryRunDevices("cpu")
+    cpu_build = dryrun.dry_run_device("cuda")
+    assert cpu_build.split and cpu_build.cpu_build and "a CPU build of torch" in cpu_build.describe()
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    login = dryrun.dry_run_device(None)
+    assert login.device == "cuda" and login.split and not login.cpu_build and "no GPU here" in login.describe()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert not dryrun.dry_run_device(None).split
 
 
 def test_command_line_writes_the_report(tmp_path, capsys):

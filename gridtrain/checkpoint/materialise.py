@@ -170,13 +170,20 @@ def materialise(model: nn.Module, values: Values, *, device: torch.device | str,
             if name in values.tensors:
                 b.copy_(values.read(name, b, tuple(b.shape), ((0,) * b.dim(), tuple(b.shape))))
     _release(values)
+    move_buffers(model, device)
+    for module in model.modules():
+        lay_out = getattr(module, "lay_out_parameters", None)  # a MoE layer's experts in one storage
+        if lay_out is not None:
+            lay_out()
+
+
+def move_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """The model's buffers (computed on the host when it was built: rotary tables, expert
+    biases) onto ``device``."""
     for module in model.modules():
         for key, buffer in module._buffers.items():
             if buffer is not None and buffer.device != torch.device(device):
                 module._buffers[key] = buffer.to(device)
-        lay_out = getattr(module, "lay_out_parameters", None)  # a MoE layer's experts in one storage
-        if lay_out is not None:
-            lay_out()
 
 
 @torch.no_grad()

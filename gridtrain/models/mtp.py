@@ -102,7 +102,9 @@ def shifted(tokens: torch.Tensor, labels: torch.Tensor, depths: int,
     both = torch.stack([tokens, labels.to(tokens.dtype)])  # [2, b, s]
     if cp.size > 1:
         both = join_sequence(cp.comm.all_gather_list(both), dim=2)
-    fill = torch.tensor([0, IGNORE_INDEX], dtype=both.dtype, device=both.device).view(2, 1, 1)
+    # what enters past the window: token 0, label IGNORE_INDEX (made on the device: a
+    # host constant copied there would be a blocking copy per micro-batch)
+    fill = torch.stack([torch.zeros_like(both[0, :, :1]), torch.full_like(both[1, :, :1], IGNORE_INDEX)])
     streams = []
     for k in range(1, depths + 1):
         moved = torch.cat([both[:, :, k:], fill.expand(2, both.shape[1], k)], dim=2)

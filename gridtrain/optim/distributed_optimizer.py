@@ -52,6 +52,8 @@ an fp16 run resumed with a fresh scale would skip steps the uninterrupted run di
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -214,13 +216,26 @@ class DistributedOptimizer:
         self._scale_rows(row_scales)
         self._publish()
 
-    def _host_grads(self) -> list[torch.Tensor]:
+    def _host_grads(self) -> Iterator[torch.Tensor]:
         """The gradient shard's slices where the state is: the buffer's views, or with the
         state offloaded to the host their copies there, all issued before the first is
-        used (the copies travel while the step begins on the first)."""
+        used (the copies travel while the step begins on the first). A copy to the host
+        with ``non_blocking`` returns before its data lands: each slice is yielded only
+        once the event recorded after its copy has completed."""
         if self.state_device == self.device:
-            return self._grads
-        return [g.to(self.state_device, non_blocking=True) for g in self._grads]
+            yield from self._grads
+            return
+        copies = []
+        for g in self._grads:
+            host = g.to(self.state_device, non_blocking=True)
+            landed = torch.cuda.Event() if g.is_cuda else None
+            if landed is not None:
+                landed.record()
+            copies.append((host, landed))
+        for host, landed in copies:
+            if landed is not None:
+                landed.synchronize()
+            yield host
 
     def _scale_rows(self, row_scales: dict[nn.Parameter, torch.Tensor] | None) -> None:
         """Multiply the masters' rows of the parameters in ``row_scales`` (a factor per row
@@ -246,20 +261,20 @@ class DistributedOptimizer:
         if not self.params:
             return
         if self.param_shards is not None:  # ZeRO-3: into the shard; blocks gather it when they run
-            if self.master is not self.param_shards.shard:
-                self.param_shards.shard.copy_(self.master)
+            if self.master is not self.param_shards.shard:  # (non_blocking: from the host, no stream sync)
+                self.param_shards.shard.copy_(self.master, non_blocking=True)
             self.param_shards.step_done()
             return
         if not (self.reducer.shard and self.dp.size > 1):
             for p, o in zip(self.params, self.offsets):
-                p.copy_(self.master[o: o + p.numel()].view_as(p))
+                p.copy_(self.master[o: o + p.numel()].view_as(p), non_blocking=True)
             return
         self.parameters_ready()  # a bucket the last forward never needed (unused parameters)
         for b in reversed(self.reducer.buckets):
             size = (b.end - b.start) // b.group.size
             whole = torch.empty(b.end - b.start, dtype=self.params[0].dtype, device=self.device)
             self._gathering[id(b)] = (b, whole, b.group.start_all_gather_into(
-                whole, self.master[b.at:b.at + size].to(self.device, whole.dtype)))
+                whole, self.master[b.at:b.at + size].to(self.device, whole.dtype, non_blocking=True)))
         if not self._waits_in_forward:
             self.parameters_ready()
 

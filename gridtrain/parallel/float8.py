@@ -122,6 +122,8 @@ class ScaleLog:
     limit: int = 256
 
     def add(self, key: str, operand: str, scale: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():  # a dict written inside a compiled graph breaks it
+            return
         if len(self.entries) < self.limit and (key, operand) not in self.entries:
             self.entries[(key, operand)] = scale.detach().clone()  # on the device: no host read
 
@@ -226,16 +228,43 @@ class Float8:
     def mm(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
            out_dtype: torch.dtype, fast: bool = False) -> torch.Tensor:
         """``(a / a_scale) @ (b / b_scale)`` for float8 ``a`` [M, K], ``b`` [K, N]; scales
-        0-d, or ``[M, 1]`` and ``[1, N]``."""
-        if self.emulate or a.device.type != "cuda":
+        0-d, or ``[M, 1]`` and ``[1, N]``. ``torch._scaled_mm`` takes only dimensions
+        that are multiples of 16: others are padded with zeros (rows of ``a``, columns of
+        ``b`` cut off the result; the reduction's padding adds nothing), as torchao pads."""
+        if self.emulate:
             return torch.mm(a.float() / a_scale, b.float() / b_scale).to(out_dtype)
         _, _, addmm = _ao()
         if a_scale.dim() != b_scale.dim():  # one rowwise, one tensorwise: both rowwise
             a_scale = a_scale.reshape(1, 1).expand(a.shape[0], 1) if a_scale.dim() == 0 else a_scale
             b_scale = b_scale.reshape(1, 1).expand(1, b.shape[1]) if b_scale.dim() == 0 else b_scale
+        (m, k), n = a.shape, b.shape[1]
+        pm, pk, pn = (-m) % ALIGN, (-k) % ALIGN, (-n) % ALIGN
+        if pm or pk:
+            a = _padded(a, (0, pk, 0, pm))
+            a_scale = _padded(a_scale, (0, 0, 0, pm), 1.0) if a_scale.dim() else a_scale
+        if pk or pn:
+            b = _padded(b, (0, pn, 0, pk))
+            b_scale = _padded(b_scale, (0, pn), 1.0) if b_scale.dim() else b_scale
         a = a.contiguous()  # row-major a, column-major b: what torch._scaled_mm takes
         b = b.t().contiguous().t()
-        return addmm(a, a_scale.contiguous(), b, b_scale.contiguous(), out_dtype, use_fast_accum=fast)
+        out = addmm(a, a_scale.contiguous(), b, b_scale.contiguous(), out_dtype, use_fast_accum=fast)
+        return out[:m, :n] if pm or pn else out
+
+
+ALIGN = 16  # torch._scaled_mm: every dimension a multiple of 16
+
+
+def _padded(t: torch.Tensor, pad: tuple[int, ...], value: float = 0.0) -> torch.Tensor:
+    """``t`` padded at the ends (``torch.nn.functional.pad`` order); float8 has no
+    arithmetic, so its bytes are padded (zero bytes are 0.0 in e4m3 and e5m2)."""
+    if t.dtype in (E4M3, E5M2):
+        return torch.nn.functional.pad(t.view(torch.uint8), pad).view(t.dtype)
+    return torch.nn.functional.pad(t, pad, value=value)
+
+
+def unaligned(dims: dict[str, int]) -> list[str]:
+    """The named GEMM dimensions that are not multiples of 16 (padded at every call)."""
+    return [f"{name} {size}" for name, size in dims.items() if size % ALIGN]
 
 
 def cast_with(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -279,15 +308,16 @@ def weight_scales(weight: torch.Tensor, fp8: Float8) -> WeightScales:
     return scales
 
 
-def _local_amaxes(values: torch.Tensor, pieces, rowwise: bool, shape=None) -> list[torch.Tensor]:
+def _local_amaxes(values: torch.Tensor, pieces, rowwise: bool, shape=None,
+                  device: torch.device | None = None) -> list[torch.Tensor]:
     """What this rank holds of one weight: its amax (tensorwise) or its per-row ``[N]`` and
     per-column ``[K]`` amaxes (rowwise), fp32. ``pieces``: (flat values, lo) of a ZeRO-3
-    shard's pieces of the weight (``shape``: its whole shape), else ``values`` is it."""
+    shard's pieces of the weight (``shape``: its whole shape; ``device``: the rank's, where
+    the amaxes are made even when the rank holds no piece), else ``values`` is it."""
     if pieces is None:
         a = values.abs().float()
         return [a.amax(1), a.amax(0)] if rowwise else [a.amax().reshape(1)]
     n, k = shape
-    device = pieces[0][0].device if pieces else torch.device("cpu")
     if not rowwise:
         amax = torch.zeros(1, device=device)
         for flat, _ in pieces:
@@ -331,7 +361,8 @@ def refresh_weight_scales(model: torch.nn.Module, fp8: Float8, shard: torch.Tens
         if reducer is not None and p in reducer.offsets:
             pieces = [(shard[q.at:q.end].to(p.dtype), q.lo) for q in reducer._pieces_of[p]]
             shape = tuple(getattr(p, "whole_shape", p.shape))  # ZeRO-3's parameters are empty between uses
-            amaxes.append(_local_amaxes(None, pieces, fp8.rowwise, (shape[0], shape[-1] if len(shape) > 1 else 1)))
+            amaxes.append(_local_amaxes(None, pieces, fp8.rowwise, (shape[0], shape[-1] if len(shape) > 1 else 1),
+                                        shard.device))
         else:
             amaxes.append(_local_amaxes(p.detach(), None, fp8.rowwise))
     if reducer is not None:  # each weight's pieces over its bucket's group
