@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from gridtrain.data import (
     DataError,
     GlobalBatchSampler,
     HFTokenizer,
+    TokenIdError,
     TokenWindows,
     WindowSubset,
     build_datasets,
@@ -29,7 +31,10 @@ from gridtrain.data import (
     read_token_file,
     split_windows,
     unigram_entropy,
+    write_token_file,
 )
+from gridtrain.data.datasets import HeldOut
+from gridtrain.data.mixture import MixtureDataset
 
 TEXTS = {
     "b.txt": "second document, with ünïcödé ✓\n",
@@ -254,6 +259,119 @@ def test_build_datasets_and_collate(tmp_path: Path):
     batch = collate(train, [0, 2, 5])
     assert batch["tokens"].shape == batch["labels"].shape == (3, 4)
     assert torch.equal(batch["tokens"][1], train[2]["tokens"])
+
+
+def _token_file_with_bad_ids(tmp_path: Path, offsets, bad_id: int = 300, num_tokens: int = 8000) -> Path:
+    """A byte-tokenizer token file written by gridtrain (its header's max_id valid), then
+    ids beyond the vocabulary (257) written into its .bin at ``offsets``, the header
+    left alone: a corrupt file that the pre-start check cannot see."""
+    tokens = np.random.default_rng(0).integers(0, 256, num_tokens)
+    bin_path = write_token_file(tokens, tmp_path / "corpus", ByteTokenizer())
+    array = np.memmap(bin_path, dtype="<u2", mode="r+")
+    array[offsets] = bad_id
+    array.flush()
+    del array
+    return bin_path
+
+
+def test_collate_refuses_a_token_id_outside_the_vocabulary(tmp_path: Path):
+    """The id is found on the host, in the batch, and named with the .bin, its offset in
+    it, the id and the vocabulary; a bad id at a window's last token (a label only) too,
+    through the held-out split and a mixture."""
+    seq_len = 8
+    bin_path = _token_file_with_bad_ids(tmp_path, [3 * seq_len + 5, 10 * seq_len])
+    assert read_token_file(bin_path)[1]["max_id"] < 257  # the header still says the file is fine
+    train, _, _ = build_datasets(bin_path, ByteTokenizer(), seq_len=seq_len)  # windows 0..98 train in order
+    assert torch.equal(collate(train, [0, 1])["tokens"], collate(train, [0, 1], vocab_size=257)["tokens"])
+    assert collate(train, [3]) is not None  # without a vocabulary, no check (as before)
+    with pytest.raises(TokenIdError) as e:
+        collate(train, [0, 3, 4], vocab_size=257)
+    message = str(e.value)
+    assert isinstance(e.value, DataError) and "\n" not in message
+    assert message.startswith(f"{bin_path.resolve()}: token {3 * seq_len + 5} (counting from 0) is id 300, ")
+    assert "--vocab-size 257" in message and "gridtrain prepare" in message
+    # offset 80 is window 10's first input and window 9's last label: window 9 alone holds it as a label
+    with pytest.raises(TokenIdError, match=rf": token {10 * seq_len} \(counting from 0\) is id 300,.*-100 for no loss"):
+        collate(train, [9], vocab_size=257)
+    # the same place through a held-out split (every 4th window: its item 0 is window 3) in a mixture
+    windows = TokenWindows(read_token_file(bin_path)[0], seq_len)
+    mixture = MixtureDataset([HeldOut(windows, 4, held=True), TokenWindows(np.zeros(100, np.int64), seq_len)],
+                             ["corpus", "zeros"], [1.0, 1.0])
+    with pytest.raises(TokenIdError, match=rf"corpus.bin: token {3 * seq_len + 5} \("):
+        collate(mixture, [len(mixture) - 1, 0], vocab_size=257)
+
+
+def test_collate_checks_labels_except_the_ignore_index():
+    """Labels may be -100 (no loss) and nothing else outside the vocabulary; a dataset
+    that cannot say where a sample comes from is named by sample and position."""
+    tokens = torch.arange(6)
+
+    class Samples(torch.utils.data.Dataset):
+        def __init__(self, items):
+            self.items = items
+
+        def __len__(self):
+            return len(self.items)
+
+        def __getitem__(self, i):
+            return self.items[i]
+
+    good = Samples([{"tokens": tokens, "labels": torch.tensor([-100, -100, 3, 4, 5, -100])}] * 3)
+    assert collate(good, [0, 1, 2], vocab_size=6)["labels"].shape == (3, 6)
+    bad_label = Samples(good.items + [{"tokens": tokens, "labels": torch.tensor([-100, -5, 3, 4, 5, -100])}])
+    with pytest.raises(TokenIdError, match=r"^sample 3 of the data, labels position 1 is id -5, outside the "
+                                           r"vocabulary \(--vocab-size 6: ids 0..5, and -100 for no loss\)"):
+        collate(bad_label, [0, 3], vocab_size=6)
+    negative = Samples([{"tokens": torch.tensor([0, 1, -100, 3, 4, 5]), "labels": tokens}])
+    with pytest.raises(TokenIdError, match=r"^sample 0 of the data, tokens position 2 is id -100, .*ids 0..5\)"):
+        collate(negative, [0], vocab_size=6)  # -100 is no token id
+    with pytest.raises(TokenIdError, match=r"tokens position 5 is id 5, .*--vocab-size 5: ids 0..4\)"):
+        collate(good, [2], vocab_size=5)
+
+
+def _first_token_of_rank(argv: list[str], dp_rank: int) -> int:
+    """The token offset where the first sample of step 1 of ``gridtrain train ARGV`` on
+    data-parallel rank ``dp_rank`` begins (one source's training windows, as
+    :func:`split_windows` lists them)."""
+    from gridtrain.cli.parser import build_parser, config_from_args
+
+    cfg = config_from_args(build_parser().parse_args(["train", *argv]))
+    t, seq_len = cfg.training, cfg.model.seq_len
+    path = cfg.data.path
+    train_ids, _ = split_windows((read_token_file(path)[1]["num_tokens"] - 1) // seq_len, cfg.data.valid_every)
+    sampler = GlobalBatchSampler(len(train_ids), t.global_batch_size, t.micro_batch_size, cfg.parallel.dp, dp_rank,
+                                 t.seed)
+    return int(train_ids[sampler.micro_batches(0)[0][0]]) * seq_len
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("layout", [[], ["--nproc", "2", "--dp", "2"]], ids=["one-process", "nproc2-dp2"])
+def test_train_on_a_token_file_with_ids_beyond_the_vocabulary_stops_in_one_line(tmp_path: Path, layout):
+    """A token file whose header passes the pre-start check but whose .bin holds ids the
+    model cannot embed stops the run when a batch holds one, before the embedding: one
+    line naming the file, the token's offset, the id and the vocabulary, exit status 2,
+    no traceback. In one process every 100th token is bad; on dp 2 one token, read by
+    rank 1 alone (rank 0 goes on to wait for it in the gradient all-reduce): the worker's
+    stop reaches the launcher as the same line."""
+    bin_path = _token_file_with_bad_ids(tmp_path, [])
+    argv = ["--model", "tiny", "--data", str(bin_path), "--steps", "2", "--no-progress", "--sample-tokens", "0",
+            *layout]
+    if layout:
+        offsets = np.array([_first_token_of_rank(argv, dp_rank=1) + 7])
+    else:
+        offsets = np.arange(50, 8000, 100)
+    _token_file_with_bad_ids(tmp_path, offsets)
+    proc = subprocess.run([sys.executable, "-m", "gridtrain", "train", *argv], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    found = re.fullmatch(rf"gridtrain: error: {re.escape(str(bin_path.resolve()))}: token (\d+) \(counting from 0\) "
+                         r"is id 300, outside the vocabulary \(--vocab-size 257: ids 0\.\.256.*\); .*gridtrain prepare`",
+                         last)
+    assert found, last
+    assert int(found.group(1)) in offsets  # the offset named is one of the bad tokens
+    assert sum("gridtrain: error" in line for line in proc.stderr.splitlines()) == 1
 
 
 def test_build_datasets_too_small_names_sizes(tmp_path: Path):

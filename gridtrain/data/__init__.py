@@ -16,7 +16,8 @@ the data-parallel size or micro-batch size.
 * sampler.py: :class:`GlobalBatchSampler`, step -> global batch -> rank -> micro-batch;
 * sft.py: fine-tuning sets (prompt/completion or chat JSON lines), the loss on the answers
   only, packed into samples (:class:`SFTDataset`);
-* errors.py: :class:`DataError`, the one-line error every module raises.
+* errors.py: :class:`DataError`, the one-line error every module raises (and
+  :class:`TokenIdError`, a batch's id outside the vocabulary, found by ``collate``).
 
 The names are re-exported here: ``from gridtrain.data import build_datasets``.
 """
@@ -25,9 +26,9 @@ from __future__ import annotations
 
 from gridtrain.data.corpora import (EXCLUDED_DIRS, JSONL_SUFFIX, builtin_corpus_files, builtin_corpus_root,
                                     check_enough_tokens, corpus_files, count_tokens, load_tokens)
-from gridtrain.data.datasets import (Batch, Datasets, TokenWindows, WindowSubset, build_datasets, collate,
-                                     count_loss_tokens, split_windows, unigram_entropy)
-from gridtrain.data.errors import DataError
+from gridtrain.data.datasets import (Batch, Datasets, TokenWindows, WindowSubset, build_datasets, check_token_ids,
+                                     collate, count_loss_tokens, split_windows, unigram_entropy)
+from gridtrain.data.errors import DataError, TokenIdError
 from gridtrain.data.prepare import prepare
 from gridtrain.data.sampler import GlobalBatchSampler
 from gridtrain.data.sft import (ChatTemplate, SFTDataset, encode_example, encode_examples, is_sft_jsonl,
@@ -39,9 +40,11 @@ from gridtrain.data.tokenizers import (EOT_CANDIDATES, ByteTokenizer, HFTokenize
 
 __all__ = [
     "EOT_CANDIDATES", "EXCLUDED_DIRS", "JSONL_SUFFIX", "TOKEN_FILE_FORMAT", "TOKEN_FILE_VERSION",
-    "Batch", "ByteTokenizer", "DataError", "Datasets", "GlobalBatchSampler", "HFTokenizer", "TokenWindows",
+    "Batch", "ByteTokenizer", "DataError", "TokenIdError", "Datasets", "GlobalBatchSampler", "HFTokenizer",
+    "TokenWindows",
     "Tokenizer", "WindowSubset", "build_datasets", "builtin_corpus_files", "builtin_corpus_root",
-    "check_enough_tokens", "collate", "corpus_files", "count_loss_tokens", "count_tokens", "find_token_header", "load_tokenizer",
+    "check_enough_tokens", "check_token_ids", "collate", "corpus_files", "count_loss_tokens", "count_tokens",
+    "find_token_header", "load_tokenizer",
     "load_tokens", "open_token_file", "prepare", "read_document_index", "read_token_file", "split_windows", "token_dtype",
     "unigram_entropy", "write_token_file",
     "ChatTemplate", "SFTDataset", "encode_example", "encode_examples", "is_sft_jsonl", "load_chat_template",

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from gridtrain.data.corpora import check_enough_tokens, load_tokens
-from gridtrain.data.errors import DataError
+from gridtrain.data.errors import DataError, TokenIdError
+from gridtrain.data.sft import IGNORE_INDEX
 from gridtrain.data.token_files import entropy_from_counts
 from gridtrain.data.tokenizers import Tokenizer
 
@@ -62,11 +63,12 @@ class TokenWindows(torch.utils.data.Dataset):
     it from the one before (the token opens it, as a BOS would: the previous document's
     last label is the end of text, predicted from inside that document), found in the
     window itself when the tokenizer has one (``eot``), else in the document index
-    (``starts``: token offsets, as ``gridtrain prepare`` writes them).
+    (``starts``: token offsets, as ``gridtrain prepare`` writes them). ``source`` names
+    the corpus in messages (a token file names itself: its ``.bin``).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, *, documents: bool = False, eot: int | None = None,
-                 starts: np.ndarray | None = None) -> None:
+                 starts: np.ndarray | None = None, source: str | None = None) -> None:
         if seq_len < 1:
             raise DataError(f"--seq-len {seq_len}: must be at least 1")
         if documents and eot is None and starts is None:
@@ -76,6 +78,7 @@ class TokenWindows(torch.utils.data.Dataset):
         self.tokens = tokens
         self.seq_len = seq_len
         self.documents, self.eot, self.starts = documents, eot, starts
+        self.source = source
 
     def __len__(self) -> int:
         return max((len(self.tokens) - 1) // self.seq_len, 0)
@@ -95,6 +98,17 @@ class TokenWindows(torch.utils.data.Dataset):
     def count_loss_tokens(self, ids: np.ndarray) -> int:
         """Every label of a window carries a loss."""
         return len(ids) * self.seq_len
+
+    def token_place(self, i: int, key: str, position: int) -> tuple[str, str]:
+        """Where ``key[position]`` of window ``i`` comes from (the label at ``position``
+        is the window's token ``position + 1``), and what to do about a bad id there."""
+        offset = int(i) * self.seq_len + position + (key == "labels")
+        if isinstance(self.tokens, np.memmap) and self.tokens.filename:
+            return (f"{self.tokens.filename}: token {offset} (counting from 0)",
+                    "the .bin does not match its header (corrupt, or overwritten since it was prepared); "
+                    "re-run `gridtrain prepare`")
+        return (f"{self.source or 'the corpus'}: token {offset} of the tokenized corpus",
+                "pass the --vocab-size of the tokenizer")
 
     def _documents(self, inputs: np.ndarray, start: int) -> np.ndarray:
         if self.eot is not None:
@@ -116,6 +130,9 @@ class WindowSubset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return self.dataset[self.ids[int(i)]]
+
+    def token_place(self, i: int, key: str, position: int) -> tuple[str, str] | None:
+        return token_place(self.dataset, int(self.ids[int(i)]), key, position)
 
     def count_loss_tokens(self, ids: np.ndarray) -> int | None:
         return count_loss_tokens(self.dataset, self.ids[np.asarray(ids, dtype=np.int64)])
@@ -147,6 +164,9 @@ class HeldOut(torch.utils.data.Dataset):
         every = self.valid_every
         return ids * every + every - 1 if self.held else ids + ids // (every - 1)
 
+    def token_place(self, i: int, key: str, position: int) -> tuple[str, str] | None:
+        return token_place(self.dataset, int(self._inner(np.int64(i))), key, position)
+
     def count_loss_tokens(self, ids: np.ndarray) -> int | None:
         return count_loss_tokens(self.dataset, self._inner(np.asarray(ids, dtype=np.int64)))
 
@@ -177,7 +197,7 @@ def build_datasets(
     :func:`check_enough_tokens`, which the pre-start validation also runs).
     """
     tokens = load_tokens(data_path, tokenizer)
-    windows = TokenWindows(tokens, seq_len)
+    windows = TokenWindows(tokens, seq_len, source=None if data_path is None else str(data_path))
     train_ids, valid_ids = split_windows(len(windows), valid_every)
     check_enough_tokens(len(tokens), data_path, seq_len, global_batch_size, valid_every)
     return WindowSubset(windows, train_ids), WindowSubset(windows, valid_ids), tokens
@@ -212,8 +232,52 @@ def count_loss_tokens(dataset, ids: Sequence[int] | np.ndarray) -> int | None:
     return None if count is None else count(np.asarray(ids, dtype=np.int64))
 
 
-def collate(dataset: torch.utils.data.Dataset, ids: Sequence[int]) -> Batch:
+def collate(dataset: torch.utils.data.Dataset, ids: Sequence[int], vocab_size: int | None = None) -> Batch:
     """Stack the samples ``ids`` into a batch of shape [len(ids), seq_len], every key
-    the samples have ("tokens", "labels", with document masking "documents")."""
+    the samples have ("tokens", "labels", with document masking "documents"). With
+    ``vocab_size``, every token id and label is checked on the host
+    (:func:`check_token_ids`)."""
     samples = [dataset[int(i)] for i in ids]
-    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    if vocab_size is not None:
+        check_token_ids(batch, dataset, ids, vocab_size)
+    return batch
+
+
+def check_token_ids(batch: Batch, dataset, ids: Sequence[int], vocab_size: int) -> None:
+    """Raise :class:`TokenIdError` when a token id of ``batch`` (samples ``ids`` of
+    ``dataset``) is outside ``[0, vocab_size)``, or a label is, other than IGNORE_INDEX.
+
+    The embedding would fail on such an id with an index error (on a GPU, a device-side
+    assert that kills the process), and the loss would gather outside the logits; here,
+    before the batch leaves the host, it costs a min and a max per key. The message names
+    the first bad id's place: the dataset's ``token_place(i, key, position)`` where it
+    has one (a token file: its .bin and the token's offset in it), else the sample and
+    the position.
+    """
+    for key in ("tokens", "labels"):
+        values = batch.get(key)
+        if values is None or values.numel() == 0:
+            continue
+        low, high = (int(v) for v in torch.aminmax(values))
+        below = low < 0 and (key == "tokens" or bool(((values < 0) & (values != IGNORE_INDEX)).any()))
+        if high < vocab_size and not below:
+            continue
+        bad = (values < 0) | (values >= vocab_size)
+        if key == "labels":
+            bad &= values != IGNORE_INDEX
+        row, position = (int(x) for x in bad.nonzero()[0])
+        sample = int(ids[row])
+        place, fix = token_place(dataset, sample, key, position) or (
+            f"sample {sample} of the data, {key} position {position}",
+            "fix the data, or pass the model's --vocab-size")
+        allowed = f"ids 0..{vocab_size - 1}" + (f", and {IGNORE_INDEX} for no loss" if key == "labels" else "")
+        raise TokenIdError(f"{place} is id {int(values[row, position])}, outside the vocabulary "
+                           f"(--vocab-size {vocab_size}: {allowed}); {fix}")
+
+
+def token_place(dataset, i: int, key: str, position: int) -> tuple[str, str] | None:
+    """Where ``key[position]`` of sample ``i`` of ``dataset`` comes from and how to fix a
+    bad id there, as the dataset (or the one it wraps) says, or None where it cannot."""
+    locate = getattr(dataset, "token_place", None)
+    return None if locate is None else locate(i, key, position)

@@ -24,7 +24,8 @@ import torch
 from gridtrain.config import WEIGHTED_SOURCE as _WEIGHTED
 from gridtrain.data import sft, token_files  # sft: fine-tuning records (prompt/completion or messages)
 from gridtrain.data.corpora import check_enough_tokens, load_tokens
-from gridtrain.data.datasets import HeldOut, TokenWindows, WindowSubset, count_loss_tokens, split_windows, unigram_entropy
+from gridtrain.data.datasets import (HeldOut, TokenWindows, WindowSubset, count_loss_tokens, split_windows, token_place,
+                                     unigram_entropy)
 from gridtrain.data.errors import DataError
 
 
@@ -97,6 +98,10 @@ class MixtureDataset(torch.utils.data.Dataset):
         source = int(np.searchsorted(self.offsets, i, side="right")) - 1
         return self.parts[source][i - int(self.offsets[source])]
 
+    def token_place(self, i: int, key: str, position: int) -> tuple[str, str] | None:
+        source = int(np.searchsorted(self.offsets, int(i), side="right")) - 1
+        return token_place(self.parts[source], int(i) - int(self.offsets[source]), key, position)
+
     def count_loss_tokens(self, ids: np.ndarray) -> int | None:
         sources = np.searchsorted(self.offsets, ids, side="right") - 1
         total = 0
@@ -145,7 +150,8 @@ def build_source(source: Source, name: str, tokenizer, seq_len: int, *, valid_ev
                           note=note)
     tokens = load_tokens(source.path, tokenizer)
     starts = _document_index(source.path) if documents and tokenizer.eot_id is None else None
-    windows = TokenWindows(tokens, seq_len, documents=documents, eot=tokenizer.eot_id, starts=starts)
+    windows = TokenWindows(tokens, seq_len, documents=documents, eot=tokenizer.eot_id, starts=starts,
+                           source=source.label)
     recorded = _header_entropy(source.path)
     if recorded is None:  # counted when printed, by the rank that prints it (a pass over every token)
         reference = functools.cache(functools.partial(unigram_entropy, tokens, tokenizer.vocab_size))
@@ -189,6 +195,9 @@ class WithoutDocuments(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.dataset[i].items() if k != "documents"}
+
+    def token_place(self, i: int, key: str, position: int) -> tuple[str, str] | None:
+        return token_place(self.dataset, i, key, position)
 
     def count_loss_tokens(self, ids: np.ndarray) -> int | None:
         return count_loss_tokens(self.dataset, ids)

@@ -42,7 +42,7 @@ from gridtrain.runtime import host_sync
 from gridtrain.checkpoint.background import BackgroundSaver
 from gridtrain.checkpoint.sharded import SaveReport
 from gridtrain.config import Config
-from gridtrain.data import Batch, Datasets, GlobalBatchSampler, collate, count_loss_tokens
+from gridtrain.data import Batch, Datasets, GlobalBatchSampler, TokenIdError, collate, count_loss_tokens
 from gridtrain.parallel.context_parallel import split_sequence
 from gridtrain.parallel.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.parallel.distributed import DistributedContext, setup_distributed
@@ -56,7 +56,7 @@ from gridtrain.optim.distributed_optimizer import DistributedOptimizer, LossScal
 from gridtrain.optim.grads import reduce_gradients, step_scalars, tied_parameter
 from gridtrain.optim.interface import Optimizer
 from gridtrain.checkpoint.huggingface import open_source
-from gridtrain.checkpoint.materialise import Start
+from gridtrain.checkpoint.materialise import Start, move_buffers
 from gridtrain.models import qk_clip
 from gridtrain.models.attention import SelfAttention
 from gridtrain.models.decoder import IGNORE_INDEX, Block, compile_blocks
@@ -65,7 +65,7 @@ from gridtrain.models.moe import update_expert_biases
 from gridtrain.optim.optimizer import AdamW, build_optimizer, counts_towards_norm, lr_at, set_lr
 from gridtrain.parallel.pipeline.runtime import PipelineStage, StageStats
 from gridtrain.parallel.pipeline.schedules import build_schedule, uses_split_backward
-from gridtrain.runtime.stops import Diverged, EmptyBatch
+from gridtrain.runtime.stops import EXIT_BAD_INPUT, Diverged, EmptyBatch, RunStopped
 from gridtrain.parallel.tensor_parallel import broadcast_batches
 
 ModelProvider = Callable[[Config, DistributedContext], nn.Module]
@@ -123,7 +123,7 @@ class Trainer:
     def read_batches(self, step: int) -> list[Batch] | None:
         """This rank's micro-batches of the global batch of ``step``."""
         return read_micro_batches(self.data.train, self.sampler, step, self.ctx, batch_shapes(self.cfg),
-                                  count_tokens=not self.data.every_label_counts)
+                                  count_tokens=not self.data.every_label_counts, vocab_size=self.cfg.model.vocab_size)
 
     def train_step(self, batches: list[Batch] | None) -> StepOutput:
         """One optimizer step: the stage's schedule (forward, backward and gradient
@@ -188,7 +188,8 @@ class Trainer:
             sampler = GlobalBatchSampler(len(dataset), t.global_batch_size, t.micro_batch_size,
                                          ctx.grid.dp, ctx.coords.dp, t.seed, shuffle=False)
             for step in range(min(self.cfg.eval.eval_iters, max(1, len(dataset) // t.global_batch_size))):
-                batches = read_micro_batches(dataset, sampler, step, ctx, batch_shapes(self.cfg))
+                batches = read_micro_batches(dataset, sampler, step, ctx, batch_shapes(self.cfg),
+                                             vocab_size=self.cfg.model.vocab_size)
                 loss_sum = self.pipeline.forward_only(batches)
                 if holds_loss:
                     totals[row, 0] += loss_sum
@@ -398,6 +399,7 @@ def place_parameters(model: nn.Module, start_from: Start, cfg: Config, ctx: Dist
         for p in model.parameters():
             if on_meta(p):
                 stand_in(p, device=ctx.device, dtype=ctx.param_dtype)
+        move_buffers(model, ctx.device)
         return
     start_from.materialise(model, ctx)
 
@@ -494,9 +496,20 @@ class StepBatches(list):
         self.loss_tokens = loss_tokens
 
 
+class BadTokenId(TokenIdError, RunStopped):
+    """A batch's id outside the vocabulary (data.check_token_ids) stops the run with exit
+    status 2 (bad input), in one line: a RunStopped reaches the launcher from a worker
+    as it is (launch.py), and the CLI prints a data error as one line."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, step: int | None = None):
+        RunStopped.__init__(self, message, step)
+
+
 def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int, ctx: DistributedContext,
                        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None, *,
-                       count_tokens: bool = False) -> list[Batch] | None:
+                       count_tokens: bool = False, vocab_size: int | None = None) -> list[Batch] | None:
     """This rank's micro-batches of ``step``, on the stages that embed tokens or compute
     the loss (None elsewhere; on every stage with documents, whose attention each stage
     masks): read by the TP group's first rank and broadcast (``shapes``: see
@@ -505,15 +518,19 @@ def read_micro_batches(dataset, sampler: GlobalBatchSampler, step: int, ctx: Dis
     (``shapes`` without them) are dropped: the flag decides, the same on every layout.
     ``count_tokens`` (the last stage, where not every label counts): the global batch's
     loss-bearing tokens from the dataset's host-side counts (data.datasets.count_loss_tokens),
-    so the step needs no collective for them."""
+    so the step needs no collective for them. ``vocab_size``: every token id and label is
+    checked on the host before it goes to the device (:class:`BadTokenId`)."""
     documents = shapes is not None and "documents" in shapes
     if not (documents or ctx.grid.is_first_stage(ctx.rank) or ctx.grid.is_last_stage(ctx.rank)):
         return None
     ids = sampler.micro_batches(step)
     batches = None
     if ctx.tp.rank == 0:
-        batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in collate(dataset, i).items()
-                    if k != "documents" or documents or shapes is None} for i in ids]
+        try:
+            batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in collate(dataset, i, vocab_size).items()
+                        if k != "documents" or documents or shapes is None} for i in ids]
+        except TokenIdError as e:
+            raise BadTokenId(str(e), ctx.recorder.step) from None
         if documents and "documents" not in batches[0]:
             raise ValueError("--document-mask: the datasets provider's samples have no \"documents\" key (each "
                              "token's document index); give them one or drop --document-mask")
