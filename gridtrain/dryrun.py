@@ -58,10 +58,20 @@ Patches, all undone on exit and all here (:func:`_patched`):
   (``get_rng_state``/``set_rng_state``/``manual_seed``) is a CPU byte tensor kept here,
   because none of these can run without a GPU.
 
-Fake CUDA tensors need a CUDA build of torch (no GPU): on a CPU-only build autograd
-cannot record a graph on them (its per-device stream lookup has no CUDA
-implementation), so there ``--device cuda`` is refused with one line and the dry run
-defaults to ``cpu``.
+**Where there is no GPU** (a cluster's login node, CI) torch's autograd cannot run on
+fake CUDA tensors (its engine looks up each device's streams, which needs a driver), and
+a CPU build of torch cannot even slice them. The step then runs twice
+(:class:`DryRunDevices`): on fake CUDA tensors without the backward (a CUDA build only:
+construction, forwards, gradient reductions, clipping, the optimizer step, parameter
+gathers and publishes), held to the CUDA rules of :mod:`gridtrain.runtime.cuda_rules`
+(no tensor made on the host, no blocking host-to-device copy, no ``non_blocking`` copy
+read before a wait), with ``torch.cuda``'s events and streams replaced by host stand-ins;
+then whole on fake CPU tensors, for the backward and the memory figures, with each
+kernel whose CUDA shape rules differ from the CPU's (``_scaled_mm``, ``_grouped_mm``)
+also run on fake CUDA tensors of the same shapes (:class:`~gridtrain.runtime.cuda_rules.CudaKernelShapes`).
+The command's first line says which. With a GPU the step runs once, on fake CUDA, under
+the same rules. ``--fp8`` runs the float8 GEMMs as a GPU does (``torch._scaled_mm``'s
+meta function), not emulated.
 """
 
 from __future__ import annotations

@@ -143,3 +143,15 @@ def test_the_step_on_fake_cuda_with_a_cuda_build_of_torch():
     failed = [line for line in lines if not line.endswith(": ok")]
     assert not failed, "\n".join(failed)
     assert len(lines) == 4
+
+
+def test_the_padded_float8_dimensions_are_said_once_at_start():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 40), torch.nn.Linear(40, 8))
+    float8.mark(model[0].weight, "column")
+    float8.mark(model[1].weight, "row")  # 40 x 48: 40 is not a multiple of 16
+    assert float8.padding_note(model, 4096) == (
+        "--fp8: torch._scaled_mm takes dimensions that are multiples of 16; these are padded with zeros at every "
+        "call (a copy of the operands): 1.weight 40x48")
+    assert "1000 tokens a micro-batch, 1.weight" in float8.padding_note(model, 1000)
+    float8.mark(model[1].weight, None)
+    assert float8.padding_note(model, 4096) is None

@@ -180,6 +180,28 @@ def test_fp8_without_torchao_is_refused_in_one_line(monkeypatch):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("recipe, capability, refused", [
+    ("tensorwise", (8, 0), "capability 8.9 or newer), and GPU 0 (NVIDIA A100) is 8.0; drop --fp8"),
+    ("rowwise", (8, 9), "rowwise scales (compute capability 9.0 or newer), and GPU 0 (NVIDIA A100) is 8.9; use "
+                        "--fp8 tensorwise"),
+    ("tensorwise", (8, 9), None), ("rowwise", (9, 0), None), ("rowwise", (10, 0), None),
+])
+def test_fp8_is_refused_before_start_on_a_gpu_without_float8_gemms(monkeypatch, recipe, capability, refused):
+    """An A100 (8.0) has no float8 GEMMs and an Ada GPU (8.9) none with rowwise scales:
+    torch._scaled_mm would fail at the first forward, after the build and compilation."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA A100")
+    cfg = _config(fp8=recipe, device="cuda")
+    if refused is None:
+        validate(cfg, world_size=1, data=False)
+        return
+    with pytest.raises(ConfigError, match=refused.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")) as e:
+        validate(cfg, world_size=1, data=False)
+    assert "\n" not in str(e.value)
+
+
 # ---- one process: float8 tracks bf16 -------------------------------------------------------------------------
 
 _100_STEPS: dict[str, list[float]] = {}

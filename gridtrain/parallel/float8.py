@@ -76,6 +76,18 @@ def torchao_problem() -> str | None:
     return None
 
 
+def capability_problem(recipe: str, capability: tuple[int, int], name: str = "this GPU") -> str | None:
+    """Why ``recipe`` cannot run on a GPU of ``capability`` (torch._scaled_mm: float8
+    GEMMs from 8.9, Ada; rowwise scales from 9.0, Hopper), or None."""
+    need = (9, 0) if recipe == "rowwise" else (8, 9)
+    if tuple(capability) >= need:
+        return None
+    fix = "use --fp8 tensorwise or drop --fp8" if recipe == "rowwise" and tuple(capability) >= (8, 9) else \
+        "drop --fp8"
+    return (f"--fp8 {recipe} needs float8 GEMMs{' with rowwise scales' if recipe == 'rowwise' else ''} (compute "
+            f"capability {need[0]}.{need[1]} or newer), and {name} is {capability[0]}.{capability[1]}; {fix}")
+
+
 def _ao():
     """torchao's pieces (imported on first use: torchao is optional)."""
     import logging
@@ -262,9 +274,20 @@ def _padded(t: torch.Tensor, pad: tuple[int, ...], value: float = 0.0) -> torch.
     return torch.nn.functional.pad(t, pad, value=value)
 
 
-def unaligned(dims: dict[str, int]) -> list[str]:
-    """The named GEMM dimensions that are not multiples of 16 (padded at every call)."""
-    return [f"{name} {size}" for name, size in dims.items() if size % ALIGN]
+def padding_note(model: torch.nn.Module, tokens: int) -> str | None:
+    """What the run pads at every float8 GEMM (said once at start), or None: the tokens of
+    a micro-batch as one rank's linears see them (the weight gradient's reduction) and the
+    float8 weights' local dimensions that are not multiples of 16."""
+    odd = [f"{tokens} tokens a micro-batch"] if tokens % ALIGN else []
+    for name, p in model.named_parameters():
+        shape = tuple(getattr(p, "whole_shape", p.shape))
+        if kind_of(p) is not None and any(d % ALIGN for d in shape[-2:]):
+            odd.append(f"{name} {'x'.join(map(str, shape))}")
+    if not odd:
+        return None
+    more = f" and {len(odd) - 4} more" if len(odd) > 4 else ""
+    return (f"--fp8: torch._scaled_mm takes dimensions that are multiples of {ALIGN}; these are padded with zeros at "
+            f"every call (a copy of the operands): {', '.join(odd[:4])}{more}")
 
 
 def cast_with(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

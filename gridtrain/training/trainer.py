@@ -44,6 +44,7 @@ from gridtrain.checkpoint.sharded import SaveReport
 from gridtrain.config import Config
 from gridtrain.data import Batch, Datasets, GlobalBatchSampler, TokenIdError, collate, count_loss_tokens
 from gridtrain.parallel.context_parallel import split_sequence
+from gridtrain.parallel.float8 import padding_note as float8_padding_note
 from gridtrain.parallel.data_parallel import GradientReducer, broadcast_parameters
 from gridtrain.parallel.distributed import DistributedContext, setup_distributed
 from gridtrain.parallel.meta import is_meta, on_meta, stand_in
@@ -320,6 +321,9 @@ def build(cfg: Config, model_provider: ModelProvider, forward_step: ForwardStep,
     start, notes = 0, []
     if cfg.optim.optimizer_offload and ctx.device.type == "cpu":
         notes.append("--optimizer-offload: on cpu the optimizer's state is in host memory already; nothing moves")
+    if t.fp8 != "none" and ctx.device.type == "cuda":
+        note = float8_padding_note(model, t.micro_batch_size * cfg.model.seq_len // cfg.parallel.cp)
+        notes += [note] if note else []
     if source is not None:
         with whole_parameters(param_shards, when=_whole_format(source)):
             start = checkpoint.load_checkpoint(source, model, optimizer, ctx, scaler=scaler,

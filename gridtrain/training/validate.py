@@ -52,7 +52,7 @@ from gridtrain.data.sft import SFTDataset, is_sft_jsonl
 from gridtrain.data.token_files import find_token_header, largest_id
 from gridtrain.runtime.devices import gpu_shortage, shares_gpus
 from gridtrain.parallel.context_parallel import split_problem
-from gridtrain.parallel.float8 import torchao_problem
+from gridtrain.parallel.float8 import capability_problem as float8_capability_problem, torchao_problem
 from gridtrain.parallel.grid import GridError, ProcessGrid
 from gridtrain.checkpoint.huggingface import HFError, check_init_from
 from gridtrain.runtime.launch import resolve_device_type
@@ -551,6 +551,11 @@ def _validate_cuda(p: ParallelConfig, t: TrainingConfig) -> None:
         _require(t.backend != "nccl", "--backend nccl needs --device cuda; use --backend gloo (the default on cpu)")
         return
     _require(torch.cuda.is_available(), "--device cuda: no CUDA device is available; use --device cpu")
+    if t.fp8 != "none":  # torch._scaled_mm would fail at the first forward, after the build and compile
+        for i in range(torch.cuda.device_count()):
+            problem = float8_capability_problem(t.fp8, torch.cuda.get_device_capability(i),
+                                                f"GPU {i} ({torch.cuda.get_device_name(i)})")
+            _require(problem is None, problem or "")
     if shares_gpus(t.backend):  # gloo: ranks may share a GPU
         return
     workers, source, same_gpus = local_workers(p)
