@@ -102,6 +102,110 @@ def test_cp_attention_blocks_run_the_flash_kernel_with_documents():
     assert out.shape == q.shape and acc[0][1].shape == (b, heads, n2 // 2) and acc[0][1].dtype == f32
 
 
+def _forward_layout(b: int, heads: int, n: int, d: int, **kw) -> torch.Tensor:
+    """A ``[b, heads, n, d]`` tensor as the efficient kernel's forward makes its output."""
+    return torch.randn(b, n, heads, d, **kw).transpose(1, 2)
+
+
+def _kernel_reads_correctly(out: torch.Tensor) -> bool:
+    """What the efficient kernel's CUDA backward assumes of ``out``, seen as it sees it
+    (``[b, n, heads, d]``): the last dimension contiguous, rows ``heads x d`` apart."""
+    t = out.transpose(1, 2)
+    return t.stride(3) == 1 and t.stride(1) == t.shape[2] * t.shape[3]
+
+
+def test_the_efficient_backward_gets_its_inputs_in_the_forwards_layout():
+    """Issue 54, as data on CPU tensors: the efficient kernel's CUDA backward reads ``out``
+    with rows ``heads x d`` apart whatever its strides (attention_backward.cu passes no
+    row stride; kernel_backward.h's o_strideM() is heads x d). A context-parallel output
+    (contiguous [b, heads, n, d], halves of it) is laid out again as the forward lays it
+    out; the forward's own output and its row slices (document blocks) are handed on as
+    they are (no copy); the output's gradient comes in the forward's layout (the copy the
+    kernel makes otherwise); q, k, v contiguous in the last dimension. Values unchanged."""
+    b, heads, n, d = 2, 4, 12, 8
+    q, k, v = (torch.randn(b, heads, n, d) for _ in range(3))
+    merged = torch.randn(b, heads, 2 * n, d)  # context parallelism: torch.cat of the halves
+    assert not _kernel_reads_correctly(merged.chunk(2, dim=2)[1])
+    outs = (merged.chunk(2, dim=2)[1], _forward_layout(b, heads, n, d),
+            _forward_layout(b, heads, 3 * n, d)[:, :, 5:17], _forward_layout(b, heads, n, d)[1:])
+    for out in outs:
+        dout = torch.randn(b, heads, 2 * n, d)[:, :, :n] if out.shape[0] == b else torch.randn(1, heads, n, d)
+        qb, kb, vb = (x[:out.shape[0]] for x in (q, k, v.transpose(-1, -2).contiguous().transpose(-1, -2)))
+        got = attention_blocks.efficient_backward_inputs(dout, qb, kb, vb, out)
+        g_dout, g_q, g_k, g_v, g_out = got
+        assert _kernel_reads_correctly(g_out) and torch.equal(g_out, out)
+        assert g_dout.transpose(1, 2).is_contiguous() and torch.equal(g_dout, dout)
+        assert all(x.stride(-1) == 1 and torch.equal(x, y) for x, y in zip((g_q, g_k, g_v), (qb, kb, vb)))
+        if _kernel_reads_correctly(out):
+            assert g_out.data_ptr() == out.data_ptr()  # the forward's layout: no copy
+    assert g_q.data_ptr() == qb.data_ptr()  # already contiguous in the last dimension: no copy
+    ready = _forward_layout(b, heads, n, d)
+    assert attention_blocks.efficient_backward_inputs(ready, q, k, v, ready)[0] is ready
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                    reason="needs a CUDA build of torch (fake CUDA tensors that views and the efficient kernel's "
+                           "meta functions accept); the CPU build's check is "
+                           "test_the_efficient_backward_gets_its_inputs_in_the_forwards_layout")
+@pytest.mark.parametrize("whose", ["cp", "documents"])
+def test_the_efficient_cuda_backward_is_handed_the_forwards_layout(whose):
+    """Issue 54, on fake CUDA tensors (bf16, head size 320: past flash's 256, so the
+    efficient kernel): gridtrain's block backward as context parallelism calls it (the
+    merged output, contiguous [b, heads, n, d], in halves) and as document attention does
+    (the forward's layout, in row slices) hands _scaled_dot_product_efficient_attention_
+    backward an output whose transpose, what _efficient_attention_backward receives, has
+    rows heads x d apart and the strides the forward produced (up to the slice), and an
+    output gradient already contiguous in that layout."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.args = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (aten._scaled_dot_product_efficient_attention_backward.default,
+                        aten._efficient_attention_backward.default):
+                self.args.append((func, args))
+            return func(*args, **(kwargs or {}))
+
+    aten = torch.ops.aten
+    b, heads, kv_heads, n, d = 2, 4, 2, 40, 320
+    with FakeTensorMode():
+        q = torch.empty(b, heads, 2 * n, d, dtype=bf16, device="cuda")
+        k, v = (torch.empty(b, kv_heads, 2 * n, d, dtype=bf16, device="cuda") for _ in range(2))
+        assert attention_blocks.kernel_for(q) == "efficient"
+        out, lse = attention_blocks.block_forward("efficient", q, k, v, True, 0.125)
+        forward_strides = out.stride()
+        assert _kernel_reads_correctly(out)
+        if whose == "cp":  # _CPAttention: torch.cat of the merged halves, chunked again for backward
+            out, dout = out.contiguous(), torch.empty(b, heads, 2 * n, d, dtype=bf16, device="cuda")
+            blocks = [(slice(None), 0, n, 0, n, True), (slice(None), n, 2 * n, 0, 2 * n, False)]
+        else:  # _DocumentAttention: the forward's layout, one block per document, a row group of one row
+            dout = torch.empty(b, heads, 2 * n, d, dtype=bf16, device="cuda")
+            blocks = [(slice(1, 2), 0, 17, 0, 17, True), (slice(None), 17, 2 * n, 17, 2 * n, True)]
+        with Calls() as calls:
+            for rows, qa, qb, ka, kb, causal in blocks:
+                grads = attention_blocks.block_backward(
+                    "efficient", dout[rows, :, qa:qb], q[rows, :, qa:qb], k[rows, :, ka:kb], v[rows, :, ka:kb],
+                    out[rows, :, qa:qb], lse[rows, :, qa:qb], causal, 0.125)
+                assert [g.shape for g in grads] == [q[rows, :, qa:qb].shape, k[rows, :, ka:kb].shape,
+                                                    v[rows, :, ka:kb].shape]
+    assert len(calls.args) == len(blocks)
+    for func, args in calls.args:
+        dout_arg, q_arg, k_arg, v_arg = args[:4]
+        out_arg = args[5]
+        if func is aten._scaled_dot_product_efficient_attention_backward.default:  # what it hands on
+            dout_arg, q_arg, k_arg, v_arg, out_arg = (x.transpose(1, 2) for x in (dout_arg, q_arg, k_arg, v_arg,
+                                                                                  out_arg))
+        rows, h, dim = out_arg.shape[1], out_arg.shape[2], out_arg.shape[3]
+        assert out_arg.stride()[1:] == (h * dim, dim, 1) == (forward_strides[2], forward_strides[1],
+                                                             forward_strides[3])
+        assert dout_arg.is_contiguous() and dout_arg.shape == out_arg.shape
+        assert all(x.stride(-1) == 1 for x in (q_arg, k_arg, v_arg)) and rows > 0
+
+
 def test_documents_as_spans_and_as_the_blocks_of_chunk_pairs():
     ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 2, 3, 3, 3, 3, 3, 3, 3],
                         [0] * 16])

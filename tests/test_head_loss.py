@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gridtrain.config import preset_config
 from gridtrain.models.decoder import Decoder, init_parameters
-from gridtrain.models.head_loss import chunk_rows, fused_head_loss
+from gridtrain.models.head_loss import (chunk_rows, defers_weight_gradient, fused_head_loss, head_loss_traffic_bytes,
+                                        weight_grad_rows)
 from gridtrain.parallel.comm import ByteCounter, CommGroup
 from gridtrain.parallel.tensor_parallel import IGNORE_INDEX, TensorParallel, vocab_parallel_cross_entropy
 from tests.harness import run_on_ranks
@@ -27,6 +28,15 @@ def _inputs():
     w = torch.randn(PADDED, D, dtype=torch.float64, generator=gen)
     labels = torch.randint(0, VOCAB, (B, S), generator=gen)
     labels[0, 2] = labels[1, 0] = labels[1, 6] = IGNORE_INDEX  # fine-tuning: prompts ignored
+    return x, w, labels
+
+
+def _wide_inputs():
+    """:func:`_inputs` widened to d_model 22 (14 tokens, fp64): the micro-batch's logits'
+    gradients fit one weight-gradient buffer, so the weight gradient waits for backward."""
+    x, w, labels = _inputs()
+    x, w = torch.cat([x, x.flip(-1), x, -x[..., :4]], -1), torch.cat([w, -w, w.flip(-1), w[:, :4]], -1)
+    assert x.shape[-1] == 22 and defers_weight_gradient(B * S, 22, 8) and not defers_weight_gradient(B * S, D, 8)
     return x, w, labels
 
 
@@ -70,11 +80,14 @@ def test_chunk_rows():
 
 class _LogitRows(TorchDispatchMode):
     """The most rows of logits (new tensors, not views, whose last dimension is the padded
-    vocabulary) that any operation produced."""
+    vocabulary) that any operation computed, and the rows of each such tensor allocated
+    empty (the weight gradient's buffer of logits' gradients, filled chunk by chunk)."""
+
+    ALLOCATIONS = ("empty", "new_empty", "empty_strided", "empty_like")
 
     def __init__(self, vocab: int):
         super().__init__()
-        self.vocab, self.rows = vocab, 0
+        self.vocab, self.rows, self.allocated = vocab, 0, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -82,25 +95,77 @@ class _LogitRows(TorchDispatchMode):
             return out
         for t in out if isinstance(out, (tuple, list)) else [out]:
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab:
-                self.rows = max(self.rows, t.numel() // self.vocab)
+                if func.overloadpacket.__name__ in self.ALLOCATIONS:
+                    self.allocated.append(t.numel() // self.vocab)
+                else:
+                    self.rows = max(self.rows, t.numel() // self.vocab)
         return out
 
 
 def test_full_logits_never_exist():
-    """A whole Decoder's training forward and backward: with 4 loss chunks no tensor holds
-    more than a quarter of the micro-batch's logits (forward or backward); unfused, the
-    full logits exist."""
+    """A whole Decoder's training forward and backward: with 4 loss chunks no operation
+    computes more than a quarter of the micro-batch's logits (forward or backward), and
+    the one buffer that gathers the logits' gradients for the weight gradient's GEMMs
+    holds half the micro-batch (tiny: d_model 64 fp32 tokens, the bytes of the [vocab, d]
+    fp32 accumulator); unfused, the full logits exist."""
     cfg = preset_config("tiny").model
     cfg.dropout, cfg.vocab_size = 0.0, 1000  # a vocabulary wider than any other dimension
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
-    rows = {}
+    rows, allocated = {}, {}
     for chunks in (0, 4):
         model = Decoder(cfg, loss_chunks=chunks)
         init_parameters(model, 0)
         with _LogitRows(cfg.padded_vocab_size(1)) as seen:
             model(tokens, tokens, reduction="sum").backward()
-        rows[chunks] = seen.rows
+        rows[chunks], allocated[chunks] = seen.rows, seen.allocated
     assert rows == {0: 2 * cfg.seq_len, 4: 2 * cfg.seq_len // 4}
+    assert allocated[4] == [cfg.d_model] == [weight_grad_rows(2 * cfg.seq_len, 2 * cfg.seq_len // 4, cfg.d_model, 4)]
+
+
+def test_the_weight_gradient_moves_about_the_unfused_heads_bytes():
+    """Issue 54: each weight-gradient GEMM writes the whole [vocab, d] (and, summed in
+    fp32, reads and writes it again), so one per 32 MiB chunk of logits (64 rows at a
+    128K vocabulary) moved ~150 times the unfused head's bytes. Llama 3 8B's head (vocab
+    131072, d 4096) on an 8K-token bf16 micro-batch: the logits' gradients of all 8192
+    tokens take the fp32 accumulator's bytes, so they are kept and the weight gradient is
+    one GEMM in backward: within 15% of the unfused head's bytes (6.1 GB against 5.4 GB;
+    per chunk: 834 GB). GPT-2's head (50304 x 768) at 8K tokens keeps the accumulator and
+    runs one GEMM per 1476 tokens (six): under 3x the unfused head's (4.8 GB against 1.7
+    GB; per chunk: 25 GB). The flag's chunks (the logits' memory) are unchanged."""
+    t, v, d = 8192, 131072, 4096
+    rows = chunk_rows(t, v, None)
+    assert rows == 64 and defers_weight_gradient(t, d, 2)
+    unfused = head_loss_traffic_bytes(t, v, d, 2, fused=False)
+    fused = head_loss_traffic_bytes(t, v, d, 2)
+    per_chunk = head_loss_traffic_bytes(t, v, d, 2, group=rows)
+    assert fused <= 2 * unfused and fused <= 1.15 * unfused and per_chunk >= 100 * unfused
+    assert (round(unfused / 1e9, 1), round(fused / 1e9, 1), round(per_chunk / 1e9)) == (5.4, 6.1, 834)
+    assert t * v * 2 <= v * d * 4  # what is kept instead of the fp32 accumulator: no more bytes
+    t, v, d = 8192, 50304, 768
+    rows = chunk_rows(t, v, None)
+    assert not defers_weight_gradient(t, d, 2) and weight_grad_rows(t, rows, d, 2) == 9 * rows == 1476
+    unfused, fused = head_loss_traffic_bytes(t, v, d, 2, fused=False), head_loss_traffic_bytes(t, v, d, 2)
+    assert fused <= 3 * unfused and head_loss_traffic_bytes(t, v, d, 2, group=rows) >= 5 * fused
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 14])
+def test_the_deferred_weight_gradient_keeps_no_more_than_the_accumulator(chunks):
+    """fp64 with d_model 22 against 14 tokens: the logits' gradients of the micro-batch fit
+    one buffer (no more bytes than the fp64 [vocab, d] accumulator), kept for backward with
+    the hidden states instead of the accumulator; the loss and gradients still the
+    unfused head's."""
+    x, w, labels = _wide_inputs()
+    kept = []
+    xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        fused = fused_head_loss(xf, wf, labels, VOCAB, TensorParallel(), chunks)
+    (fused * 1.7).backward()
+    assert sum(kept) == B * S * PADDED * 8 + 2 * B * S * 22 * 8 and B * S * PADDED * 8 <= PADDED * 22 * 8
+    loss, gx, gw = _unfused(x, w, labels)
+    _close(fused, loss)
+    _close(xf.grad, gx)
+    _close(wf.grad, gw)
 
 
 def test_decoder_summed_loss_matches_per_token_losses():
@@ -124,8 +189,13 @@ def test_decoder_summed_loss_matches_per_token_losses():
 
 
 def _tp_parity(rank: int, world: int) -> None:
-    x, w, labels = _inputs()
+    for inputs in (_inputs, _wide_inputs):  # the weight gradient summed in the forward, and deferred
+        _tp_parity_of(rank, *inputs())
+
+
+def _tp_parity_of(rank: int, x, w, labels) -> None:
     loss, gx, gw = _unfused(x, w, labels)
+    D = x.shape[-1]
     for sp in (False, True):
         tp = TensorParallel(CommGroup.of("tp", dist.group.WORLD, ByteCounter()), sp)
         for chunks in (1, 4):
@@ -170,6 +240,34 @@ def test_memory_model_counts_the_fused_head():
     diff = tokens * (m.padded_vocab_size(1) * 4 + 10) + tokens * m.d_model * e \
         - tokens * m.d_model * e - m.padded_vocab_size(1) * m.d_model * 4
     assert unfused - fused == pytest.approx(diff)
+
+
+def test_memory_model_counts_the_deferred_weight_gradient():
+    """Where the micro-batch's logits' gradients fit the weight gradient's buffer (small,
+    fp32, one sequence of 128 tokens against d_model 128) the fused head keeps them and
+    its input instead of the [vocab, d] accumulator: the activation formula's head term
+    says so, and is what the fused head saves for backward."""
+    from gridtrain.memory.model import expected_activation_peak, head_activation_bytes
+    from gridtrain.parallel.grid import ProcessGrid
+
+    cfg = preset_config("small")
+    cfg.training.device, cfg.training.micro_batch_size = "cpu", 1
+    grid = ProcessGrid.build(1)
+    m, tokens, e = cfg.model, cfg.model.seq_len, 4
+    vocab = m.padded_vocab_size(1)
+    assert defers_weight_gradient(tokens, m.d_model, e)
+    cfg.activations.loss_chunks = 1
+    fused, fused_head = expected_activation_peak(cfg, grid, 0, "cpu"), head_activation_bytes(cfg, 1, False, tokens, e)
+    cfg.activations.loss_chunks = 0
+    unfused = expected_activation_peak(cfg, grid, 0, "cpu")
+    assert unfused - fused == pytest.approx(tokens * (vocab * 4 + 10) - tokens * m.d_model * e - tokens * vocab * e)
+    x = torch.randn(1, tokens, m.d_model, requires_grad=True)
+    w = torch.randn(vocab, m.d_model, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        fused_head_loss(x, w, torch.randint(0, m.vocab_size, (1, tokens)), m.vocab_size, TensorParallel(), 1)
+    assert sum(kept) == fused_head - tokens * m.d_model * e  # the final norm's input is the norm's
 
 
 def test_the_automatic_choice_fuses_where_the_logits_outgrow_a_chunk():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gridtrain.config import ConfigError, preset_config, set_fields
 from gridtrain.models.moe import MoE, route
@@ -44,6 +45,73 @@ def test_permute_then_unpermute_is_the_identity_forward_and_backward():
     g = torch.randn(n, d, dtype=torch.float64)
     (grad,) = torch.autograd.grad(back, x, g)
     assert torch.allclose(grad, g, rtol=1e-15, atol=1e-15)
+
+
+class _IndexedSums(TorchDispatchMode):
+    """The indexed additions (``index_add``, ``index_put`` with ``accumulate``,
+    ``scatter_add``, ``scatter_reduce``) that add two or more floating-point values into one
+    place: a GPU adds those with atomics, in whatever order its threads arrive. (One value
+    per place is exact whatever the order: ``0 + x`` is ``x``.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__.rstrip("_")
+        index = None
+        if name == "index_add":
+            index = args[2]
+        elif name in ("index_put", "_index_put_impl") and kwargs.get("accumulate", len(args) > 3 and args[3]):
+            index = args[1][0]
+        elif name in ("scatter_add", "scatter_reduce"):
+            index = args[2]
+        if index is not None and args[0].is_floating_point() and index.unique().numel() < index.numel():
+            self.seen.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+@pytest.mark.parametrize("dropped", [0, 9])
+def test_the_combine_and_the_permutations_gradient_are_fixed_order_sums(k, dropped):
+    """Issue 54: the combine (each token's weighted rows summed) and the permutation's
+    gradient (each token's rows' gradients summed) add a token's rows in expert order, one
+    slot at a time, with no indexed addition of two values into one place (index_add,
+    scatter_add, accumulating index_put: atomics, in arrival order, on a GPU): bit for bit
+    the explicit per-token sum in that order, in fp64, with assignments dropped by
+    capacity adding nothing. (The old ``index_add`` combine is caught by the same check.)"""
+    gen = torch.Generator().manual_seed(k)
+    n, d, e = 23, 6, 10
+    chosen = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, dtype=torch.float64, generator=gen).requires_grad_()
+    order, _ = permutation(chosen, e)
+    order = order[:n * k - dropped]  # the first assignments in expert order are kept
+    x = torch.randn(n, d, dtype=torch.float64, generator=gen, requires_grad=True)
+    g = torch.randn(n, d, dtype=torch.float64, generator=gen)
+    with _IndexedSums() as ops:
+        rows = permute(x, order, k) * torch.arange(1, order.numel() + 1, dtype=torch.float64)[:, None]
+        out = unpermute(rows, order, weights, k, n)
+        gx, gw = torch.autograd.grad(out, (x, weights), g)
+    assert ops.seen == []
+    with _IndexedSums() as old:  # the combine as it was: index_add of each token's k rows
+        torch.zeros(n, d, dtype=torch.float64).index_add(0, order // k, rows.detach())
+    assert old.seen == (["index_add"] if k > 1 else [])
+    place = {int(a): i for i, a in enumerate(order)}  # assignment -> its row (expert order)
+    flat_w = weights.detach().reshape(-1)
+    for t in range(n):
+        mine = sorted(place[t * k + j] for j in range(k) if t * k + j in place)  # the token's rows, expert order
+        want_out = torch.zeros(d, dtype=torch.float64)
+        want_gx = torch.zeros(d, dtype=torch.float64)
+        for i in mine:
+            a = int(order[i])
+            want_out = want_out + rows[i].detach() * flat_w[a]
+            want_gx = want_gx + g[t] * flat_w[a] * (i + 1)
+        assert torch.equal(out[t].detach(), want_out) and torch.equal(gx[t], want_gx), t
+        for j in range(k):
+            a = t * k + j
+            want = (g[t] * rows[place[a]].detach()).sum() if a in place else torch.zeros((), dtype=torch.float64)
+            assert torch.equal(gw[t, j], want), (t, j)
 
 
 def test_dispatch_equals_a_loop_over_tokens_and_experts():

@@ -12,10 +12,12 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gridtrain import dryrun
 from gridtrain.config import preset_config, set_fields
 from gridtrain.models.moe import MoE, packed, stacked_layout
+from gridtrain.parallel import experts
 from gridtrain.parallel.experts import (ExpertParallel, capacity_order, dispatch_combine, grouped_gemm_fits,
                                        run_tensors, token_runs)
 from gridtrain.parallel.tensor_parallel import TensorParallel
@@ -126,6 +128,102 @@ def test_what_the_grouped_gemm_takes():
     assert grouped_gemm_fits(torch.bfloat16, "cuda", 64, 32) and not grouped_gemm_fits(torch.float32, "cuda", 64, 32)
     assert not grouped_gemm_fits(torch.float32, "cpu", 64, 30)  # 120 bytes
     assert grouped_gemm_fits(torch.bfloat16, "cpu", 64, 24) and not grouped_gemm_fits(torch.bfloat16, "cpu", 64, 12)
+
+
+class _AnyOp(TorchDispatchMode):
+    """Every tensor operation run inside (a device read needs one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A stand-in CUDA runtime with GPUs of a chosen compute capability: returns the
+    setter and the list of devices whose capability was asked."""
+    asked, capability = [], [(9, 0)]
+
+    def get_device_capability(device=None):
+        asked.append(device)
+        return capability[0]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", get_device_capability)
+    experts._device_capability.cache_clear()
+
+    def on(major: int, minor: int) -> list:
+        capability[0] = (major, minor)
+        experts._device_capability.cache_clear()
+        asked.clear()
+        return asked
+    yield on
+    experts._device_capability.cache_clear()
+
+
+@pytest.mark.parametrize("capability, grouped", [((8, 0), False), ((8, 6), False), ((8, 9), False),
+                                                 ((9, 0), True), ((10, 0), True), ((10, 3), True),
+                                                 ((12, 0), False)])
+def test_grouped_gemms_on_cuda_only_where_torch_has_the_grouped_kernel(gpu, capability, grouped):
+    """Issue 54: torch's CUDA _grouped_mm runs a grouped kernel on compute capability 9.0
+    and 10.x only; elsewhere (A100: 8.0) its fallback reads the offsets back and runs a
+    GEMM per expert, for each of a layer's grouped GEMMs. So bf16 experts on CUDA take the
+    grouped GEMMs exactly there and the per-expert loop (one host read per layer and
+    micro-batch: test_the_fp64_loop_reads_once_per_layer_and_micro_batch_at_ep_1) elsewhere;
+    the capability is read once per device, from the host, no tensor touched."""
+    asked = gpu(*capability)
+    layer = _layer()
+    with _AnyOp() as seen:
+        for _ in range(3):  # every micro-batch's forward asks; the device is asked once
+            assert grouped_gemm_fits(torch.bfloat16, "cuda", 64, 32) is grouped
+            assert grouped_gemm_fits(torch.bfloat16, torch.device("cuda", 0), 64, 32) is grouped
+            assert layer.grouped(torch.bfloat16, torch.device("cuda", 0)) is grouped
+    assert seen.ops == [] and asked == [0]
+    assert grouped_gemm_fits(torch.bfloat16, "cuda:1", 64, 32) is grouped and asked == [0, 1]  # per device
+    assert not grouped_gemm_fits(torch.float32, "cuda", 64, 32)  # fp32: never on CUDA
+    assert grouped_gemm_fits(torch.float32, "cpu", 64, 32)  # CPU: no capability involved
+
+
+def test_without_a_gpu_the_dry_run_plans_for_a_hopper_class_one(monkeypatch):
+    """A dry run's fake CUDA tensors on a machine without a GPU: the capability cannot be
+    read, so the choice plans for the run's target, runtime.cuda_rules.PLANNED_CAPABILITY
+    (9.0: grouped GEMMs); set to an A100's, the per-expert loop."""
+    from gridtrain.runtime import cuda_rules
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: pytest.fail("no GPU to ask"))
+    assert cuda_rules.PLANNED_CAPABILITY == (9, 0) and grouped_gemm_fits(torch.bfloat16, "cuda", 64, 32)
+    monkeypatch.setattr(cuda_rules, "PLANNED_CAPABILITY", (8, 0))
+    assert not grouped_gemm_fits(torch.bfloat16, "cuda", 64, 32)
+
+
+def test_the_grouped_bias_gradient_adds_no_two_values_at_one_index():
+    """Issue 54: GELU experts' bias gradients (each expert's rows summed) by a segment
+    reduction, in row order, not a floating-point index_add_ (atomics on CUDA): the whole
+    grouped backward adds no two values at one index, and the sums are, bit for bit, each
+    expert's rows added one after another (empty experts: zero)."""
+    from gridtrain.models.moe import _expert_sums
+    from tests.test_moe import _IndexedSums
+
+    layer = _layer("gpt2")
+    offs = torch.tensor([3, 3, 7, 7, 12, 20, 20, 30], dtype=torch.int32)  # experts 1, 3 and 6 get no rows
+    assert layer.cfg.n_experts == offs.numel()
+    rows = torch.randn(30, layer.cfg.d_model, requires_grad=True)
+    with _IndexedSums() as sums:
+        out = layer._run_grouped(rows, offs)
+        out.backward(torch.randn(out.shape))
+    assert sums.seen == []
+    g = torch.randn(30, 5)
+    want = torch.zeros(offs.numel(), 5)
+    for e, (a, b) in enumerate(zip([0] + offs.tolist()[:-1], offs.tolist())):
+        for r in range(a, b):
+            want[e] = want[e] + g[r]
+    assert torch.equal(_expert_sums(g, offs), want)
 
 
 @pytest.mark.parametrize("where", [dict(), dict(dp_rank=1, cp_size=2, cp_rank=1), dict(cp_size=4, cp_rank=3),

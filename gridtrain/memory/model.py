@@ -56,7 +56,7 @@ import torch
 
 from gridtrain.config import Config, ModelConfig
 from gridtrain.memory.optimizer import matrix_fraction
-from gridtrain.models.head_loss import worth_fusing
+from gridtrain.models.head_loss import defers_weight_gradient, worth_fusing
 from gridtrain.memory import activations
 from gridtrain.memory.cp import wide_bytes
 from gridtrain.memory.moe import dense_block_parameters, edp_size, moe_block_parameters
@@ -584,10 +584,16 @@ def head_activation_bytes(cfg: Config, tp: int, sp: bool, tokens: int, e: int) -
     and the head's input (a sequence shard under SP). Fused (head_loss.py): the final
     norm's input, and the gradients the forward already computed: the hidden states'
     (the whole sequence, in the model's dtype) and the head weight's (this rank's
-    vocabulary rows, in fp32 or wider). No logits: a chunk's are freed in the forward."""
+    vocabulary rows, in fp32 or wider); or, where the micro-batch's logits' gradients fit
+    the weight gradient's buffer (head_loss.defers_weight_gradient), instead of the
+    weight's gradient those logits' gradients (this rank's vocabulary slice, in the
+    model's dtype) and the head's input (the whole sequence), for its one GEMM in
+    backward. No fp32 logits: a chunk's are freed in the forward."""
     m = cfg.model
     vocab, norm_input = m.padded_vocab_size(tp) // tp, tokens * m.d_model * e / (tp if sp else 1)
     if fuses_loss(cfg, tp, tokens):
+        if defers_weight_gradient(tokens, m.d_model, e):
+            return norm_input + 2 * tokens * m.d_model * e + tokens * vocab * e
         return norm_input + tokens * m.d_model * e + vocab * m.d_model * max(e, 4)
     return tokens * (vocab * 4 + 8 + 2) + 2 * norm_input
 

@@ -11,17 +11,35 @@ needed at once: the loss of a token reads only that token's row.
 How. The summed loss of a micro-batch (what training differentiates) is linear in its
 upstream gradient, a single number. So the forward, for each chunk of rows of the
 flattened ``[b * s, d]`` hidden states, computes the chunk's logits, its log-sum-exp and
-target logit (the loss), then at once the logits' gradient ``softmax - one_hot`` and from
-it the chunk's rows of the hidden states' gradient and its share of the head weight's
-gradient; the chunk's logits are freed before the next chunk. Backward only multiplies
-the two saved gradients by the upstream scalar. What is kept for backward is
-``[tokens, d]`` + ``[vocab / tp, d]`` (in the accumulation dtype) instead of
-``[tokens, vocab / tp]`` in fp32: less whenever a micro-batch has more tokens than
-``d_model`` (memory.model counts it). The matrix products are the same three as the
-unfused head's (logits, input gradient, weight gradient); no logits are recomputed, and
-the elementwise passes over the logits (upcast, softmax, its gradient) run on
-chunk-sized pieces that stay in cache. A forward without autograd (validation) computes
-the loss only.
+target logit (the loss), then at once the logits' gradient ``softmax - one_hot`` (in the
+model's dtype, as the unfused head's GEMMs read it) and from it the chunk's rows of the
+hidden states' gradient; the chunk's fp32 logits are freed before the next chunk. The
+matrix products are the same three as the unfused head's (logits, input gradient, weight
+gradient); no logits are recomputed, and the elementwise passes over the logits (upcast,
+softmax, its gradient) run on chunk-sized pieces that stay in cache. A forward without
+autograd (validation) computes the loss only.
+
+**The weight gradient** (``[vocab / tp, d]``) is not made per chunk: each of its GEMMs
+writes (and, summed in fp32, reads back and writes again) the whole ``[vocab / tp, d]``,
+whatever the chunk's rows, so per-chunk GEMMs of a few dozen rows (Llama 3's 128K
+vocabulary at 32 MiB chunks: 64 rows) moved ~0.8 TB per 8K-token micro-batch, some 150
+times what the unfused head's one GEMM moves (:func:`head_loss_traffic_bytes`). Instead
+the chunks' logits' gradients gather in a buffer of up to :func:`weight_grad_rows` rows,
+as many as take the bytes of the fp32 weight-gradient accumulator (``2 d`` tokens in
+bf16, ``d`` in fp32 and fp64), and one GEMM per full buffer adds them in. Where the whole
+micro-batch fits in one buffer (:func:`defers_weight_gradient`: Llama 3 8B at 8K tokens)
+the buffer is kept for backward in place of the accumulator and the weight gradient is
+one GEMM in backward, over every token, with the upstream scalar folded into its
+``[tokens, d]`` operand: about the unfused head's bytes (12% more at 8K tokens of Llama
+3's head, from scaling that operand in fp32). Otherwise the buffer is
+a transient of the forward (at most the accumulator's bytes) and the accumulator is
+kept.
+
+What is kept for backward is the hidden states' gradient ``[tokens, d]``, and either the
+fp32 (or wider) weight gradient ``[vocab / tp, d]`` or, where deferred, the logits'
+gradient ``[tokens, vocab / tp]`` in the model's dtype (no more bytes than the
+accumulator) and the hidden states ``[tokens, d]``, instead of the unfused head's
+``[tokens, vocab / tp]`` fp32 softmax (memory.model counts it).
 
 With vocabulary-parallel TP each rank holds a slice of the vocabulary: per chunk the row
 maxima are all-reduced (MAX) and the target logits and sums of exponentials together
@@ -65,6 +83,57 @@ def chunk_rows(tokens: int, local_vocab: int, chunks: int | None) -> int:
     return max(1, math.ceil(tokens / max(1, min(chunks, tokens))))
 
 
+def weight_grad_rows(tokens: int, rows: int, d_model: int, element_bytes: int) -> int:
+    """Tokens per weight-gradient GEMM for a micro-batch of ``tokens`` in chunks of
+    ``rows``: at most as many as have logits' gradients (``element_bytes`` each, the
+    model's dtype) taking the bytes of the weight gradient's accumulator (fp32, or fp64
+    for fp64), ``d_model x acc / element_bytes``; all the tokens where they fit (then the
+    GEMM waits for backward: :func:`defers_weight_gradient`), else whole chunks (at least
+    one). Each GEMM then writes the ``[vocab, d]`` result once for about as many bytes of
+    logits' gradient read."""
+    most = d_model * max(element_bytes, 4) // element_bytes
+    return tokens if tokens <= most else max(rows, most // rows * rows)
+
+
+def defers_weight_gradient(tokens: int, d_model: int, element_bytes: int) -> bool:
+    """Whether a micro-batch's ``tokens`` fit one weight-gradient buffer: its logits'
+    gradients are then kept for backward (no more bytes than the fp32 accumulator they
+    replace), with the hidden states, and the weight gradient is one GEMM there."""
+    return weight_grad_rows(tokens, 1, d_model, element_bytes) == tokens
+
+
+def head_loss_traffic_bytes(tokens: int, local_vocab: int, d_model: int, element_bytes: int,
+                            chunks: int | None = None, *, fused: bool = True, weight_bytes: int | None = None,
+                            group: int | None = None) -> int:
+    """The bytes the head weight's gradient moves through memory for one micro-batch of
+    ``tokens`` (this rank's ``local_vocab`` rows of the head, width ``d_model``, the model's
+    dtype ``element_bytes`` wide, the weight's ``weight_bytes``): the logits' gradient in
+    the model's dtype written and read by the GEMM(s), the hidden states read, and what the
+    ``[vocab, d]`` result costs. Unfused (``fused=False``): one GEMM, its result written
+    once. Fused: as the forward and backward here run it (``chunks``: ``--loss-chunks``;
+    ``group``: rows per weight-gradient GEMM, default :func:`weight_grad_rows`; one chunk's
+    rows reproduce the per-chunk GEMMs of before). Deferred (one group): the hidden states
+    scaled by the upstream scalar (read, widened, scaled, rounded), one GEMM in backward,
+    its result written once. Accumulated: the accumulator zeroed, per group one GEMM
+    (16-bit: its product written and read, the fp32 accumulator read and written; fp32 and
+    fp64: the accumulator read and written by ``addmm_``), in backward scaled and cast to
+    the weight's dtype in one pass (in place where that is the accumulator's)."""
+    t, v, d, e = tokens, local_vocab, d_model, element_bytes
+    w = e if weight_bytes is None else weight_bytes
+    acc = max(e, 4)
+    logits_grad = 2 * t * v * e + t * d * e  # written in the model's dtype, read by the GEMM(s); the hidden states read
+    cast = v * d * (e + w) if w != e else 0
+    if not fused:
+        return logits_grad + v * d * e + cast
+    group = weight_grad_rows(t, chunk_rows(t, v, chunks), d, e) if group is None else group
+    if group >= t:  # one GEMM in backward, after the hidden states are scaled (16-bit: widened and rounded back)
+        return logits_grad + t * d * (2 * acc + (2 * e + 2 * acc if e != acc else 0)) + v * d * e + cast
+    groups = math.ceil(t / group)
+    per_group = 2 * v * d * acc + (2 * v * d * e if acc != e else 0)
+    backward = 2 * v * d * acc if w == acc else v * d * (acc + w)
+    return logits_grad + v * d * acc + groups * per_group + backward
+
+
 def fused_head_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                     tp: TensorParallel, chunks: int | None = None) -> torch.Tensor:
     """The summed token loss (0 for IGNORE_INDEX labels) of the final norm's output ``x``
@@ -76,20 +145,25 @@ def fused_head_loss(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     h = x.reshape(-1, x.shape[-1])
     grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     rows = chunk_rows(h.shape[0], weight.shape[0], chunks)
-    return _FusedHeadLoss.apply(h, weight, labels.reshape(-1), vocab_size, tp.comm, rows, grads)
+    group = weight_grad_rows(h.shape[0], rows, h.shape[1], h.dtype.itemsize)
+    return _FusedHeadLoss.apply(h, weight, labels.reshape(-1), vocab_size, tp.comm, rows, grads, group)
 
 
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, vocab_size, comm: CommGroup, rows: int, grads: bool):
+    def forward(ctx, h, weight, labels, vocab_size, comm: CommGroup, rows: int, grads: bool, group: int):
         acc = torch.promote_types(h.dtype, torch.float32)  # the loss's dtype, as the unfused cross entropy's
-        local = weight.shape[0]
+        local, tokens = weight.shape[0], h.shape[0]
         start = comm.rank * local if comm.size > 1 else 0
         pad_from = max(0, vocab_size - start) if start + local > vocab_size else None
         total = torch.zeros((), dtype=acc, device=h.device)
+        deferred = grads and group >= tokens  # the weight gradient: one GEMM in backward
         grad_h = torch.empty_like(h) if grads else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grads else None
-        for a in range(0, h.shape[0], rows):
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grads and not deferred else None
+        # the logits' gradients of up to `group` rows, in the model's dtype, for one weight-gradient GEMM
+        buffer = h.new_empty((min(group, tokens), local)) if grads else None
+        first = 0  # the buffer's first row
+        for a in range(0, tokens, rows):
             hc, lc = h[a:a + rows], labels[a:a + rows]
             logits = (hc @ weight.t()).to(acc)
             if pad_from is not None:  # padding columns: out of the softmax, no gradient
@@ -116,23 +190,39 @@ class _FusedHeadLoss(torch.autograd.Function):
             if not grads:
                 continue
             probs.scatter_add_(1, index, -mine.unsqueeze(1).to(acc))  # softmax - one_hot: the logits' gradient
-            g = probs.to(h.dtype)
-            keep = valid.unsqueeze(1).to(h.dtype)  # ignored tokens: no gradient (rows of [rows, d], not of g)
-            torch.mm(g, weight.to(h.dtype), out=grad_h[a:a + rows])
-            grad_h[a:a + rows].mul_(keep)
-            if acc == h.dtype:
-                grad_w.addmm_(g.t(), hc * keep)
-            else:  # 16-bit: the product in the parameters' dtype, the sum over chunks in fp32
-                grad_w.add_(g.t() @ (hc * keep))
-            del probs, g
-        if grads:
+            probs.masked_fill_(~valid.unsqueeze(1), 0.0)  # ignored tokens: no gradient
+            end = a + hc.shape[0]
+            g = buffer[a - first:end - first]
+            g.copy_(probs)  # in the model's dtype, as the unfused head's GEMMs read it
+            del probs
+            torch.mm(g, weight.to(h.dtype), out=grad_h[a:end])
+            if not deferred and (end - first == buffer.shape[0] or end == tokens):  # a full buffer: its GEMM
+                if acc == h.dtype:
+                    grad_w.addmm_(buffer[:end - first].t(), h[first:end])
+                else:  # 16-bit: the product in the parameters' dtype, the sum over the GEMMs in fp32
+                    grad_w.add_(buffer[:end - first].t() @ h[first:end])
+                first = end
+        if deferred:
+            ctx.save_for_backward(grad_h, buffer, h)
+        elif grads:
             ctx.save_for_backward(grad_h, grad_w)
-        ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.dtypes, ctx.deferred = (h.dtype, weight.dtype), deferred
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        return (grad_h.mul_(grad_total.to(h_dtype)), grad_w.mul_(grad_total).to(w_dtype),
-                None, None, None, None, None)
+        if ctx.deferred:  # one GEMM over every token, the upstream scalar folded into the hidden states
+            grad_h, buffer, h = ctx.saved_tensors
+            grad_w = None
+            if ctx.needs_input_grad[1]:  # the scalar in full (a 16-bit one would scale every row a little off)
+                scaled = (h.to(grad_total.dtype) * grad_total).to(h_dtype)
+                grad_w = torch.mm(buffer.t(), scaled).to(w_dtype)
+            return grad_h.mul_(grad_total.to(h_dtype)), grad_w, None, None, None, None, None, None
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_w.dtype == w_dtype:
+            grad_w = grad_w.mul_(grad_total)
+        else:  # scaled and cast in one pass
+            grad_w = torch.mul(grad_w, grad_total, out=torch.empty(grad_w.shape, dtype=w_dtype,
+                                                                    device=grad_w.device))
+        return grad_h.mul_(grad_total.to(h_dtype)), grad_w, None, None, None, None, None, None

@@ -25,7 +25,9 @@ dense MLP:
   every layout trains the same model.
 
 **The local experts run as grouped GEMMs** (``torch._grouped_mm``: fp32 and bf16 on CPU,
-bf16 on CUDA; the per-expert loop for fp64, the parity reference): SwiGLU experts as two
+bf16 on CUDA GPUs of compute capability 9.0 or 10.x, where torch has a grouped kernel;
+the per-expert loop for fp64, the parity reference, and on earlier GPUs, where torch's
+fallback would read the offsets back per GEMM): SwiGLU experts as two
 (gate and up joined into one ``[E, 2H, d]`` operand, then down), GELU experts as two with
 per-expert biases. The grouped GEMM wants each weight kind as one ``[E, ...]`` tensor, and
 stacking ``E`` separate parameters would copy every expert weight per layer and
@@ -171,6 +173,17 @@ def stacked(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     return torch.stack([torch.cat([p.detach() for p in g], 0) for g in groups])
 
 
+def _expert_sums(rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Each group's rows summed (``rows`` sorted by group, ``offs`` each group's end row):
+    ``[groups, width]``. A segment reduction, which sums each group's rows in row order on
+    every device (torch's CUDA kernel: one thread per output element, a loop over its
+    rows), where a floating-point ``index_add_`` adds them with atomics in whatever order
+    a GPU's threads arrive. ``unsafe``: the offsets are not checked, which would read them
+    back to the host."""
+    starts = torch.cat([offs.new_zeros(1), offs])
+    return torch.segment_reduce(rows, "sum", offsets=starts, axis=0, unsafe=True)
+
+
 def _group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
     """Each row's group, from the groups' end rows."""
     return torch.searchsorted(offs, torch.arange(rows, dtype=offs.dtype, device=offs.device), right=True)
@@ -220,9 +233,8 @@ class _GroupedLinear(torch.autograd.Function):
                                           float8.quantised_experts(stacked([g[:width] for g in groups]), scales, 2),
                                           offs, grad.dtype)
         d_weights = grouped_mm(grad.t(), rows, offs)  # [E, N, K]; float8 too: a sum over the tokens, in bf16
-        if ctx.bias:
-            d_bias = grad.new_zeros((len(groups), grad.shape[1])).index_add_(0, _group_of_rows(offs, grad.shape[0]),
-                                                                             grad)
+        if ctx.bias:  # each expert's rows summed in row order (a float index_add_ would add with atomics on CUDA)
+            d_bias = _expert_sums(grad, offs)
         grads = []
         for e, d in enumerate(d_weights.unbind(0)):
             grads.extend(d.split(ctx.rows, 0) if width > 1 else (d,))
@@ -414,9 +426,11 @@ class MoE(nn.Module):
 
     def grouped(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the local experts run as grouped GEMMs (``torch._grouped_mm``) on rows of
-        ``dtype``: fp32 and bf16 on CPU, bf16 on CUDA, with 16-byte aligned widths, unless
-        ``grouped_gemm`` was turned off; otherwise (fp64: the parity reference) the
-        per-expert loop."""
+        ``dtype``: fp32 and bf16 on CPU, bf16 on CUDA (a GPU of compute capability 9.0 or
+        10.x, read once per device; a dry run without a GPU plans for a Hopper-class one),
+        with 16-byte aligned widths, unless ``grouped_gemm`` was turned off; otherwise (fp64:
+        the parity reference; an A100) the per-expert loop, one host read per layer and
+        micro-batch (:func:`grouped_gemm_fits`)."""
         return self.grouped_gemm and len(self.experts) > 0 and \
             grouped_gemm_fits(dtype, device, self.cfg.d_model, self.cfg.moe_ffn_size // self.ep.etp.size)
 

@@ -23,7 +23,9 @@ head size, so that the choice is data a test reads):
   fp32 arithmetic for fp32 inputs (no TF32). Its log-sum-exp has its rows padded to a
   multiple of 32 (``[b, heads, ceil(n / 32) 32]``): cut on the way out, padded again for its
   backward. It takes equal head counts, so shared key/value heads are repeated for it (the
-  block's copy only) and their gradients summed back.
+  block's copy only) and their gradients summed back. Its CUDA backward reads the output
+  with rows ``heads x d`` apart, as its forward lays it out, whatever strides it is given:
+  :func:`efficient_backward_inputs` hands it the output (and its gradient) so laid out.
 * ``matmul``: matrix products in fp32 (fp64 for fp64), exact on any device: fp64 on CUDA
   and every other device. The ``g = heads / kv_heads`` query heads that read one
   key/value head are folded into its rows, so one product serves them. It materialises
@@ -160,13 +162,44 @@ def block_backward(kernel: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Te
         n = q.shape[2]
         padded = torch.nn.functional.pad(lse.float(), (0, -n % 32)).contiguous()  # its rows in blocks of 32
         seed = torch.empty((), dtype=torch.int64)  # as its forward makes it without dropout: unread
+        dout, q, k, v, out = efficient_backward_inputs(dout, q, every_head(k, heads), every_head(v, heads), out)
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, every_head(k, heads), every_head(v, heads), None, out, padded, seed, seed, 0.0,
-            [True, True, True, False], causal, scale=scale)
+            dout, q, k, v, None, out, padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
         return dq, per_kv_head(dk, kv_heads), per_kv_head(dv, kv_heads)
     if kernel == "matmul":
         return _matmul_backward(dout, q, k, v, out, lse, causal, scale)
     raise ValueError(f"unknown attention block kernel {kernel!r}: one of {', '.join(KERNELS)}")
+
+
+def in_forward_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[b, heads, n, d]`` laid out as the efficient kernel's forward lays out its
+    output: ``[b, n, heads, d]`` contiguous in memory, seen transposed (``x`` itself where it
+    is already, else a copy)."""
+    t = x.transpose(1, 2)
+    return x if t.is_contiguous() else t.contiguous().transpose(1, 2)
+
+
+def efficient_backward_inputs(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The efficient kernel's backward inputs (``[b, heads, n, d]``, equal head counts) in
+    the layouts its CUDA kernel reads correctly. ``_scaled_dot_product_efficient_attention_
+    backward`` hands each one transposed to ``[b, n, heads, d]`` to ``_efficient_attention_
+    backward`` (aten/src/ATen/native/transformers/cuda/attention_backward.cu), which copies
+    ``grad_out`` to contiguous, requires ``q``, ``k``, ``v`` contiguous in the last
+    dimension, and passes ``out``'s batch and head strides to the kernel but not its row
+    stride: the kernel takes it to be ``heads x d`` (``o_strideM()`` in mem_eff_attention/
+    kernel_backward.h), as in the forward's own output. An ``out`` laid out otherwise (a
+    contiguous ``[b, heads, n, d]``, as context parallelism's merged output is) is read at
+    the wrong places: wrong gradients, no error (torch's meta function checks no strides).
+    So: ``out`` keeps its layout where its rows are ``heads x d`` apart (the forward's
+    output, or a slice of it along the rows), else is copied to the forward's layout;
+    ``dout`` in the forward's layout too (the copy the kernel would make); ``q``, ``k``,
+    ``v`` contiguous in the last dimension."""
+    heads, d = out.shape[1], out.shape[3]
+    if out.stride(3) != 1 or out.stride(2) != heads * d:
+        out = in_forward_layout(out)
+    last = [x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v)]
+    return (in_forward_layout(dout), *last, out)
 
 
 # ---- the matrix-product kernel ------------------------------------------------------------------

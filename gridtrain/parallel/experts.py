@@ -26,13 +26,16 @@ whose backward is the same exchange reversed):
    so each expert weight gets a gradient per micro-batch as the gradient reducer counts on;
 4. **combine**: outputs back the reverse way, weighted by the router's weights and summed
    into each token's row in expert order (the same order on every layout, so sums round
-   alike).
+   alike; :func:`token_sums`: a gather and ``k - 1`` additions, no atomic ``index_add``,
+   so a GPU sums in that order too, run after run; the permutation's gradient likewise).
 
 With one rank the same code runs with the exchanges left out, so one process and every
 ep size share the permutation, the experts and the combine.
 
 **The experts as grouped GEMMs.** Where ``torch._grouped_mm`` takes the dtype (fp32 and
-bf16 on CPU, bf16 on CUDA; :func:`grouped_gemm_fits`) the local experts run as one
+bf16 on CPU, bf16 on CUDA; :func:`grouped_gemm_fits`) and, on CUDA, runs it as a grouped
+kernel (compute capability 9.0 or 10.x: :func:`grouped_gemm_fast_on`; an A100's falls back
+to a host read and a GEMM per expert, for each GEMM) the local experts run as one
 grouped GEMM per weight kind (models/moe.py), cut at ``offs``, each expert's end row,
 int32, on the device. One GEMM for all experts instead of one (and its Python and
 autograd overhead) per expert, and, with the offsets on the device, no host read at
@@ -40,9 +43,10 @@ ep 1: a dropless layer at ep 1 needs no host-sized tensor at all (``N k`` rows, 
 from the shapes). Under capacity at ep 1 the dropped rows stay at the end of the sorted
 rows, run through the last expert and are weighted zero in the combine (exactly zero
 contributions, forward and backward) instead of being cut off by a host-sized slice.
-fp64 (and widths whose rows are not 16-byte aligned) keeps the per-expert loop, which
-splits the rows by host sizes (one read per layer and micro-batch at ep 1 too): it is
-the parity reference the grouped GEMMs are tested against (tests/test_moe_grouped.py).
+fp64 (and widths whose rows are not 16-byte aligned, and GPUs before Hopper) keeps the
+per-expert loop, which splits the rows by host sizes (one read per layer and micro-batch
+at ep 1 too): it is the parity reference the grouped GEMMs are tested against
+(tests/test_moe_grouped.py).
 
 **Capacity without loops over tokens.** Each token's place in the global micro-batch
 (:meth:`ExpertParallel.token_key_tensor`) and the runs of consecutive places
@@ -78,6 +82,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -234,21 +239,88 @@ def permutation(chosen: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, tor
     return order, counts
 
 
+def token_sums(rows: torch.Tensor, token_of_row: torch.Tensor, k: int, n_tokens: int) -> torch.Tensor:
+    """Each of the ``n_tokens`` tokens' sum of its rows (``rows[i]`` is token
+    ``token_of_row[i]``'s; at most ``k`` a token: the assignments dropped by capacity have
+    none), added in the order the rows lie (expert order), one slot at a time.
+    Deterministic on every device: a stable sort of the rows by token gives each token's
+    rows in that order, they are gathered into ``k`` slots (a missing row reads zero) and
+    added by ``k - 1`` elementwise additions, where an ``index_add`` would add them with
+    atomics, in whatever order a GPU's threads arrive (floating-point sums that differ
+    between runs). 16-bit rows are summed in fp32 and rounded once, as torch's CPU
+    ``index_add`` does: on CPU the same sums, bit for bit, as ``index_add`` in row order."""
+    m, d = rows.shape
+    by_token = torch.argsort(token_of_row, stable=True)  # each token's rows together, in row order
+    if m == n_tokens * k:  # every token has its k rows
+        where = by_token.view(n_tokens, k)
+    else:  # a slot per row within its token's (counts are integers: exact in any order); the rest read zeros
+        counts = torch.zeros(n_tokens, dtype=torch.int64, device=rows.device)
+        counts.index_add_(0, token_of_row, torch.ones_like(token_of_row))
+        sorted_tokens = token_of_row.index_select(0, by_token)
+        slot = torch.arange(m, device=rows.device) - (torch.cumsum(counts, 0) - counts).index_select(0, sorted_tokens)
+        where = torch.full((n_tokens * k,), m, dtype=torch.int64, device=rows.device)
+        where[sorted_tokens * k + slot] = by_token  # distinct places: no sum
+        where = where.view(n_tokens, k)
+        rows = torch.cat([rows, rows.new_zeros((1, d))])
+    wide = torch.promote_types(rows.dtype, torch.float32)
+    out = rows.index_select(0, where[:, 0]).to(wide)
+    for s in range(1, k):
+        out.add_(rows.index_select(0, where[:, s]))
+    return out.to(rows.dtype)
+
+
+class _Permute(torch.autograd.Function):
+    """``tokens[order // k]``; its gradient is each token's rows' gradients summed by
+    :func:`token_sums` (an ``index_select``'s own backward would ``index_add`` them).
+    Keeps the rows' tokens (``order // k``), as the ``index_select`` did."""
+
+    @staticmethod
+    def forward(ctx, tokens, order, k):
+        token_of_row = order // k
+        ctx.k, ctx.n = k, tokens.shape[0]
+        ctx.save_for_backward(token_of_row)
+        return tokens.index_select(0, token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_of_row,) = ctx.saved_tensors
+        return token_sums(grad, token_of_row, ctx.k, ctx.n), None, None
+
+
+class _Combine(torch.autograd.Function):
+    """:func:`token_sums` of the weighted ``rows``; its gradient is each row's token's
+    gradient (a gather by ``order // k``). It keeps what the ``index_add`` it replaces kept,
+    the rows' tokens and the weighted rows (unread: memory.moe's ``rows`` term counts
+    them; dropping them saves ``N k d`` elements a MoE layer, with that term)."""
+
+    @staticmethod
+    def forward(ctx, rows, order, k, n_tokens):
+        token_of_row = order // k
+        ctx.save_for_backward(token_of_row, rows)
+        return token_sums(rows, token_of_row, k, n_tokens)
+
+    @staticmethod
+    def backward(ctx, grad):
+        token_of_row, _ = ctx.saved_tensors
+        return grad.index_select(0, token_of_row), None, None, None
+
+
 def permute(tokens: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
-    """The rows of the sorted assignments: ``tokens[order // k]``."""
-    return tokens.index_select(0, order // k)
+    """The rows of the sorted assignments: ``tokens[order // k]`` (its gradient summed per
+    token deterministically: :func:`token_sums`)."""
+    return _Permute.apply(tokens, order, k)
 
 
 def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: int, n_tokens: int,
               keep: torch.Tensor | None = None) -> torch.Tensor:
     """Each token's sum of its rows times their routing weights (``weights`` [N, k]),
-    added in expert order: the inverse of :func:`permute` when every weight is 1 and k is 1.
-    ``keep`` (bool, one per row): rows whose weight counts (the others add zero)."""
+    added in expert order (:func:`token_sums`: a fixed order on every device, no atomics):
+    the inverse of :func:`permute` when every weight is 1 and k is 1. ``keep`` (bool, one
+    per row): rows whose weight counts (the others add zero)."""
     w = weights.reshape(-1).index_select(0, order)
     if keep is not None:
         w = w * keep.to(w.dtype)
-    out = rows.new_zeros((n_tokens, rows.shape[-1]))
-    return out.index_add(0, order // k, rows * w.unsqueeze(-1))
+    return _Combine.apply(rows * w.unsqueeze(-1), order, k, n_tokens)
 
 
 def _uniform(total: int, parts: int) -> list[int]:
@@ -259,14 +331,50 @@ def _uniform(total: int, parts: int) -> list[int]:
 GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat16,)}  # what torch._grouped_mm takes
 
 
+def grouped_gemm_fast_on(capability: tuple[int, int]) -> bool:
+    """Whether torch's CUDA ``_grouped_mm`` runs its grouped kernel on a GPU of compute
+    ``capability``: 9.0 (Hopper) and 10.x (Blackwell) only. Elsewhere (A100: 8.0) torch
+    falls back to ``offs.cpu()`` (a device-to-host copy, a sync) and one GEMM per group
+    (aten/src/ATen/native/cuda/GroupedBlas.cpp, ``_grouped_mm_cuda``: the fast path needs
+    ``_scaled_mm_allowed_device(sm90_only, sm100_only)``, device major 9 or 10), which
+    for a layer's six grouped GEMMs is six host reads where the per-expert loop makes
+    one."""
+    major, minor = capability
+    return major == 10 or (major, minor) == (9, 0)
+
+
+@lru_cache(maxsize=16)
+def _device_capability(index: int) -> tuple[int, int]:
+    """CUDA device ``index``'s compute capability, read once (a host-side query of the
+    device's properties, no sync) and cached."""
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def cuda_capability(device: torch.device | str) -> tuple[int, int]:
+    """The compute capability the grouped-GEMM choice plans for on CUDA ``device``: the
+    GPU's own (cached per device), or, where there is no GPU (a dry run's fake CUDA
+    tensors), the dry run's planned target, ``runtime.cuda_rules.PLANNED_CAPABILITY``
+    (a Hopper-class GPU unless set otherwise: set it to plan for another GPU)."""
+    if not torch.cuda.is_available():
+        from gridtrain.runtime import cuda_rules  # the dry run's planned GPU
+        return tuple(cuda_rules.PLANNED_CAPABILITY)
+    index = torch.device(device).index
+    return _device_capability(torch.cuda.current_device() if index is None else index)
+
+
 def grouped_gemm_fits(dtype: torch.dtype, device: torch.device | str, *widths: int) -> bool:
-    """Whether ``torch._grouped_mm`` takes rows of ``dtype`` on ``device`` whose widths are
-    ``widths``: fp32 or bf16 on CPU, bf16 on CUDA (the CUDA kernel, and torch's meta
-    function that the dry run runs, take nothing else), never fp64 (the per-expert loop
-    stays its path, and the parity reference); every row stride a multiple of 16 bytes,
-    as the op requires."""
-    return hasattr(torch, "_grouped_mm") and dtype in GROUPED_DTYPES.get(torch.device(device).type, ()) and \
-        all(w * dtype.itemsize % 16 == 0 for w in widths)
+    """Whether the local experts run as ``torch._grouped_mm`` on rows of ``dtype`` on
+    ``device`` whose widths are ``widths``: fp32 or bf16 on CPU, bf16 on CUDA (the CUDA
+    kernel, and torch's meta function that the dry run runs, take nothing else) and there
+    only on a GPU where torch runs it as a grouped kernel (:func:`grouped_gemm_fast_on`;
+    elsewhere the per-expert loop, with its one host read per layer and micro-batch, is
+    the faster path), never fp64 (the per-expert loop stays its path, and the parity
+    reference); every row stride a multiple of 16 bytes, as the op requires. Decided
+    from the dtype, the device and the shapes alone: no device data is read."""
+    device = torch.device(device)
+    return hasattr(torch, "_grouped_mm") and dtype in GROUPED_DTYPES.get(device.type, ()) and \
+        all(w * dtype.itemsize % 16 == 0 for w in widths) and \
+        (device.type != "cuda" or grouped_gemm_fast_on(cuda_capability(device)))
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
