@@ -23,6 +23,7 @@ $(CUDA_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(CUDA_VENV)
 	for try in 1 2 3; do $(CUDA_VENV)/bin/pip install --isolated -q $(TORCH) numpy pyyaml tqdm safetensors && break; sleep 10; done
 	$(CUDA_VENV)/bin/pip install --isolated -q --no-deps "torchao>=0.18"
+	$(CUDA_VENV)/bin/pip install --isolated -q "pytest>=7.4"
 	$(CUDA_VENV)/bin/python -c "import torch; assert torch.backends.cuda.is_built(), torch.__version__"
 	touch $(CUDA_STAMP)
 

@@ -130,14 +130,27 @@ def cuda_python() -> str | None:
     return os.environ.get("GRIDTRAIN_CUDA_PYTHON") or None
 
 
-@pytest.mark.spawn
-def test_the_step_on_fake_cuda_with_a_cuda_build_of_torch():
+def _run_with_a_cuda_build(*args: str) -> subprocess.CompletedProcess:
     python = cuda_python()
     if python is None:
         pytest.skip("no CUDA build of torch here: set GRIDTRAIN_CUDA_PYTHON (make test makes .venv-cuda)")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}  # no GPU, as on a login node
-    done = subprocess.run([python, str(ROOT / "tests" / "cuda_build_checks.py")], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run([python, *args], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.spawn
+def test_the_kernel_layout_tests_run_on_fake_cuda_with_a_cuda_build_of_torch():
+    """tests/test_attention_blocks.py's fake-CUDA cases (the kernels' output shapes, the
+    efficient backward's input layout) need a CUDA build: run them with one."""
+    done = _run_with_a_cuda_build("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not spawn",
+                                  "tests/test_attention_blocks.py")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+@pytest.mark.spawn
+def test_the_step_on_fake_cuda_with_a_cuda_build_of_torch():
+    done = _run_with_a_cuda_build(str(ROOT / "tests" / "cuda_build_checks.py"))
     lines = [line for line in done.stdout.splitlines() if line.startswith("CHECK ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     failed = [line for line in lines if not line.endswith(": ok")]
