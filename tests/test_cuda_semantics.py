@@ -168,3 +168,22 @@ def test_the_padded_float8_dimensions_are_said_once_at_start():
     assert "1000 tokens a micro-batch, 1.weight" in float8.padding_note(model, 1000)
     float8.mark(model[1].weight, None)
     assert float8.padding_note(model, 4096) is None
+
+
+def test_float8_reads_nothing_of_the_weight_for_its_scale_log_while_compiling(monkeypatch):
+    """A weight's name (or id) read in the forward is a constant dynamo guards on: each
+    block would compile again (past dynamo's limit of 8, silently eager). The scale log
+    (tests) is skipped while compiling, before the weight is read."""
+    fp8 = float8.Float8("tensorwise", log=float8.ScaleLog())
+    w = torch.nn.Parameter(torch.randn(16, 16))
+
+    def read(weight, operand):
+        raise AssertionError("the weight was read for the scale log while compiling")
+
+    monkeypatch.setattr(float8, "_note", read)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    fp8.cast(torch.randn(4, 16), None, (), float8.E4M3, (w, "input"))
+    assert not fp8.log.entries
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    with pytest.raises(AssertionError, match="while compiling"):
+        fp8.cast(torch.randn(4, 16), None, (), float8.E4M3, (w, "input"))

@@ -171,15 +171,17 @@ class Float8:
         return amax_to_scale(amax, dtype, round_scales_to_power_of_2=self.rowwise)
 
     def cast(self, t: torch.Tensor, dim: int | None, groups: tuple[CommGroup, ...], dtype: torch.dtype,
-             note: tuple[str, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             note: tuple[torch.Tensor, str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``t`` in float8 with its dynamic scale: over the whole tensor (``dim`` None) or
         per row along ``dim`` (kept as a dimension of size 1), the amax reduced over
-        ``groups``. Returns (float8 data, fp32 scale)."""
+        ``groups``. Returns (float8 data, fp32 scale). ``note``: (weight, operand) for the
+        scale log; nothing of the weight is read while compiling (a name or id read per
+        layer would make dynamo compile each block again)."""
         amax = t.detach().abs().amax() if dim is None else t.detach().abs().amax(dim=dim, keepdim=True)
         amax = reduce_max(amax.float(), groups)
         s = self.scale(amax, dtype)
-        if note is not None and self.log is not None:
-            self.log.add(*note, s)
+        if note is not None and self.log is not None and not torch.compiler.is_compiling():
+            self.log.add(*_note(*note), s)
         return cast_with(t, s, dtype), s
 
     # ---- the three GEMMs of a linear layer ---------------------------------------------------------
@@ -195,9 +197,9 @@ class Float8:
         x2 = x.reshape(-1, x.shape[-1])
         split = kind == "row" and self.tp.size > 1
         if self.rowwise:
-            xq, xs = self.cast(x2, -1, (self.tp,) if split else (), E4M3, _note(weight, "input"))
+            xq, xs = self.cast(x2, -1, (self.tp,) if split else (), E4M3, (weight, "input"))
         else:
-            xq, xs = self.cast(x2, None, self._groups(split), E4M3, _note(weight, "input"))
+            xq, xs = self.cast(x2, None, self._groups(split), E4M3, (weight, "input"))
         ws = weight_scales(weight, self)
         w_scale = ws.rows.t() if self.rowwise else ws.tensor
         y = self.mm(xq, xs, cast_with(weight, ws.rows if self.rowwise else ws.tensor, E4M3).t(), w_scale,
@@ -212,11 +214,11 @@ class Float8:
         split = kind == "column" and self.tp.size > 1
         ws = weight_scales(weight, self)
         if self.rowwise:
-            gq, gs = self.cast(g2, -1, (self.tp,) if split else (), E4M3, _note(weight, "grad_output"))
+            gq, gs = self.cast(g2, -1, (self.tp,) if split else (), E4M3, (weight, "grad_output"))
             out = self.mm(gq, gs, cast_with(weight, ws.cols, E4M3), ws.cols, grad_out.dtype)
             kept = None
         else:
-            gq, gs = self.cast(g2, None, self._groups(split), E5M2, _note(weight, "grad_output"))
+            gq, gs = self.cast(g2, None, self._groups(split), E5M2, (weight, "grad_output"))
             out = self.mm(gq, gs, cast_with(weight, ws.tensor, E4M3), ws.tensor, grad_out.dtype)
             kept = (gq, gs)
         return out.view(*grad_out.shape[:-1], weight.shape[1]), kept

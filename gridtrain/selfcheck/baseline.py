@@ -1,7 +1,9 @@
 """The plain PyTorch loop gridtrain is measured against, and the throughput arithmetic.
 
 The loop is what a careful PyTorch user writes for one device: the same ``Decoder``
-(gridtrain's model used as a plain ``nn.Module``, so both loops run the same kernels),
+(gridtrain's model used as a plain ``nn.Module``, so both loops run the same kernels;
+on a GPU built there and drawn from the same distributions on the device, where
+gridtrain's host-side reference draw would take seconds of a 1B model's run),
 fp32 weights under ``torch.autocast`` for bf16, ``torch.optim.AdamW`` with
 ``fused=True`` on CUDA, the gradient norm clipped to 1.0, ``torch.compile`` of the whole
 model when asked, and the loss read to the host each step as a loop that logs does.
@@ -17,7 +19,7 @@ import time
 import torch
 
 from gridtrain.config import ModelConfig
-from gridtrain.models.decoder import Decoder, init_parameters
+from gridtrain.models.decoder import Decoder, _init_std, init_parameters
 
 
 def plain_loop(model_cfg: ModelConfig, device: torch.device, dtype: str, micro_batch_size: int, steps: int,
@@ -25,8 +27,13 @@ def plain_loop(model_cfg: ModelConfig, device: torch.device, dtype: str, micro_b
     """Train ``steps`` steps of one micro-batch; returns each step's seconds and the peak
     device memory (bytes; 0 off CUDA)."""
     torch.manual_seed(seed)
-    model = Decoder(model_cfg)
-    init_parameters(model, seed)
+    if device.type == "cuda":
+        with torch.device(device):
+            model = Decoder(model_cfg)
+        init_on_device(model, model_cfg)
+    else:
+        model = Decoder(model_cfg)
+        init_parameters(model, seed)
     model.to(device=device, dtype=torch.float64 if dtype == "fp64" else torch.float32)
     step_model = torch.compile(model) if compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
@@ -50,6 +57,18 @@ def plain_loop(model_cfg: ModelConfig, device: torch.device, dtype: str, micro_b
         times.append(time.perf_counter() - began)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return times, peak
+
+
+@torch.no_grad()
+def init_on_device(model: Decoder, model_cfg: ModelConfig) -> None:
+    """Each parameter drawn where it is, from the distribution gridtrain's initialisation
+    draws it from (N(0, std) or the constant; other values: the speed is the same)."""
+    for name, param in model.named_parameters():
+        std = _init_std(name, param, model_cfg)
+        if std is None:
+            param.fill_(1.0 if name.endswith("weight") else 0.0)
+        else:
+            param.normal_(0.0, std)
 
 
 def median_after(times: list[float], warmup: int) -> float:

@@ -34,16 +34,19 @@ PARITY_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 WATCHDOG_TIMEOUT_S = 10
 
 # The throughput runs: preset, micro-batch size (one micro-batch per step), steps, warm-up
-# steps left out of the median. GPT-2 124M at seq 1024 and TinyLlama 1.1B at seq 2048 (a
-# ~1B Llama) on one GPU; their tiny stand-ins for the CPU rehearsal.
-RUNS = {"gpt2": ("gpt2", 16, 14, 4), "llama": ("tinyllama-1.1b", 4, 12, 4), "moe": ("qwen3-30b-a3b", 2, 12, 4)}
+# steps left out of the median. GPT-2 124M at seq 1024 and TinyLlama 1.1B's layers at seq
+# 2048 on one GPU; their tiny stand-ins for the CPU rehearsal.
+RUNS = {"gpt2": ("gpt2", 16, 12, 4), "llama": ("tinyllama-1.1b", 4, 12, 4), "moe": ("qwen3-30b-a3b", 2, 12, 4)}
 TINY_RUNS = {"gpt2": ("tiny", 4, 6, 2), "llama": ("llama-tiny", 4, 6, 2), "moe": ("moe-tiny", 4, 6, 2)}
 # Qwen3-30B-A3B's layers (128 experts, top 8, 128-wide heads, q/k norms) cut to two, so that
-# the model and both loops' optimizer states fit one 80 GB GPU: a small Qwen3-MoE.
-MODEL_FIELDS = {"moe": dict(n_layer=2)}
-# --document-mask against the causal run of the same length: TinyLlama at 8K tokens
+# the model and both loops' optimizer states fit one 80 GB GPU: a small Qwen3-MoE. TinyLlama
+# cut to 8 of its 22 layers (its layer, vocabulary and sequence as they are): every run of it
+# draws its weights on the host, and the check has 9.5 minutes for everything (runner.py).
+MODEL_FIELDS = {"moe": dict(n_layer=2), "llama": dict(n_layer=8)}
+LLAMA_LAYERS = MODEL_FIELDS["llama"]["n_layer"]
+# --document-mask against the causal run of the same length: TinyLlama's layers at 8K tokens
 DOCUMENT_RUN, TINY_DOCUMENT_RUN = ("tinyllama-1.1b", 1, 8192, 10, 3), ("llama-tiny", 4, 64, 6, 2)
-ROUNDS = 2  # plain, gridtrain, plain, gridtrain
+ROUNDS = 2  # plain, gridtrain, plain, gridtrain (--rounds: the plan runs compiled ones once)
 
 
 class Result:
@@ -194,6 +197,17 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def fresh_compile(compiled: bool) -> None:
+    """Before (and after) a compiled run in a process that runs several: forget what
+    torch.compile traced for the last one (its graphs, guards and recompile counts), so
+    that no run inherits another's cache entries or runs into the recompile limit
+    (the compiled code on disk, inductor's cache, still serves a graph seen before)."""
+    if compiled:
+        import torch._dynamo
+
+        torch._dynamo.reset()
+
+
 def hardware_key(device: torch.device) -> str | None:
     """The planner's hardware for this device ("cpu" off CUDA; None for an unlisted GPU)."""
     from gridtrain.planner.hardware import hardware_key as by_name
@@ -264,20 +278,23 @@ def throughput(args, result: Result) -> int:
     cfg = _run_config(args, preset, mbs, steps)
     if not args.tiny and args.model in MODEL_FIELDS:
         cfg.model = dataclasses.replace(cfg.model, **MODEL_FIELDS[args.model])
+    rounds = args.rounds
     m = cfg.model
     label = f"{args.model}{' compile' if args.compile else ''}"
     tokens_per_step = mbs * m.seq_len
     flops = training_flops_per_token(m)
     peak = peak_tflops(device, args.peak_tflops)
-    print(f"{label}: {preset}, {mbs} x {m.seq_len} tokens per step, {flops / 1e9:.2f} GFLOP per token, "
-          f"peak {peak} TFLOP/s")
+    print(f"{label}: {preset} ({m.n_layer} layers), {mbs} x {m.seq_len} tokens per step, {flops / 1e9:.2f} GFLOP "
+          f"per token, peak {peak} TFLOP/s, {rounds} round(s)")
     gridtrain_times, plain_times, peaks, plain_peaks = [], [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(ROUNDS):
+        for r in range(rounds):
+            fresh_compile(args.compile)
             times, plain_peak = plain_loop(m, device, args.dtype, mbs, steps, compile=args.compile, seed=r)
             plain_times.append(times)
             plain_peaks.append(plain_peak)
             _free(device)
+            fresh_compile(args.compile)
             times, used = _gridtrain_run(cfg, device, Path(tmp), f"round{r}")
             gridtrain_times.append(times)
             peaks.append(used)
@@ -313,6 +330,7 @@ def profile_both(cfg, device: torch.device, dtype: str, steps: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, run in (("plain PyTorch", lambda: plain_loop(m, device, dtype, mbs, steps, cfg.training.compile)),
                           ("gridtrain train", lambda: _gridtrain_run(cfg, device, Path(tmp), "profile"))):
+            fresh_compile(cfg.training.compile)
             with profile(activities=activities) as prof:
                 run()
             _free(device)
@@ -335,13 +353,16 @@ def document_mask(args, result: Result) -> int:
     for cfg in runs.values():
         if cfg.model.max_positions is not None:
             cfg.model = dataclasses.replace(cfg.model, max_positions=max(cfg.model.max_positions, seq))
+        if not args.tiny:
+            cfg.model = dataclasses.replace(cfg.model, n_layer=LLAMA_LAYERS)
     m = runs["causal"].model
     flops, peak = training_flops_per_token(m), peak_tflops(device, args.peak_tflops)
     times: dict[str, list[float]] = {k: [] for k in runs}
     peaks: dict[str, list[int]] = {k: [] for k in runs}
-    print(f"document-mask: {preset} at {seq} tokens, {mbs} sequence(s) per step, interleaved x {ROUNDS}")
+    print(f"document-mask: {preset} ({m.n_layer} layers) at {seq} tokens, {mbs} sequence(s) per step, "
+          f"{'interleaved x ' if args.rounds > 1 else ''}{args.rounds} round(s)")
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(ROUNDS):
+        for r in range(args.rounds):
             for label, cfg in runs.items():
                 step_times, used = _gridtrain_run(cfg, device, Path(tmp), f"{label.replace(' ', '-')}-{r}")
                 times[label] += step_times[warmup:]
@@ -473,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--profile", action="store_true", help="throughput: print both loops' top operators")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help="throughput, document-mask: rounds of the interleaved runs (default 2)")
     args = ap.parse_args(argv)
     return CHECKS[args.name](args, Result(args.result))
 

@@ -38,7 +38,11 @@ class Report:
         self.steps: list[StepResult] = []
 
     def add(self, result: StepResult) -> None:
+        """A finished step; the report lists steps in the planned order (steps run side by
+        side finish in any)."""
         self.steps.append(result)
+        order = {name: i for i, (name, _) in enumerate(self.planned)}
+        self.steps.sort(key=lambda s: order.get(s.name, len(order)))
 
     def finish(self) -> None:
         self.finished = _now()
@@ -69,7 +73,7 @@ class Report:
                 + [{"name": n, "what": w, "status": "not run"} for n, w in self.planned if n not in done],
                 "throughput": self.rows("throughput"), "memory": self.rows("memory"),
                 "planner": self.rows("planner"), "parity": self.rows("parity"), "attention": self.rows("attention"),
-                "fp8": self.rows("fp8")}
+                "fp8": self.rows("fp8"), "semantics": self.rows("semantics")}
 
     # ---- writing ----------------------------------------------------------------------------------
 
@@ -95,6 +99,12 @@ class Report:
             result = s["status"] + (f": {s['detail']}" if s.get("detail") else "")
             lines.append(f"| {s['name']} | {s['what']} | {result} | {s.get('seconds', '')} |")
         lines.append("")
+        lines += _table("What only a GPU shows", d["semantics"],
+                        [("check", "check", "{}"), ("case", "case", "{}"), ("quantity", "quantity", "{}"),
+                         ("value", "value", _value), ("limit", "limit", _value), ("ok", "ok", "{}")],
+                        "gridtrain/selfcheck/cuda_semantics.py: relative differences are the largest difference "
+                        "over the largest reference value; a row with a limit fails its step above it, a row "
+                        "without one is reported only.")
         lines += _table("Parity against fp64 on the CPU", d["parity"],
                         [("dtype", "dtype", "{}"), ("device", "device", "{}"),
                          ("max relative loss difference", "max_rel_diff", "{:.2e}"),
@@ -146,7 +156,7 @@ class Report:
         return lines
 
 
-def _table(title: str, rows: list[dict], columns: list[tuple[str, str, str]], note: str = "") -> list[str]:
+def _table(title: str, rows: list[dict], columns: list[tuple], note: str = "") -> list[str]:
     if not rows:
         return []
     lines = [f"## {title}", ""] + ([note, ""] if note else [])
@@ -155,9 +165,14 @@ def _table(title: str, rows: list[dict], columns: list[tuple[str, str, str]], no
         cells = []
         for _, key, fmt in columns:
             value = row.get(key)
-            cells.append("n/a" if value is None else fmt.format(value))
+            cells.append("n/a" if value is None else fmt(value) if callable(fmt) else fmt.format(value))
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def _value(value) -> str:
+    """A measured number in three significant digits; anything else as it is."""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def _replace(path: Path, text: str) -> None:
