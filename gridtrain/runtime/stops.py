@@ -9,7 +9,7 @@ code  meaning
 ====  ===========================================================================
 0     finished every step
 1     a worker crashed (its traceback is printed)
-2     bad input: nothing was started (one line names the problem and the fix)
+2     bad input: refused before start, or (a token id outside the vocabulary) when a batch is read (one line names it and the fix)
 3     diverged: a non-finite loss or gradient norm, or an fp16 loss scale that
       collapsed; ``latest`` is the last checkpoint saved before it (all finite)
 4     hang: a rank waited longer than ``--timeout`` (watchdog.py prints who waited
