@@ -48,7 +48,6 @@ import torch
 from gridtrain.selfcheck.checks import GIB, Result, relative_difference
 
 REPO = Path(__file__).resolve().parents[2]
-FLOAT8_CAPABILITY = (8, 9)  # torch._scaled_mm's float8 kernels: Ada, Hopper and later
 OFFLOAD_TOLERANCE = 1e-6  # relative, per step: the host computes what the GPU does
 FLOAT8_TOLERANCE = 1e-2  # real vs emulated float8 GEMM, relative to the largest output (bf16 out)
 GROUPED_TOLERANCE = 2e-2  # grouped GEMMs vs the per-expert loop, both bf16, relative to the largest value
@@ -94,11 +93,11 @@ def float8_problem(device: torch.device, check: str) -> str | None:
     problem = torchao_missing()
     if problem:
         return problem.replace("fp8: skipped", f"{check}: skipped", 1)
+    from gridtrain.parallel.float8 import capability_problem
+
     cap = capability(device)
-    if cap is not None and cap < FLOAT8_CAPABILITY:
-        return (f"{check}: skipped: float8 GEMMs need compute capability 8.9 or later; this GPU "
-                f"({torch.cuda.get_device_name(device)}) has {cap[0]}.{cap[1]}")
-    return None
+    why = capability_problem("tensorwise", cap, torch.cuda.get_device_name(device)) if cap is not None else None
+    return f"{check}: skipped: {why}" if why else None
 
 
 def _sync(device: torch.device) -> None:
