@@ -308,7 +308,9 @@ def test_every_layout_trains_the_one_process_fp8_model(name):
                 assert any(np.array_equal(value, part) for part in _parts(weights[key], value.shape)), key
                 seen += 1
     assert seen >= len(weights)  # every weight's scale, on some rank
-    if RUNS[name][1][0] == "tensorwise":  # (rowwise: per token, of this rank's tokens)
+    # (rowwise: per token, of this rank's tokens; compiled blocks log no activation scale:
+    # the log is not written inside a compiled graph, float8.ScaleLog)
+    if RUNS[name][1][0] == "tensorwise" and not RUNS[name][1][2].get("compile"):
         # rank 0 holds block 0 and the global batch's first micro-batch (or its part) on every layout
         first = ("blocks.0.attn.qkv.weight" if RUNS[name][1][1] == "tiny" else "blocks.0.attn.q.weight", "input")
         assert np.array_equal(runs[0]["fp8_scales"][first], ref_scales[first])
