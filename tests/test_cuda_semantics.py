@@ -148,15 +148,39 @@ def test_the_kernel_layout_tests_run_on_fake_cuda_with_a_cuda_build_of_torch():
     assert " passed" in done.stdout and "failed" not in done.stdout
 
 
-@pytest.mark.spawn
-def test_the_step_on_fake_cuda_with_a_cuda_build_of_torch():
+@pytest.fixture(scope="module")
+def fake_cuda_step() -> dict[str, str]:
+    """tests/cuda_build_checks.py's results, run once with a CUDA build: check -> "ok" or
+    the failure."""
     done = _run_with_a_cuda_build(str(ROOT / "tests" / "cuda_build_checks.py"))
-    lines = [line for line in done.stdout.splitlines() if line.startswith("CHECK ")]
+    lines = [line[len("CHECK "):] for line in done.stdout.splitlines() if line.startswith("CHECK ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
-    failed = [line for line in lines if not line.endswith(": ok")]
-    assert not failed, "\n".join(failed)
-    assert len(lines) == 4
+    return dict(line.split(": ", 1) for line in lines)
 
+
+@pytest.mark.spawn
+def test_the_dry_run_runs_on_a_login_node(fake_cuda_step):
+    """Defect 11: a CUDA build of torch without a GPU: the five layouts exit 0."""
+    assert fake_cuda_step["login-node"] == "ok"
+
+
+@pytest.mark.spawn
+def test_offloaded_adamw_waits_for_its_gradient_copies(fake_cuda_step):
+    """Defect 1: --optimizer-offload read its non_blocking gradient copies before they
+    landed; the old code is refused by the rules."""
+    assert fake_cuda_step["offload-waits"] == "ok"
+
+
+@pytest.mark.spawn
+def test_float8_under_zero_makes_nothing_on_the_host(fake_cuda_step):
+    """Defect 2: --fp8 under ZeRO at dp 2, some weights smaller than a shard slice."""
+    assert fake_cuda_step["fp8-zero-device"] == "ok"
+
+
+@pytest.mark.spawn
+def test_mtp_copies_no_host_constant_to_the_device(fake_cuda_step):
+    """Defect 6: the multi-token-prediction shift made its fill on the host per micro-batch."""
+    assert fake_cuda_step["mtp-no-host-constant"] == "ok"
 
 def test_the_padded_float8_dimensions_are_said_once_at_start():
     model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 40), torch.nn.Linear(40, 8))
