@@ -54,6 +54,10 @@ def test_the_rules_see_host_tensors_blocking_copies_and_unwaited_copies():
             torch.cuda.synchronize()
             second + 1
             torch.empty(4, pin_memory=True)  # a staging buffer for a copy: allowed
+            offloaded = on_device.to("cpu", non_blocking=True)
+            # back to the device: a stream reads it, after its waits (the op itself: a CPU
+            # build of torch refuses Tensor.to("cuda") before any mode sees it)
+            torch.ops.aten._to_copy.default(offloaded, device=torch.device("cuda"), non_blocking=True)
         assert [b.rule for b in rules.breaches] == ["unwaited-copy"]
 
 

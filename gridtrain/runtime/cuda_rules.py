@@ -5,7 +5,8 @@ constant made on the host costs nothing. On a GPU:
 
 * a ``non_blocking`` copy to the host returns before its data has landed: reading it on
   the host before a synchronisation (an event's or the stream's ``synchronize``, or
-  ``torch.cuda.synchronize``) reads whatever the buffer held before -- silently;
+  ``torch.cuda.synchronize``) reads whatever the buffer held before -- silently (a copy
+  of it back to the device is a stream's read, ordered by stream waits, not the host's);
 * a host tensor copied to the device without ``non_blocking`` (``torch.tensor([...],
   device="cuda")``, ``t.cuda()`` of pageable memory) blocks the host until the device has
   drained its queue: a hidden synchronisation per call;
@@ -108,7 +109,8 @@ class CudaRules(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = list(tensors((args, kwargs)))
-        if self.copies.pending and func not in _NOT_READS and not func.is_view:
+        if self.copies.pending and func not in _NOT_READS and not func.is_view and not self._to_device(func, args,
+                                                                                                        kwargs):
             if any(t.untyped_storage()._cdata in self.copies.pending for t in inputs if t.device.type == "cpu"):
                 self._breach("unwaited-copy", str(func.name()))
         out = func(*args, **kwargs)
@@ -122,6 +124,14 @@ class CudaRules(TorchDispatchMode):
             if any(t.device.type == "cpu" and t.dim() > 0 for t in tensors(out)):
                 self._breach("host-tensor", str(func.name()))
         return out
+
+    def _to_device(self, func, args, kwargs) -> bool:
+        """A copy to the device: it reads its source on a stream, ordered after the copy
+        that filled it by the stream's own waits (offloaded activations wait on an event
+        of their copy stream), not on the host."""
+        if func is _aten._to_copy.default:
+            return torch.device(kwargs.get("device") or args[0].device).type == self.device
+        return func is _aten.copy_.default and args[0].device.type == self.device
 
     def _check_copy(self, op: str, src: torch.Tensor, device: torch.device, non_blocking: bool,
                     out: torch.Tensor) -> None:
