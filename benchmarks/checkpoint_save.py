@@ -170,15 +170,7 @@ def tree_rss(root: int) -> int:
     """Resident bytes summed over ``root`` and its descendants (from /proc; 0 elsewhere)."""
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid = int(entry)
+    for pid, fields in common.proc_stats().items():
         children.setdefault(int(fields[1]), []).append(pid)  # fields[1]: the parent's pid
         rss[pid] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # fields[21]: resident pages
     total, todo = 0, [root]

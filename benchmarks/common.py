@@ -362,3 +362,19 @@ def rounds_of_sides(sides: dict[str, tuple[int, Config]], rounds: int) -> dict[s
                   f"({time.perf_counter() - began:.0f} s with start-up)", flush=True)
             measured[side].append(ranks)
     return measured
+
+
+def proc_stats() -> dict[int, list[str]]:
+    """Every process's /proc/PID/stat fields after the command name (``fields[1]`` is
+    the parent's pid, ``fields[19]`` the start time in clock ticks, ``fields[21]`` the
+    resident pages); empty where there is no /proc."""
+    stats = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stats[int(entry)] = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+    return stats

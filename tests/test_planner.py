@@ -315,10 +315,10 @@ MEMORY_CASES = [
 
 @pytest.mark.parametrize("model,batch,lay", MEMORY_CASES)
 def test_memory_is_the_dry_runs_closed_forms(model, batch, lay):
-    """Parameters, gradient buffer and optimizer state (expected_bytes) plus the higher of
-    the schedule's activation peak (expected_activation_peak; ZB-H1's with the inputs its
-    deferred weight gradients keep) and, at the step's end, ZeRO-1's publication of the
-    weights, on the worst stage of the pipeline."""
+    """Parameters, gradient buffer and optimizer state (expected_bytes) plus the
+    schedule's activation peak (expected_activation_peak; ZB-H1's with the inputs its
+    deferred weight gradients keep), on the worst stage of the pipeline: ZeRO-0 and 1
+    hold nothing else within a step (ZeRO-1 publishes the weights in place)."""
     job = Job(model, batch, A100, "bf16")
     cfg = config_of(job, lay)
     grid = ProcessGrid(world_size=lay.gpus, tp=lay.tp, pp=lay.pp, dp=lay.dp)
@@ -328,7 +328,9 @@ def test_memory_is_the_dry_runs_closed_forms(model, batch, lay):
         held = expected_bytes(cfg, grid, rank)
         peak = expected_activation_peak(cfg, grid, rank, "cuda", weight_inputs=lay.schedule == "zb-h1")
         per_stage.append(held["parameter_bytes"] + held["gradient_bytes"] + held["optimizer_bytes"]
-                         + max(peak, expected_state_bytes(cfg, grid, rank)["publish_bytes"]))
+                         + peak)
+        assert not any(expected_state_bytes(cfg, grid, rank)[k] for k in ("gradient_shard_bytes", "gathered_bytes",
+                                                                            "staging_bytes"))
     assert memory_bytes(job, lay) == pytest.approx(max(per_stage), rel=1e-12)
     assert predict(job, lay).memory_bytes == memory_bytes(job, lay)
 

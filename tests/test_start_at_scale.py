@@ -66,8 +66,9 @@ def test_each_block_costs_a_worker_its_share_not_the_block(runs, side):
     """Against the same model with four blocks started the same way (same width,
     vocabulary and layout, so the same interpreter, collectives' buffers, per-block
     transients and reads), six more blocks cost each worker at its first step their
-    ZeRO-3 share, 16 bytes a parameter over 8 ranks (0.5 of their fp32 size; measured
-    0.49 initialised, 0.50 from a Hugging Face directory; at most 0.85), and over the
+    ZeRO-3 share, 12 bytes a parameter over 8 ranks (0.375 of their fp32 size: the fp32
+    parameter shard, which is the optimizer's master, and two moments; no gradient
+    memory until backward; measured 0.38 both ways; at most 0.85), and over the
     whole run (two steps, evaluation, the save) less than the blocks themselves
     (measured 0.60-0.62 and 0.52-0.54; 1.0 and more at the first step when each rank
     built its stage whole)."""
@@ -78,7 +79,7 @@ def test_each_block_costs_a_worker_its_share_not_the_block(runs, side):
     at_start = [(s - b) / added for s, b in zip(sorted(start), sorted(base_start))]
     whole_run = [(r - b) / added for r, b in zip(sorted(run), sorted(base_run))]
     assert len(at_start) == len(whole_run) == 8
-    assert max(at_start) <= 0.85 and min(at_start) >= 0.4, [f"{x:.2f}" for x in at_start]
+    assert max(at_start) <= 0.85 and min(at_start) >= 0.3, [f"{x:.2f}" for x in at_start]
     # over the run the blocks' share and what a step allocates beside it per block;
     # still below the blocks' own fp32 size
     assert max(whole_run) <= 0.95, [f"{x:.2f}" for x in whole_run]

@@ -183,12 +183,13 @@ def test_early_recomputation_gathers_a_unit_once():
 @pytest.mark.spawn
 def test_hybrid_sharding_collectives_per_step():
     """ZeRO-3 sharded over pairs of dp 4 (one micro-batch per rank): a micro-batch's
-    gathers (5) and reduce-scatters (3) of the closed form above, inside the pair; one
-    all-reduce of the gradient shard across the two pairs; nothing over the whole dp
-    group but the step's scalars."""
+    gathers (5) and reduce-scatters (3) of the closed form above, inside the pair; an
+    all-reduce of each bucket's slice of the gradient shard across the two pairs (the
+    shard is made bucket by bucket); nothing over the whole dp group but the step's
+    scalars."""
     assert _calls("z3-dp4-hsdp2", "all_gather", "zero_shard") == {1 + 2 * 2}
     assert _calls("z3-dp4-hsdp2", "reduce_scatter", "zero_shard") == {3}
-    assert _calls("z3-dp4-hsdp2", "all_reduce", "zero_replica") == {1}
+    assert _calls("z3-dp4-hsdp2", "all_reduce", "zero_replica") == {3}
     assert _calls("z3-dp4-hsdp2", "all_gather") == _calls("z3-dp4-hsdp2", "reduce_scatter") == {0}
 
 

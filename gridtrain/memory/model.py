@@ -11,7 +11,8 @@ recomputation policy, the dtype, ZeRO) and a rank of the grid, without building 
   (ZeRO's padding and shards included) and the optimizer's state, as the code allocates
   them, for every ZeRO stage and shard group (the closed forms of
   :mod:`gridtrain.memory.zero`); :func:`expected_state_bytes` adds what ZeRO-2 and 3
-  hold only within a step (gathered parameters, gradient staging buffers);
+  hold only within a step (the gradient shard, gathered parameters, gradient staging
+  buffers);
 * :func:`expected_activation_peak`: the most bytes saved for backward at once, the
   schedule's action list walked with each chunk's per-layer bytes
   (:mod:`gridtrain.memory.activations`, docs/memory.md).
@@ -60,7 +61,7 @@ from gridtrain.models.head_loss import defers_weight_gradient, worth_fusing
 from gridtrain.memory import activations
 from gridtrain.memory.cp import wide_bytes
 from gridtrain.memory.moe import dense_block_parameters, edp_size, moe_block_parameters
-from gridtrain.memory.zero import publish_bytes, zero_state_bytes
+from gridtrain.memory.zero import zero_state_bytes
 from gridtrain.models import mtp as multi_token
 from gridtrain.models.decoder import ChunkSpec, parameter_costs
 from gridtrain.parallel.distributed import TORCH_DTYPES
@@ -233,29 +234,39 @@ def stage_parameters(m: ModelConfig, tp: int, blocks: int, embeds: bool, ends: b
 
 
 def expected_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
-    """parameter, gradient and optimizer bytes of a rank, as the code allocates them
-    (:func:`gridtrain.memory.zero.zero_state_bytes` for the rank's parameters and ZeRO
-    stage, sharded over :func:`zero_shards` ranks):
+    """parameter, gradient and optimizer bytes a rank holds between steps, as the code
+    allocates them (:func:`gridtrain.memory.zero.zero_state_bytes` for the rank's
+    parameters and ZeRO stage, sharded over :func:`zero_shards` ranks):
 
-    * parameters in the run's dtype (ZeRO-3: the rank's shard of them);
+    * parameters in the run's dtype (ZeRO-1/2: views of one flat buffer laid out as the
+      gradients, into which the optimizer all-gathers in place); ZeRO-3: the rank's
+      parameter shard, in the master weights' dtype (it is the optimizer's master; with
+      ``--optimizer-offload`` in the run's dtype);
     * gradients: the reducer's flat buffer (fp32 for 16-bit parameters, else the
-      parameters' dtype); with ZeRO padded to a multiple of the shard group
-      (:func:`_padded_buffer`), each bucket reduce-scattered into the rank's own slice
-      (ZeRO-1: no second copy; ZeRO-2 and 3 keep only that slice);
+      parameters' dtype); with ZeRO-1 padded to a multiple of the shard group
+      (:func:`_padded_buffer`), each bucket reduce-scattered into the rank's own slice;
+      none under ZeRO-2 and 3, whose gradient shard lives from backward to the optimizer
+      step (:func:`expected_state_bytes`' ``gradient_shard_bytes``);
     * optimizer: torch's AdamW (fp32/fp64 without ZeRO) keeps two moments per parameter
       and a 4-byte step count per parameter tensor; the flat optimizer (16-bit or ZeRO)
       keeps master weights and two moments for its slice (all of it without ZeRO) and
-      nothing else (``DistributedOptimizer.state_bytes``); ZeRO-3 in fp32 and fp64 keeps
-      no master copy beside its parameter shard."""
+      nothing else (``DistributedOptimizer.state_bytes``); ZeRO-3 keeps no master copy
+      beside its parameter shard (but for ``--optimizer-offload``'s, in host memory)."""
     state = expected_state_bytes(cfg, grid, rank)
     return {k: state[k] for k in ("parameters", "parameter_bytes", "gradient_bytes", "optimizer_bytes")}
 
 
 def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str, int]:
     """:func:`expected_bytes` and what a rank holds only within a step, beyond the
-    activations: ZeRO-3's gathered parameters (``gathered_bytes``: two blocks and the
-    stage's other parameters, or the whole stage with ``--zero3-keep-gathered``) and
-    ZeRO-2/3's gradient staging buffers (``staging_bytes``); both zero for ZeRO-0 and 1.
+    activations: ZeRO-2/3's gradient shard (``gradient_shard_bytes``: each bucket's slice
+    made at its first reduce-scatter in backward, all of it freed after the optimizer
+    step), ZeRO-3's gathered parameters (``gathered_bytes``: two blocks and the root
+    unit's parameters, or the whole stage with ``--zero3-keep-gathered``; a token table
+    that is a unit of its own, :func:`table_unit_parameters`, is gathered for its
+    forward only, at the step's start, and is left out) and ZeRO-2/3's gradient staging
+    buffers (``staging_bytes``); all zero for ZeRO-0 and 1. Nothing for the
+    optimizer's publication of the weights: ZeRO-1/2 gather them in place into the
+    parameters' flat buffer, ZeRO-3 into its shard.
 
     A MoE model's experts (``stage_parameter_split``): with ``ep`` = 1 in the one
     buffer with the rest (the expert-data-parallel group is then all of ``dp x cp``);
@@ -267,9 +278,9 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
     gathers the stage's largest block twice, a MoE block's dense bucket over ``dp x cp``
     and its expert bucket over the expert group (the same bytes gathered); the staging
     buffers are two of the largest bucket (:func:`_largest_bucket`: under ZeRO-3 a unit,
-    the stage's root unit of token table, final norm and head where that is larger than
-    a block). ``publish_bytes``: what the optimizer's publication of the master weights
-    allocates under ZeRO-1 and 2 (memory.zero.publish_bytes), at the step's end."""
+    the stage's root unit or token table where that is larger than a block; under
+    ZeRO-2 a bucket closed by the parameter that reaches ``--bucket-mb``, the head or the
+    table where they are held)."""
     holds = _holds(cfg, grid, rank)
     m, par = cfg.model, cfg.parallel
     dense, experts = stage_parameter_split(cfg, grid, rank)
@@ -282,52 +293,79 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
     apart = experts_apart(cfg) and experts > 0  # the experts in buckets of their own
     own = dense if apart else n
     padded = _padded_buffer(cfg, grid, holds, own) if par.zero else own
-    bucket = _largest_bucket(cfg, grid, holds, moe, padded) if (m.n_experts and par.zero >= 2) or par.zero == 3 \
-        else None
+    bucket = _largest_bucket(cfg, grid, holds, moe, padded) if par.zero >= 2 else None
     # Muon's share (memory.optimizer): the blocks' matrices, the experts whole
     kind = getattr(getattr(cfg, "optim", None), "optimizer", "adamw")
     muon = kind == "muon"
     moments = 2 if getattr(getattr(cfg, "optim", None), "optimizer_state_dtype", "fp32") == "bf16" else None
     dense_matrices = int((blocks - experts) * matrix_fraction(m)) if muon else 0
+    offload = bool(getattr(getattr(cfg, "optim", None), "optimizer_offload", False))
+    # ZeRO-3's units outside the blocks: the token table's own (where it is one) and the
+    # root (the rest: final norm, head, GPT-2's positions where the table is in it), which
+    # is gathered from the final norm's forward only where it does not hold the table
+    table = table_unit_parameters(cfg, grid, holds) if par.zero == 3 else 0
+    root = stage_parameters(m, grid.tp, 0, holds[1], holds[2]) - table
     state = zero_state_bytes(own, dtype, par.zero, zero_shards(cfg, grid), padded=padded,
                              tensors=_parameter_tensors(cfg, holds, moe), bucket_mb=par.bucket_mb,
                              block_params=largest, blocks=holds[0], keep_gathered=keep,
                              in_blocks=blocks - (experts if apart else 0), largest_bucket=bucket, optimizer=kind,
-                             matrices=dense_matrices + (0 if apart or not muon else experts), moment_bytes=moments)
+                             matrices=dense_matrices + (0 if apart or not muon else experts), moment_bytes=moments,
+                             alone=table, root=root if table or not holds[1] else 0, offload=offload)
     if apart:
         # the experts' own shards; their share of the gathered blocks is in the dense
         # call's (``largest`` is a whole block), and the staging is counted once, above
         xs = zero_state_bytes(experts, dtype, par.zero, expert_shards(cfg, grid), bucket_mb=par.bucket_mb,
                               keep_gathered=keep, in_blocks=experts, optimizer=kind,
-                              matrices=experts if muon else 0, moment_bytes=moments)
+                              matrices=experts if muon else 0, moment_bytes=moments, offload=offload)
         state = {k: state[k] + (xs[k] if k != "staging_bytes" else 0) for k in state}
-    if par.zero == 3 and not m.n_experts and largest and stage_parameters(m, grid.tp, 0, holds[1],
-                                                                            holds[2]) > largest:
-        # a dense model's root unit's staging waits through backward for the token table's
-        # gradient (two micro-batches' worth: the two buffers above) while a block's cycles
-        # beside it (measured by the dry run; a MoE model's step peak is held without it)
+    if table:
+        # between uses the token table's parameters are each a zero-stride view of one zero
+        # element of their own (their backward reads no weight, yet autograd checks the
+        # gradient's shape against them: parallel/zero3.py ``_free``)
+        state["parameter_bytes"] += (2 if m.arch == "gpt2" else 1) * dtype.itemsize
+    if par.zero == 3 and not m.n_experts and largest and root > largest:
+        # a dense model's root unit (final norm and head; the token table too where it is
+        # not a unit of its own) is the buffer's last bucket (Decoder.head is the model's
+        # own parameter, the first registered: the last in the gradients' order), so its
+        # reduce-scatter waits for every other bucket of the round: its staging is held
+        # through backward beside the previous micro-batch's in flight (the two buffers
+        # above) while a block's staging fills beside them (measured by the dry run; a
+        # MoE model's step peak is held without it)
         state["staging_bytes"] += largest * wide_bytes(dtype.itemsize)
-    dense_shards = zero_shards(cfg, grid)
-    publish = publish_bytes(padded, dtype, par.zero, dense_shards)
-    if apart:
-        shards = expert_shards(cfg, grid)
-        publish += publish_bytes(-(-experts // shards) * shards, dtype, par.zero, shards, gathers=dense_shards > 1)
     if getattr(getattr(cfg, "optim", None), "optimizer_offload", False) and cfg.training.device != "cpu":
         state["optimizer_bytes"] = 0  # in host memory (--optimizer-offload)
-    return {"parameters": n, **state, "publish_bytes": publish}
+    return {"parameters": n, **state}
+
+
+def table_unit_parameters(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool]) -> int:
+    """The parameters of a rank's token table where ZeRO-3 makes it a unit of its own
+    (training.trainer._table_unit): a stage that embeds, unless it also ends a model
+    whose head is the table (tied) or that has multi-token prediction (which reads the
+    table again after the blocks); else 0 (the table, if any, is in the root unit). Its
+    unit is the embedding: the token table's rows of this tp rank, and GPT-2's position
+    table."""
+    _, embeds, ends = holds
+    m = cfg.model
+    if not embeds or (ends and (m.tie_embeddings or getattr(m, "mtp_layers", 0))):
+        return 0
+    return m.padded_vocab_size(grid.tp) // grid.tp * m.d_model + (m.seq_len * m.d_model if m.arch == "gpt2" else 0)
 
 
 def expected_startup_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> int:
     """A rank's peak while it starts, in the order the trainer builds it
-    (gridtrain.checkpoint.materialise): its parameters (under ZeRO-3, after its gradient
-    shard, its parameter shard) filled piece by piece, beside one whole tensor in fp32 at
+    (gridtrain.checkpoint.materialise): its parameters (under ZeRO-3 its parameter shard,
+    the master weights' dtype) filled piece by piece, beside one whole tensor in fp32 at
     a time, the largest of its stage *before* any split (a parameter is drawn whole, or
     read whole where a source cannot read slices, then cut to the rank's pieces), which
-    goes before the gradient buffer and the optimizer's state are allocated (torch's
+    goes before the gradient memory and the optimizer's state are allocated (torch's
     AdamW, fp32 and fp64 without ZeRO, allocates its state at the first step, not here).
-    Nothing else of the model is ever whole on the rank, so start-up grows with the
-    rank's share and with the largest single tensor (the token table or the head), not
-    with the model. Host memory on the CPU; on a GPU the whole tensor is on the host."""
+    Under ZeRO-1/2 over more than one rank the parameters then move into the flat buffer
+    the optimizer gathers into (held twice for a moment), before the gradient buffer
+    exists; ZeRO-2/3 allocate no gradient memory until backward, and ZeRO-3 no master
+    weights beside its shard (but with ``--optimizer-offload``). Nothing else of the
+    model is ever whole on the rank, so start-up grows with the rank's share and with
+    the largest single tensor (the token table or the head), not with the model. Host
+    memory on the CPU; on a GPU the whole tensor is on the host."""
     state = expected_bytes(cfg, grid, rank)
     holds = _holds(cfg, grid, rank)
     whole = 4 * largest_parameter(cfg.model, 1, holds, moe_blocks_held(cfg, grid, rank))
@@ -335,48 +373,45 @@ def expected_startup_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> int:
     # the flat optimizer allocates its state when built; torch's AdamW (fp32/fp64 without
     # ZeRO) at its first step
     o = getattr(cfg, "optim", None)
-    flat = cfg.parallel.zero > 0 or cfg.training.dtype not in ("fp32", "fp64") or \
+    zero = cfg.parallel.zero
+    flat = zero > 0 or cfg.training.dtype not in ("fp32", "fp64") or \
         getattr(o, "optimizer", "adamw") == "muon" or getattr(o, "optimizer_state_dtype", "fp32") == "bf16"
     optim = state["optimizer_bytes"] if flat else 0
-    if cfg.parallel.zero == 3:  # the gradient shard, then the parameter shard filled, then the optimizer
-        return params + grads + max(whole, optim)
-    return params + max(whole, grads + optim)  # the parameters filled, then gradients and optimizer
+    # ZeRO-1/2's parameter buffer (the reducer's layout: padded as the gradients)
+    bound = params * _padded_buffer(cfg, grid, holds, state["parameters"]) // max(state["parameters"], 1) \
+        if zero in (1, 2) and zero_shards(cfg, grid) > 1 else 0
+    return params + max(whole, bound, grads + optim)
 
 
 def _largest_bucket(cfg: Config, grid: ProcessGrid, holds: tuple[int, bool, bool], moe_blocks: int,
                     dense: int) -> int | None:
-    """The largest gradient bucket of a MoE model's rank under ZeRO-2/3 (its staging
-    buffers are buckets), from the reducer's layout (parallel/data_parallel.py
-    ``bucket_bounds``), ``dense`` being the rank's dense parameters (padded) under ep > 1
-    and all of them at ep 1:
+    """The largest gradient bucket of a rank under ZeRO-2/3 (its staging buffers are
+    buckets), from the reducer's layout (parallel/data_parallel.py ``bucket_bounds``),
+    ``dense`` being the rank's dense parameters (padded) under ep > 1 and all of them at
+    ep 1:
 
     * ZeRO-3 (a bucket per unit, no ``--bucket-mb`` cap): a block, or under ep > 1 a
-      block's dense part or its ``E / ep`` experts, or the stage's other parameters (its
-      token table, final norm and head: the root unit);
-    * ZeRO-2 under ep > 1 (a bucket of one kind, closed by the parameter that reaches
+      block's dense part or its ``E / ep`` experts, or the token table where it is a
+      unit of its own (:func:`table_unit_parameters`), or the stage's root unit (its
+      final norm and head, and the token table where it is not a unit);
+    * ZeRO-2 (a bucket of one kind, closed by the parameter that reaches
       ``--bucket-mb``, no parameter split): at most the cap and one parameter
       (:func:`largest_parameter`: on the first and last stage, the token table or the
-      head), at most a kind's whole (the dense parameters, one block's experts);
-    * ZeRO-2 at ep 1: None, zero_state_bytes' own bound (``--bucket-mb``: buckets split
-      parameters; or the whole buffer).
-
-    Dense models' ZeRO-3 buckets are their units too (a block, or the root unit); their
-    ZeRO-2 buckets keep :func:`gridtrain.memory.zero.zero_state_bytes`' ``bucket_mb``
-    bound (None)."""
+      head), at most a kind's whole (the dense parameters, one block's experts)."""
     m, tp, etp, apart = cfg.model, grid.tp, expert_tensor_parallel(cfg), experts_apart(cfg)
     w = wide_bytes(TORCH_DTYPES[cfg.training.dtype].itemsize)
     blocks, embeds, ends = holds
     moe_dense, experts = moe_block_parameters(m, tp, expert_parallel(cfg), etp) if m.n_experts else (0, 0)
     cap = int(cfg.parallel.bucket_mb * 2 ** 20) // w
     if cfg.parallel.zero == 3:
-        root = stage_parameters(m, tp, 0, embeds, ends)
+        table = table_unit_parameters(cfg, grid, holds)
+        root = stage_parameters(m, tp, 0, embeds, ends) - table
         whole = [dense_block_parameters(m, tp)] if blocks > moe_blocks else []
         if moe_blocks:
             whole += [moe_dense, experts] if apart else [moe_dense + experts]
-        return max([root, *whole])
-    if not apart:
-        return None
-    return min(max(dense, experts if moe_blocks else 0), cap + largest_parameter(m, tp, holds, moe_blocks, etp))
+        return max([root, table, *whole])
+    return min(max(dense, experts if moe_blocks and apart else 0),
+               cap + largest_parameter(m, tp, holds, moe_blocks, etp))
 
 
 def largest_parameter(m: ModelConfig, tp: int, holds: tuple[int, bool, bool], moe_blocks: int = 0,

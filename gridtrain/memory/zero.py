@@ -10,25 +10,45 @@ group, and each step adds one all-reduce of the rank's gradient shard across the
 
 For ``P`` parameters of a rank (one pipeline stage's, after tp), parameters of ``e`` bytes
 (2 for bf16 and fp16, 4 for fp32, 8 for fp64), gradients and master weights of ``w`` bytes
-(4, or 8 in fp64), held all along:
+(4, or 8 in fp64), held all along (between steps):
 
 * stage 0: parameters ``e P``; gradients ``w P`` (the reducer's buffer); optimizer: in
   fp32 and fp64 torch's AdamW, two moments ``2 e P`` and a 4-byte step count per tensor,
   in 16-bit the flat optimizer's master weights and moments ``3 w P``;
-* stage 1: ``e P``; ``w P`` (one buffer, each bucket reduce-scattered in place into the
-  rank's own slice); ``3 w P / s``, master weights included in every dtype;
-* stage 2: ``e P``; ``w P / s``, a shard that accumulates the micro-batches; ``3 w P / s``;
-* stage 3: ``e P / s`` (the rank's parameter shard); ``w P / s``; ``3 w P / s`` in 16-bit,
-  ``2 w P / s`` in fp32 and fp64 (the parameter shard is the master).
+* stage 1: ``e P`` (the parameters are views of one flat buffer laid out as the
+  gradients, into which the optimizer all-gathers the updated weights in place); ``w P``
+  (one buffer, each bucket reduce-scattered in place into the rank's own slice);
+  ``3 w P / s``, master weights included in every dtype;
+* stage 2: ``e P`` (the same flat buffer); no gradient memory between steps;
+  ``3 w P / s``;
+* stage 3: ``w P / s``, the rank's parameter shard, in the master weights' dtype: it *is*
+  the optimizer's master (fp32, fp64 for fp64 runs), cast to the parameters' dtype as it
+  is gathered; no gradient memory between steps; ``2 w P / s``, the moments. With
+  ``--optimizer-offload`` the shard stays in the parameters' dtype (``e P / s``) and the
+  masters and moments are in host memory.
+
+ZeRO-2 and 3's gradient shard (``w P / s``: :func:`zero_state_bytes`' ``gradient_shard_bytes``)
+exists only within a step: each bucket's slice of it is allocated when the bucket's
+first reduce-scatter is launched in backward, and all of it is freed after the optimizer
+step. It grows bucket by bucket through the step's first backward of each micro-batch
+round 0 (with more than one micro-batch it is whole from the end of the first backward
+on) and is whole at the end of backward.
 
 Beside them, transiently within a step (:func:`zero_state_bytes`' ``gathered_bytes`` and
 ``staging_bytes``): ZeRO-2 and 3 add each micro-batch's gradients into staging buffers of
-a bucket (``--bucket-mb``, in ``w`` bytes, or the whole gradient where that is smaller)
-that are reduce-scattered as they fill, about ``STAGING_BUCKETS`` of them at once (the
-one filling and the one in flight); ZeRO-3 holds the parameters it has gathered: two
-blocks (the one running and the one prefetched) and the stage's other parameters (the
-token table, GPT-2's positions, the final norm and the head), or, with
-``--zero3-keep-gathered``, the whole stage from its first forward to its last backward.
+a bucket (``--bucket-mb``, in ``w`` bytes, or the whole gradient where that is smaller;
+under ZeRO-3 a bucket is a unit) that are reduce-scattered as they fill, about
+``STAGING_BUCKETS`` of them at once (the one filling and the one in flight); ZeRO-3 holds
+the parameters it has gathered, in ``e`` bytes: two blocks (the one running and the one
+prefetched) and the root unit (the stage's final norm and head, and what is neither a
+block nor the token table's own unit), or, with ``--zero3-keep-gathered``, the whole
+stage from its first forward to its last backward. A token table that is a unit of its
+own (not tied to the head on the same stage, no multi-token prediction) is gathered for
+its forward only, at the step's start, when nothing else is held: not part of the
+gathered set beside the activations (``alone``).
+
+Nothing is allocated when the optimizer publishes the weights: ZeRO-1/2 all-gather them
+in place into the parameters' flat buffer, ZeRO-3 writes its shard, which is the master.
 
 Under expert parallelism (``ep`` > 1) a rank's experts are in buckets of their own, and
 every form here applies twice: to the dense parameters over the ``dp x cp`` shard group
@@ -89,12 +109,14 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
                      bucket_mb: float = 25.0, block_params: int = 0, blocks: int = 0,
                      keep_gathered: bool = False, in_blocks: int | None = None,
                      largest_bucket: int | None = None, optimizer: str = "adamw",
-                     matrices: int = 0, moment_bytes: int | None = None) -> dict[str, int]:
+                     matrices: int = 0, moment_bytes: int | None = None, alone: int = 0, root: int = 0,
+                     offload: bool = False) -> dict[str, int]:
     """Bytes a rank holds for ``params`` parameters of ``dtype`` under ZeRO stage ``zero``
     with its state sharded over ``shard`` ranks (the table of the module docstring):
-    ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` (held all along) and,
-    within a step, ``gathered_bytes`` (ZeRO-3's gathered parameters) and
-    ``staging_bytes`` (ZeRO-2/3's gradient staging buffers).
+    ``parameter_bytes``, ``gradient_bytes``, ``optimizer_bytes`` (held all along, between
+    steps too) and, within a step, ``gradient_shard_bytes`` (ZeRO-2/3's gradient shard,
+    from backward to the optimizer step), ``gathered_bytes`` (ZeRO-3's gathered
+    parameters) and ``staging_bytes`` (ZeRO-2/3's gradient staging buffers).
 
     ``padded``: the flat buffer's length, a multiple of ``shard`` (default ``params``
     rounded up to one), whose ``padded / shard`` elements a rank owns; ``tensors``: the
@@ -105,13 +127,22 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
     while the stage runs); ``keep_gathered``: ZeRO-3 keeps all ``params`` gathered;
     ``in_blocks``: how many of ``params`` are in blocks where the blocks differ (a MoE
     model's; ``block_params`` is then the largest block's; default ``blocks x
-    block_params``); ``largest_bucket``: the largest gradient bucket's elements, where
-    the caller knows the layout's buckets (a mixture of experts': memory/model.py;
-    default: ``bucket_mb``, or the whole buffer where that is smaller); ``optimizer``
-    ``muon``: Muon for ``matrices`` of ``params`` (memory.optimizer: the flat optimizer in
-    every layout, one buffer per Muon element, two moments per AdamW element);
+    block_params``); ``alone``: how many of the rest are a unit gathered on its own
+    when nothing else is (the token table's unit, for its forward at the step's start),
+    left out of ``gathered_bytes``; ``root``: how many of the rest are a root unit
+    gathered only from the final norm's forward to the head's backward (where the table
+    is a unit of its own) and freed once its gradients are in, before the blocks'
+    backward gathers them: ``gathered_bytes`` is then that unit or the two blocks (and
+    what else is outside them), the larger; ``largest_bucket``: the largest gradient bucket's
+    elements, where the caller knows the layout's buckets (memory/model.py; default:
+    ``bucket_mb``, or the whole buffer where that is smaller); ``optimizer`` ``muon``:
+    Muon for ``matrices`` of ``params`` (memory.optimizer: the flat optimizer in every
+    layout, one buffer per Muon element, two moments per AdamW element);
     ``moment_bytes``: 2 for bf16 moments (``--optimizer-state-dtype bf16``: the flat
-    optimizer in every layout, masters as before), default the masters' width."""
+    optimizer in every layout, masters as before), default the masters' width;
+    ``offload``: ``--optimizer-offload``, where ZeRO-3's parameter shard stays in the
+    parameters' dtype beside masters of their own (the caller counts the optimizer's
+    state off the device)."""
     _check(zero, shard)
     e = element_bytes(dtype)
     w = wide_bytes(e)
@@ -119,44 +150,32 @@ def zero_state_bytes(params: int, dtype, zero: int, shard: int, *, padded: int |
         padded = -(-params // shard) * shard
     owned = padded // shard
     full_precision = e >= 4  # fp32 and fp64: no separate master copy where ZeRO allows
+    # ZeRO-3's parameter shard is the master (in its dtype), unless offloaded in a narrower one
+    shard_is_master = zero == 3 and (full_precision or not offload)
     if optimizer == "muon" or moment_bytes is not None:  # the flat optimizer whatever the stage
         held = owned if zero else params  # ZeRO 0: every rank all of it
         mine = matrices * held // params if params else 0  # the share of the Muon matrices
-        state = optimizer_state_bytes(optimizer, held, mine, masters=not (zero == 3 and full_precision), element=w,
+        state = optimizer_state_bytes(optimizer, held, mine, masters=not shard_is_master, element=w,
                                       moment_element=moment_bytes or w)
     elif zero == 0:
         state = 2 * params * e + 4 * tensors if full_precision else 3 * params * w
-    elif zero == 3 and full_precision:
+    elif shard_is_master:
         state = 2 * owned * w  # two moments: the parameter shard is the master
     else:
         state = 3 * owned * w
     gathered = 0
     if zero == 3:
         in_blocks = blocks * block_params if in_blocks is None else in_blocks
-        gathered = params if keep_gathered else min(blocks, GATHERED_BLOCKS) * block_params + params - in_blocks
+        gathered = params if keep_gathered else \
+            max(min(blocks, GATHERED_BLOCKS) * block_params + params - in_blocks - alone - root, root)
     bucket = min(int(bucket_mb * 2 ** 20), padded * w) if largest_bucket is None else largest_bucket * w
     staging = STAGING_BUCKETS * bucket if zero >= 2 else 0
-    return {"parameter_bytes": (owned if zero == 3 else params) * e,
-            "gradient_bytes": {0: params, 1: padded}.get(zero, owned) * w,
+    return {"parameter_bytes": owned * (w if shard_is_master else e) if zero == 3 else params * e,
+            "gradient_bytes": {0: params, 1: padded}.get(zero, 0) * w,
             "optimizer_bytes": state,
+            "gradient_shard_bytes": owned * w if zero >= 2 else 0,
             "gathered_bytes": gathered * e,
             "staging_bytes": staging}
-
-
-def publish_bytes(padded: int, dtype, zero: int, shard: int, gathers: bool | None = None) -> int:
-    """What ZeRO-1 and 2 allocate when the optimizer publishes the master weights
-    (optim/distributed_optimizer.py ``_publish``): every bucket's gather into a whole
-    buffer in the parameters' dtype, its source (the rank's slice cast to that dtype)
-    beside it, all in flight until the next forward takes them. 0 for stages 0 and 3
-    (copied in place) and where the optimizer does not gather (``gathers``, default: a
-    shard group of more than one rank; experts whose expert-data-parallel group is one
-    rank are still gathered, through that group, when the dense part's is larger).
-    Held at the step's end, when the activations are gone: a peak of its own
-    (memory.model.expected_state_bytes)."""
-    if zero not in (1, 2) or not (shard > 1 if gathers is None else gathers):
-        return 0
-    # a one-rank group's "gather" hands its source over: one copy, not two
-    return (padded + (padded // shard if shard > 1 else 0)) * element_bytes(dtype)
 
 
 def zero_step_collectives(params: int, dtype, zero: int, micro_batches: int, group: int, *,

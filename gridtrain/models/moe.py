@@ -39,7 +39,10 @@ one strided view of it, no copy. Under ZeRO-3 the gathered unit's layout decides
 where it allows one, else a stacked copy (not kept: backward stacks again); its units
 hold the parameters in reverse registration order, so today that is a copy per GEMM. The
 autograd functions here keep what the ``nn.Linear`` loop keeps, so the memory model's
-activation terms hold for both paths.
+activation terms hold for both paths. A GEMM's weight gradient is added into the
+parameters' gradients in one operator where those lie as one stacked view too
+(:func:`accumulate_stacked`), instead of autograd's one addition per expert weight; the
+gradient buffer's reversed order keeps that from happening today as well.
 
 Under tensor parallelism the experts see the tokens of the rank's sequence shard (with
 sequence parallelism) or all of them (without: every tp rank then computes the same
@@ -173,6 +176,39 @@ def stacked(groups: list[list[torch.Tensor]]) -> torch.Tensor:
     return torch.stack([torch.cat([p.detach() for p in g], 0) for g in groups])
 
 
+def accumulate_stacked(groups: list[list[torch.Tensor]], stacked_grad: torch.Tensor) -> bool:
+    """Add ``stacked_grad`` (``[E, rows, ...]``: expert ``e``'s gradient of the tensors of
+    ``groups[e]``, joined along their first dimension) into those parameters' ``.grad``
+    in one operator, where autograd would add it parameter by parameter (a kernel launch
+    each on a GPU: three per expert and layer, every micro-batch). Returns whether it
+    did; if not, nothing was touched and the caller hands the gradients to autograd.
+
+    Only where this is exactly what autograd would do: each parameter's ``.grad`` exists
+    in the gradient's dtype (autograd would add into it in place: the gradient reducer's
+    buffer views of fp32 and fp64 runs), the ``.grad`` tensors lie as one strided
+    ``[E, rows, ...]`` view (:func:`stacked_layout`: each expert's parameters in
+    registration order, one expert after another), no hook would change the gradient
+    before it is added and no higher-order graph is being built. The sums are the same
+    additions, element by element, so the values are autograd's, bit for bit. The caller
+    then returns None for these parameters: autograd still runs their accumulation node
+    with nothing to add, and with it their post-accumulate hooks (the reducer's count of
+    gradients received, data_parallel.py), once per backward as before. Elsewhere (a
+    gradient sink: ZeRO-2/3; 16-bit parameters, whose gradients reach an fp32 buffer
+    through ``.grad``; a buffer in another order) autograd accumulates as before."""
+    params = [p for g in groups for p in g]
+    if torch.is_grad_enabled() or not params:
+        return False
+    for p in params:
+        if p.grad is None or p.grad.dtype != stacked_grad.dtype or p._backward_hooks \
+                or getattr(p, "grad_sink", None) is not None:
+            return False
+    layout = stacked_layout([[p.grad for p in g] for g in groups])
+    if layout is None or tuple(layout[0]) != tuple(stacked_grad.shape):
+        return False
+    params[0].grad.as_strided(*layout).add_(stacked_grad)
+    return True
+
+
 def _expert_sums(rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Each group's rows summed (``rows`` sorted by group, ``offs`` each group's end row):
     ``[groups, width]``. A segment reduction, which sums each group's rows in row order on
@@ -233,13 +269,19 @@ class _GroupedLinear(torch.autograd.Function):
                                           float8.quantised_experts(stacked([g[:width] for g in groups]), scales, 2),
                                           offs, grad.dtype)
         d_weights = grouped_mm(grad.t(), rows, offs)  # [E, N, K]; float8 too: a sum over the tokens, in bf16
-        if ctx.bias:  # each expert's rows summed in row order (a float index_add_ would add with atomics on CUDA)
-            d_bias = _expert_sums(grad, offs)
+        d_bias = _expert_sums(grad, offs) if ctx.bias else None  # each expert's rows summed in row order
+        # (a float index_add_ would add with atomics on CUDA)
+        wanted = all(ctx.needs_input_grad[5:])
+        weights_done = wanted and accumulate_stacked([g[:width] for g in groups], d_weights)
+        biases_done = wanted and ctx.bias and accumulate_stacked([g[width:] for g in groups], d_bias)
         grads = []
         for e, d in enumerate(d_weights.unbind(0)):
-            grads.extend(d.split(ctx.rows, 0) if width > 1 else (d,))
+            if weights_done:
+                grads.extend([None] * width)
+            else:
+                grads.extend(d.split(ctx.rows, 0) if width > 1 else (d,))
             if ctx.bias:
-                grads.append(d_bias[e])
+                grads.append(None if biases_done else d_bias[e])
         return (d_rows, None, None, None, None, *grads)
 
 

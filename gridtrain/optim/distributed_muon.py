@@ -94,11 +94,11 @@ class DistributedMuon(DistributedOptimizer):
     def step(self, row_scales: dict[nn.Parameter, torch.Tensor] | None = None) -> None:
         o = self.o
         lr, step_size, correction = self._begin_step()  # AdamW's decayed pieces decayed
-        for q, at in zip(self.adam_pieces, self._adam_at):
-            n = q.hi - q.lo
-            # (the gradient moved to the masters' device there: --optimizer-offload)
-            adam_update_(self.master[q.at:q.end], self._grad(q), self.exp_avg[at:at + n], self.exp_avg_sq[at:at + n],
-                         o, step_size, correction)
+        pieces = [(q, at, q.hi - q.lo) for q, at in zip(self.adam_pieces, self._adam_at)]
+        # (the gradients moved to the masters' device there: --optimizer-offload)
+        adam_update_([self.master[q.at:q.end] for q, _, _ in pieces], [self._grad(q) for q, _, _ in pieces],
+                     [self.exp_avg[at:at + n] for _, at, n in pieces], [self.exp_avg_sq[at:at + n] for _, at, n in pieces],
+                     o, step_size, correction)
         updates: dict[nn.Parameter, dict[tuple[int, int], torch.Tensor]] = {p: {} for p in self.muon_params}
         for q, at in zip(self.muon_pieces, self._muon_at):
             stored = self.momentum[at:at + q.hi - q.lo]

@@ -33,9 +33,10 @@ property, so it is kept as a few ``(begin, end)`` ranges of the shard rather tha
 dense masks: dense masks would cost another 8 bytes per owned element, and a mask built
 for the whole model and then sliced (a view keeps its whole storage alive) 8 bytes per
 parameter on every rank whatever dp is. The updated weights are all-gathered in the
-parameters' own dtype (half the bytes of gathering fp32 masters for bf16/fp16), one
-buffer per bucket, each freed once the forward has copied it into the parameters: the
-gathered copy lives through the start of the next forward, while activations are few.
+parameters' own dtype (half the bytes of gathering fp32 masters for bf16/fp16), in place:
+the parameters are views of one flat buffer laid out as the gradients (the reducer's
+``param_buffer``), so each rank writes its updated slice of a bucket into its own place
+there and the all-gather fills the rest, with no second copy of the model.
 
 **Checkpoints** store each parameter's optimizer state by name through
 torch.distributed.checkpoint (gridtrain/checkpoint/), whatever the layout: each DP rank
@@ -57,7 +58,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from gridtrain.parallel.comm import CommGroup
+from gridtrain.parallel.comm import CommGroup, Pending
 from gridtrain.config import OptimConfig
 from gridtrain.parallel.data_parallel import GradientReducer, Piece
 from gridtrain.parallel.zero3 import ParameterShards, whole_shape
@@ -76,21 +77,29 @@ def _runs(pieces: list[Piece]) -> list[tuple[int, int]]:
     return runs
 
 
-def adam_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 o: OptimConfig, step_size: float, correction: float) -> None:
-    """One AdamW step of ``master`` (decay applied before), as torch.optim.AdamW computes
-    it, ``step_size`` = lr / (1 - beta1^t), ``correction`` = sqrt(1 - beta2^t). Moments
-    narrower than the masters (``--optimizer-state-dtype bf16``) are updated in the
-    masters' precision and rounded when stored back."""
-    grad = grad.to(device=master.device, dtype=master.dtype)  # (--optimizer-offload: to the host)
-    m, v = exp_avg.to(master.dtype), exp_avg_sq.to(master.dtype)  # themselves unless narrower
-    m.lerp_(grad, 1 - o.beta1)
-    v.mul_(o.beta2).addcmul_(grad, grad, value=1 - o.beta2)
-    denom = v.sqrt().div_(correction).add_(o.adam_eps)
-    master.addcdiv_(m, denom, value=-step_size)
-    if m is not exp_avg:
-        exp_avg.copy_(m)
-        exp_avg_sq.copy_(v)
+def adam_update_(master: list[torch.Tensor], grad: list[torch.Tensor], exp_avg: list[torch.Tensor],
+                 exp_avg_sq: list[torch.Tensor], o: OptimConfig, step_size: float, correction: float) -> None:
+    """One AdamW step of the ``master`` slices (decay applied before), as
+    torch.optim.AdamW computes it, ``step_size`` = lr / (1 - beta1^t), ``correction`` =
+    sqrt(1 - beta2^t): multi-tensor operations over the slices (a handful of kernels
+    whatever their number; the same arithmetic per element as one slice at a time).
+    Moments narrower than the masters (``--optimizer-state-dtype bf16``) are updated in
+    the masters' precision and rounded when stored back."""
+    if not master:
+        return
+    dtype, device = master[0].dtype, master[0].device
+    grad = [g.to(device=device, dtype=dtype) for g in grad]  # themselves, or (--optimizer-offload) on the host
+    m, v = [t.to(dtype) for t in exp_avg], [t.to(dtype) for t in exp_avg_sq]  # themselves unless narrower
+    torch._foreach_lerp_(m, grad, 1 - o.beta1)
+    torch._foreach_mul_(v, o.beta2)
+    torch._foreach_addcmul_(v, grad, grad, value=1 - o.beta2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, correction)
+    torch._foreach_add_(denom, o.adam_eps)
+    torch._foreach_addcdiv_(master, m, denom, value=-step_size)
+    if m[0] is not exp_avg[0]:
+        torch._foreach_copy_(exp_avg, m)
+        torch._foreach_copy_(exp_avg_sq, v)
 
 
 def state_dtype_of(o: OptimConfig, master_dtype: torch.dtype) -> torch.dtype:
@@ -140,11 +149,12 @@ class DistributedOptimizer:
         # (under expert parallelism a rank's experts are replicated over their own group)
         def counts(p: nn.Parameter) -> bool:
             return self.writes_shard if reducer.shard else reducer.group_of(p).rank == 0
-        self._counted = [view for a, b in _runs([q for q in self.pieces
-                                                 if counts(q.param) and counts_towards_norm(q.param, tp_rank)])
-                         for view in reducer.shard_view(a, b)]
+        # (as shard ranges: ZeRO-2/3's gradient shard exists only from backward to the step)
+        self._counted = _runs([q for q in self.pieces if counts(q.param) and counts_towards_norm(q.param, tp_rank)])
+        if reducer.shard and dp.size > 1 and param_shards is None and reducer.param_buffer is None:
+            reducer.bind_parameters()  # (the trainer asks for it up front: before the gradient memory)
         self.steps = 0
-        self._gathering: dict[int, tuple] = {}  # bucket id -> (bucket, its gathered buffer, Pending)
+        self._gathering: dict[int, Pending] = {}  # bucket id -> its parameters' gather in flight
         self._waits_in_forward = False  # gather_before was called: step leaves gathers in flight
         self.lr = o.lr
         self.param_groups = [{"lr": o.lr}]  # read by set_lr
@@ -186,7 +196,8 @@ class DistributedOptimizer:
         without TP-replicated copies held by a TP rank other than the first and the last
         stage's tied head copy. Under ZeRO-1 the DP ranks' slices add up; otherwise every
         DP replica holds the same whole gradient, counted on the first."""
-        return squared_norm([g.to(self.master.dtype) for g in self._counted], self.device)
+        counted = [view for a, b in self._counted for view in self.reducer.shard_view(a, b)]
+        return squared_norm([g.to(self.master.dtype) for g in counted], self.device)
 
     def clip_to(self, norm: float, max_norm: float) -> None:
         """Scale this rank's gradient slice, of global norm ``norm``, to at most ``max_norm``."""
@@ -207,12 +218,21 @@ class DistributedOptimizer:
     def step(self, row_scales: dict[nn.Parameter, torch.Tensor] | None = None) -> None:
         o = self.o
         _, step_size, correction = self._begin_step()
-        at = 0
-        for grad in self._host_grads():  # slice by slice, straight from the buffer: temporaries of a slice's size
+        # the slices in groups of at most the largest slice's elements: a few kernels per
+        # group, temporaries no larger than one slice's (offloaded: each slice as it lands,
+        # computed while the next copies travel)
+        limit = 0 if self.state_device != self.device else max((g.numel() for g in self._grads), default=0)
+        at, group, size = 0, ([], [], [], []), 0
+        for grad in self._host_grads():
             n = grad.numel()
-            adam_update_(self.master[at:at + n], grad, self.exp_avg[at:at + n], self.exp_avg_sq[at:at + n], o,
-                         step_size, correction)
-            at += n
+            if size and size + n > limit:
+                adam_update_(*group, o, step_size, correction)
+                group, size = ([], [], [], []), 0
+            for into, t in zip(group, (self.master[at:at + n], grad, self.exp_avg[at:at + n],
+                                       self.exp_avg_sq[at:at + n])):
+                into.append(t)
+            at, size = at + n, size + n
+        adam_update_(*group, o, step_size, correction)
         self._scale_rows(row_scales)
         self._publish()
 
@@ -251,10 +271,12 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def _publish(self) -> None:
-        """Copy the master weights into the model's parameters. With ZeRO-1, each bucket's
-        slices, rounded to the parameters' dtype, are gathered from every DP rank into a
-        buffer per bucket, in the order the forward uses them (the first layers' are the
-        gradient buffer's last buckets). Where
+        """Copy the master weights into the model's parameters. With ZeRO-1/2, each
+        rank's slice of a bucket, rounded to the parameters' dtype, is written into its
+        place in the parameters' memory (the reducer's parameter buffer, laid out as the
+        gradients) and all-gathered there in place, bucket by bucket, in the order the
+        forward uses them (the first layers' are the gradient buffer's last buckets): no
+        second copy of the model exists at any point (Megatron's way). Where
         :meth:`gather_before` has put waits before the model's forwards, the gathers are
         left in flight: each part of the next forward waits only for its own buckets, so
         the rest travels behind its computation (Megatron's overlapped parameter gather)."""
@@ -271,32 +293,27 @@ class DistributedOptimizer:
             return
         self.parameters_ready()  # a bucket the last forward never needed (unused parameters)
         for b in reversed(self.reducer.buckets):
+            whole = self.reducer.bucket_params(b)  # the parameters' own memory (the reducer's parameter buffer)
             size = (b.end - b.start) // b.group.size
-            whole = torch.empty(b.end - b.start, dtype=self.params[0].dtype, device=self.device)
-            self._gathering[id(b)] = (b, whole, b.group.start_all_gather_into(
-                whole, self.master[b.at:b.at + size].to(self.device, whole.dtype, non_blocking=True)))
+            own = whole[b.group.rank * size:(b.group.rank + 1) * size]
+            own.copy_(self.master[b.at:b.at + size], non_blocking=True)  # rounded to the parameters' dtype
+            self._gathering[id(b)] = b.group.start_all_gather_into(whole, own)  # in place: own is its slice
         if not self._waits_in_forward:
             self.parameters_ready()
 
     @torch.no_grad()
     def parameters_ready(self, params: list[nn.Parameter] | None = None) -> None:
-        """Wait for the gathers still in flight (those holding ``params``, or all) and copy
-        what they brought into the parameters. Anything that reads the parameters other
+        """Wait for the gathers still in flight (those holding ``params``, or all): they
+        write into the parameters themselves. Anything that reads the parameters other
         than through a forward (a checkpoint, the end of the run) calls this first."""
         if not self._gathering:
             return
-        buckets = list(self._gathering.values()) if params is None else \
-            [self._gathering[id(b)] for p in params for b in self.reducer.buckets_of.get(p, ())
-             if id(b) in self._gathering]
-        for b, whole, pending in buckets:
-            if self._gathering.pop(id(b), None) is None:
-                continue  # a bucket shared by two of the parameters, done already
-            pending.wait()
-            for p in b.params:
-                o = self.reducer.offsets[p]
-                lo, hi = max(b.start, o), min(b.end, o + p.numel())
-                p.detach().view(-1)[lo - o:hi - o].copy_(whole[lo - b.start:hi - b.start])
-            # the bucket's gathered copy is freed here: none outlives its first use
+        ids = list(self._gathering) if params is None else \
+            [id(b) for p in params for b in self.reducer.buckets_of.get(p, ())]
+        for key in ids:
+            pending = self._gathering.pop(key, None)
+            if pending is not None:  # (a bucket shared by two of the parameters is waited for once)
+                pending.wait()
 
     def gather_before(self, module: nn.Module, params: list[nn.Parameter]) -> None:
         """Before each forward of ``module``, wait for the gathers of ``params`` (the
@@ -319,11 +336,14 @@ class DistributedOptimizer:
 
     def weight_pieces(self) -> list[StatePiece] | None:
         """ZeRO-3: this rank's pieces of the parameter shard (the parameters are empty
-        between uses); otherwise None, the parameters hold the weights."""
+        between uses), in the parameters' dtype: where the shard holds fp32 masters
+        beside 16-bit parameters, casts of them (what a gather gives; a load reads the
+        masters into the shard itself, :meth:`state_pieces`); otherwise None, the
+        parameters hold the weights."""
         if self.param_shards is None:
             return None
-        shard = self.param_shards.shard
-        return [StatePiece(q.param, q.lo, {"model": shard[q.at:q.end]}) for q in self.pieces]
+        shard, dtype = self.param_shards.shard, self.param_shards.dtype
+        return [StatePiece(q.param, q.lo, {"model": shard[q.at:q.end].to(dtype)}) for q in self.pieces]
 
     def weights_loaded(self) -> None:
         """The parameter shard was written (a checkpoint read): nothing gathered is current."""

@@ -35,6 +35,7 @@ final gradients, so it is last of all.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,10 +145,7 @@ def all_reduce_in_place(comm: CommGroup, grads: list[torch.Tensor]) -> None:
         if group:
             flat = torch.cat([g.reshape(-1) for g in group])
             comm.all_reduce(flat)
-            offset = 0
-            for g in group:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _copy_back(group, flat)
             group.clear()
 
     packed = 0
@@ -162,6 +160,13 @@ def all_reduce_in_place(comm: CommGroup, grads: list[torch.Tensor]) -> None:
         group.append(g)
         packed += size
     flush()
+
+
+def _copy_back(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Each of ``grads`` takes its piece of ``flat`` (their concatenation, in order): one
+    multi-tensor copy, not a copy per gradient (a kernel launch each on a GPU)."""
+    pieces = flat.split([g.numel() for g in grads])
+    torch._foreach_copy_(grads, [piece.view_as(g) for piece, g in zip(pieces, grads)])
 
 
 def allreduce_replicated_grads(model: nn.Module, tp: TensorParallel, parts: Parts = _whole) -> None:
@@ -182,16 +187,16 @@ def allreduce_replicated_grads(model: nn.Module, tp: TensorParallel, parts: Part
     grads = [(g, spec) for p, spec in replicated for g in parts(p)]
     if not grads:
         return
-    rows = [g.new_zeros(spec.slices(tp.size), g.numel()) for g, spec in grads]
-    for row, (g, spec) in zip(rows, grads):
-        row[tp.rank // spec.replicas] = g.reshape(-1)
-    flat = torch.cat([r.reshape(-1) for r in rows])
+    # one zero buffer of every gradient's rows (in the dtype their concatenation would
+    # take), this rank's row of each filled and taken back by one multi-tensor copy each
+    dtype = functools.reduce(torch.promote_types, [g.dtype for g, _ in grads])
+    shapes = [(spec.slices(tp.size), g.numel()) for g, spec in grads]
+    flat = torch.zeros(sum(s * n for s, n in shapes), dtype=dtype, device=grads[0][0].device)
+    rows = [r.view(shape) for r, shape in zip(flat.split([s * n for s, n in shapes]), shapes)]
+    mine = [row[tp.rank // spec.replicas] for row, (_, spec) in zip(rows, grads)]
+    torch._foreach_copy_(mine, [g.reshape(-1) for g, _ in grads])
     tp.comm.all_reduce(flat)
-    offset = 0
-    for row, (g, spec) in zip(rows, grads):
-        whole = flat[offset: offset + row.numel()].view_as(row)
-        g.copy_(whole[tp.rank // spec.replicas].view_as(g))
-        offset += row.numel()
+    torch._foreach_copy_([g for g, _ in grads], [m.view_as(g) for m, (g, _) in zip(mine, grads)])
 
 
 def tied_parameter(model: nn.Module, embedding: CommGroup | None) -> nn.Parameter | None:

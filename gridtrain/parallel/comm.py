@@ -399,7 +399,15 @@ def _reduce_scatter_blocks(group: CommGroup, out: torch.Tensor, blocks: torch.Te
     The tensor form where the backend supports it; where it says it does not (an error
     raised on every rank alike before anything is sent), the list form, remembered for
     the backend so that the failed attempt is made once per process.
+
+    Gloo's tensor form copies its whole input when issued and all-reduces the copy,
+    which lives until the work is dropped: with ZeRO-1's buckets in flight through
+    backward, a second gradient buffer. Where the output is this rank's block of the
+    input (in place: the caller gives up the rest of it), the same all-reduce runs on
+    the input itself: the same sums, bit for bit, and no copy.
     """
+    if group.backend == "gloo" and out.data_ptr() == blocks[group.rank].data_ptr():
+        return dist.all_reduce(blocks.view(-1), group=group.group, async_op=True)
     if group.backend not in _LIST_REDUCE_SCATTER:
         try:
             return _REDUCE_SCATTER_SINGLE(out.view(-1), blocks.view(-1), group=group.group, async_op=True)

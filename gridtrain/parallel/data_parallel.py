@@ -188,8 +188,13 @@ class GradientReducer:
                  grad_dtype: torch.dtype | None = None, shard: bool = False,
                  device: torch.device | str | None = None, in_place: bool = True,
                  alone: Collection[nn.Parameter] = (), units: dict[nn.Parameter, int] | None = None,
-                 replicas: CommGroup | None = None, experts: CommGroup | None = None):
+                 replicas: CommGroup | None = None, experts: CommGroup | None = None,
+                 param_buffer: bool = False, direct: bool = False):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # nothing to reduce and an optimizer that reads ``.grad`` (one process, torch's
+        # AdamW): autograd's own gradients, no buffer (the first micro-batch's gradient
+        # is taken as it is, later ones added: a plain loop's kernels)
+        self.direct = direct and dp.size == 1 and not shard and replicas is None and experts in (None, dp)
         self.names = {p: n for n, p in named}
         self.dp, self.accumulations, self.shard = dp, accumulations, shard
         self.replicas = replicas if replicas is not None and replicas.size > 1 else None
@@ -213,9 +218,14 @@ class GradientReducer:
         self._pieces_of: dict[nn.Parameter, list[Piece]] = {p: [] for p in params}
         for q in self.pieces:
             self._pieces_of[q.param].append(q)
+        # ZeRO-1/2: the parameters' memory laid out as the gradients' (before the gradient
+        # memory exists: moving the parameters in briefly holds them twice)
+        self.param_buffer: torch.Tensor | None = None
+        if param_buffer:
+            self.bind_parameters()
         # this rank's slice of each bucket, in shard order: where its reduce-scatter lands
         self.shard_views = self._allocate()
-        self.shard_numel = sum(v.numel() for v in self.shard_views)
+        self.shard_numel = sum(self.slice_size(b) for b in self.buckets) if shard else self.padded
         # parameters whose .grad is their view of the buffer (same dtype and device)
         self.in_place = {p for p in params if in_place and p.dtype == dtype and p.device == device}
         self.buckets_of: dict[nn.Parameter, list[Bucket]] = {p: [] for p in params}
@@ -234,14 +244,44 @@ class GradientReducer:
     def _allocate(self) -> list[torch.Tensor]:
         """The gradient buffer, each parameter's ``main_grad`` view of it, and the
         shard's views (this rank's slice of each bucket under ZeRO-1, else the buffer)."""
+        if self.direct:
+            self.buffer = None
+            return []
         self.buffer = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         for p in self.params:
             p.main_grad = self.buffer[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p)
         return [self._own_slice(b) for b in self.buckets] if self.shard else [self.buffer]
 
+    @torch.no_grad()
+    def bind_parameters(self) -> None:
+        """One flat tensor in the parameters' dtype with the gradient buffer's layout, each
+        parameter's memory a view of it (Megatron's parameter buffer): under ZeRO-1/2 a
+        bucket's updated slices are all-gathered straight into the parameters
+        (optim/distributed_optimizer.py), with no second copy of the model."""
+        dtype = self.params[0].dtype if self.params else self.dtype
+        flat = torch.zeros(self.padded, dtype=dtype, device=self.device)
+        for p in self.params:
+            view = flat[self.offsets[p]: self.offsets[p] + p.numel()].view_as(p)
+            view.copy_(p.detach())
+            p.data = view
+        self.param_buffer = flat
+
+    def bucket_params(self, b: Bucket) -> torch.Tensor:
+        """Bucket ``b``'s part of the parameter buffer (every rank's slices)."""
+        return self.param_buffer[b.start:b.end]
+
+    def slice_size(self, b: Bucket) -> int:
+        """Elements of bucket ``b`` in this rank's shard: a 1/group slice when sharded."""
+        return (b.end - b.start) // (b.group.size if self.shard else 1)
+
     def held_tensors(self) -> list[torch.Tensor]:
-        """The gradient memory this reducer keeps between steps."""
-        return [self.buffer]
+        """The gradient memory this reducer keeps between steps (direct: the
+        parameters' ``.grad``, autograd's)."""
+        return [] if self.direct else [self.buffer]
+
+    def release(self) -> None:
+        """After the optimizer step: drop gradient memory that is not kept between
+        steps (none here: the buffer is; ZeRO-2/3's shards are not, fully_sharded.py)."""
 
     def _is_expert(self, p: nn.Parameter) -> bool:
         return self.experts is not None and getattr(p, "expert", False)
@@ -301,12 +341,15 @@ class GradientReducer:
         gradient in the buffer). Further sums over the grid (grads.py) act on these."""
         if self.shard:
             return [v for q in self._pieces_of.get(p, ()) for v in self.shard_view(q.at, q.end)]
-        return [p.main_grad]
+        return [p.grad] if self.direct else [p.main_grad]
 
     # ---- during backward ------------------------------------------------------------------
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if p.grad is None:  # a backward that deferred this weight's gradient (ZB's B)
+            return
+        if self.direct:
+            self.counts[p] += 1
             return
         if p.grad is not p.main_grad:
             p.main_grad.add_(p.grad)  # not accumulated in the buffer by autograd: move it there
@@ -356,6 +399,11 @@ class GradientReducer:
         part with zeros), wait for every bucket and average: the whole buffer, with
         ``param.grad`` pointed at it, or under ZeRO-1 this rank's slices of it."""
         self.stats.unused = [name for p, name in self.names.items() if self.counts[p] == 0]
+        if self.direct:  # a parameter without a gradient takes part with zeros, as in the buffer
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            return
         if self.dp.size > 1:
             self._poll()
             waiting_from = self.clock.mark()
@@ -388,29 +436,28 @@ class GradientReducer:
 
     def zero(self) -> None:
         """Start a step: empty buffer, no counts, no bucket in flight."""
-        self.buffer.zero_()
+        if self.buffer is not None:
+            self.buffer.zero_()
         for p in self.counts:
             self.counts[p] = 0
-            p.grad = p.main_grad if p in self.in_place else None  # autograd adds into the buffer
+            p.grad = p.main_grad if p in self.in_place and not self.direct else None  # autograd adds into the buffer
         for b in self.buckets:
             b.ready, b.pending, b.done_at = 0, None, None
         self.next_bucket = 0
         self.stats = OverlapStats(self.clock)  # per step
 
     def bytes_per_step(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size() if self.dp.size > 1 else 0
+        return self.buffer.numel() * self.buffer.element_size() if self.dp.size > 1 and self.buffer is not None else 0
 
 
 def _unit_order(params: list[nn.Parameter], units: dict[nn.Parameter, int] | None) -> list[nn.Parameter]:
     """``params`` (gradient order) with each unit's parameters together, units in the
-    order their last parameter comes (when backward completes them): ZeRO-3's root unit,
-    whose embedding's gradient comes last, becomes one run at the end, gathered and
-    reduce-scattered in one piece (its final norm and head would otherwise open the
-    buffer as a run of their own)."""
+    order of their ids: the order in which backward completes them (ZeRO-3's
+    zero3.make_units numbers them so), so that each unit's buckets are reduce-scattered
+    as soon as its last gradient comes."""
     if units is None:
         return params
-    last = {units[p]: i for i, p in enumerate(params)}
-    order = sorted(range(len(params)), key=lambda i: (last[units[params[i]]], i))
+    order = sorted(range(len(params)), key=lambda i: (units[params[i]], i))
     return [params[i] for i in order]
 
 

@@ -9,9 +9,12 @@ optimizer, checkpoints and the TP/tied sums of grads.py treat both alike). No wh
 buffer persists; instead, each micro-batch's gradients are reduce-scattered as soon as
 backward has produced them:
 
-* autograd gives each parameter its gradient (``param.grad``); the hook adds it into the
-  *staging* buffer of its bucket (one per bucket, made when the bucket's first matrix
-  gradient arrives) and drops ``param.grad``;
+* autograd gives each parameter its gradient (``param.grad``); the hook takes it (and
+  drops ``param.grad``) and keeps it beside its bucket until the bucket's reduce-scatter
+  is due; then one concatenation writes the bucket's gradients, cast to the reduction's
+  dtype, into the bucket's *staging* buffer (a kernel per bucket and micro-batch, not
+  one per parameter: FSDP2's ``chunk_cat``). A gradient that comes once the staging
+  buffer exists (a second one of a parameter before its bucket's turn) is added into it;
 * the k-th reduce-scatter of a bucket may start once each of its parameters has
   received k gradients in the step (micro-batch k's, whatever the schedule): it runs,
   asynchronously, into this rank's slice of the staging buffer, which is then handed to
@@ -26,9 +29,16 @@ backward has produced them:
   later micro-batch of one chunk first just sums it in; every gradient is in exactly one
   reduce-scatter, and each rank does the same);
 * zero-bubble schedules (ZB-H1) give a block's vectors (norm gains, biases) their
-  gradients in B and its matrices theirs in W, later: the vectors' gradients wait beside
-  the bucket (``_early``, a few kilobytes) until its matrices open its staging buffer,
-  so no bucket-sized buffer waits for a deferred W.
+  gradients in B and its matrices theirs in W, later: the vectors' gradients (a few
+  kilobytes) wait beside the bucket with the others, so no bucket-sized buffer waits for
+  a deferred W.
+
+**When gradient memory exists.** Only from backward to the optimizer step: a bucket's
+slice of the shard is made when its first reduce-scatter is launched and every slice is
+dropped after the step (:meth:`ShardedGradientReducer.release`), so the shard grows
+bucket by bucket as backward completes them and nothing is held across the forward, the
+part of the step where activations peak (FSDP2 likewise allocates sharded gradients in
+backward and frees them at ``zero_grad``).
 
 **What accumulation costs.** A step with m micro-batches per rank reduce-scatters every
 bucket m times (m x the gradient bytes, as DeepSpeed's ZeRO-2 does by default), against
@@ -47,7 +57,6 @@ from torch import nn
 
 from gridtrain.parallel.comm import CommGroup, Pending
 from gridtrain.parallel.data_parallel import Bucket, GradientReducer, weak_hook
-from gridtrain.parallel.zero3 import whole_shape
 
 
 MAX_IN_FLIGHT = 1  # reduce-scatters in flight while another is launched (each holds a bucket's gradients)
@@ -74,40 +83,49 @@ class ShardedGradientReducer(GradientReducer):
     def __init__(self, model: nn.Module, dp: CommGroup, *, accumulations: int, bucket_mb: float = 25.0,
                  grad_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  alone: Collection[nn.Parameter] = (), units: dict[nn.Parameter, int] | None = None,
-                 replicas: CommGroup | None = None, experts: CommGroup | None = None):
+                 replicas: CommGroup | None = None, experts: CommGroup | None = None, param_buffer: bool = False):
         self._staging: dict[int, torch.Tensor] = {}  # bucket index -> gradients for its next reduce-scatter
-        self._early: dict[nn.Parameter, torch.Tensor] = {}  # vectors' gradients before their bucket's staging
+        self._arrived: dict[int, dict[nn.Parameter, torch.Tensor]] = {}  # bucket index -> gradients awaiting staging
         self._in_flight: list[_Staged] = []
         self.next_launch = (0, 0)  # the next (round, bucket index) to launch
         self.reduce_scatters = 0  # launched this step (counted for tests and reports)
         self.after_grad: Callable[[nn.Parameter], None] | None = None  # ZeRO-3: may free the unit
         super().__init__(model, dp, accumulations=accumulations, bucket_mb=bucket_mb, grad_dtype=grad_dtype,
                          shard=True, device=device, in_place=False, alone=alone, units=units,
-                         replicas=replicas, experts=experts)
+                         replicas=replicas, experts=experts, param_buffer=param_buffer)
         self._index = {id(b): i for i, b in enumerate(self.buckets)}
-        # a vector (norm gain, bias) alone in one bucket may wait in _early
-        self._vector = {p for p in self.params if len(whole_shape(p)) < 2 and len(self.buckets_of[p]) == 1}
         sink = weak_hook(self.accumulate)
         for p in self.params:
             p.grad_sink = sink  # deferred weight gradients come here without touching .grad
 
-    def _allocate(self) -> list[torch.Tensor]:
-        self.buffer = None  # no whole buffer: see the module docstring
-        sizes = [(b.end - b.start) // b.group.size for b in self.buckets]  # this rank's slice of each
-        self.grad_shard = torch.zeros(sum(sizes), dtype=self.dtype, device=self.device)
-        return [self.grad_shard[b.at: b.at + n] for b, n in zip(self.buckets, sizes)]
+    def _allocate(self) -> list[torch.Tensor | None]:
+        """No whole buffer (the module docstring), and no gradient shard yet: a bucket's
+        slice of it is made when its first reduce-scatter is launched (``_own``) and
+        dropped after the optimizer step (:meth:`release`), so that a rank holds
+        gradient memory only from the first bucket's reduction to the step, growing
+        bucket by bucket through backward, as FSDP2 does."""
+        self.buffer = None
+        return [None] * len(self.buckets)
+
+    def _own(self, i: int) -> torch.Tensor:
+        """This rank's slice of bucket ``i``'s gradient, made if needed: zeros where it
+        takes a local sum (a group of one); else the reduce-scatter of round 0 writes it
+        whole (the round every bucket starts with)."""
+        own = self.shard_views[i]
+        if own is None:
+            b = self.buckets[i]
+            make = torch.zeros if b.group.size == 1 else torch.empty
+            own = self.shard_views[i] = make(self.slice_size(b), dtype=self.dtype, device=self.device)
+        return own
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return [self.grad_shard]
+        """Nothing between steps: the gradient shard lives from backward to the step."""
+        return []
 
-    def _average(self) -> None:
-        """As ZeRO-1's, with one all-reduce of the whole shard over the replicas."""
-        total = self.dp.size
-        if self.replicas is not None:
-            self.replicas.all_reduce(self.grad_shard)
-            total *= self.replicas.size
-        if total > 1:
-            self.grad_shard.div_(total)
+    def release(self) -> None:
+        """After the optimizer step: the gradient shard's memory back to the allocator."""
+        for i in range(len(self.shard_views)):
+            self.shard_views[i] = None
 
     # ---- during backward ------------------------------------------------------------------
 
@@ -123,9 +141,9 @@ class ShardedGradientReducer(GradientReducer):
         flat = grad.reshape(-1)
         for b in self.buckets_of[p]:
             i = self._index[id(b)]
-            if p in self._vector and i not in self._staging:
-                early = self._early.get(p)
-                self._early[p] = flat.to(self.dtype, copy=True) if early is None else early.add_(flat)
+            arrived = self._arrived.setdefault(i, {})
+            if i not in self._staging and p not in arrived:
+                arrived[p] = flat  # staged with the bucket's others when its reduce-scatter is due
                 continue
             o = self.offsets[p]
             lo, hi = max(b.start, o), min(b.end, o + flat.numel())
@@ -137,16 +155,29 @@ class ShardedGradientReducer(GradientReducer):
             self.after_grad(p)
 
     def _staging_of(self, i: int) -> torch.Tensor:
-        """Bucket ``i``'s staging buffer, made (zero, with the vectors that waited) if needed."""
+        """Bucket ``i``'s staging buffer, made if needed from the gradients that arrived
+        for it: one concatenation (cast to the reduction's dtype) where they tile the
+        bucket from its start, as its parameters do; zeros where none came."""
         staging = self._staging.get(i)
-        if staging is None:
-            b = self.buckets[i]
-            staging = self._staging[i] = torch.zeros(b.end - b.start, dtype=self.dtype, device=self.device)
-            for p in b.params:
-                early = self._early.pop(p, None)
-                if early is not None:
-                    o = self.offsets[p] - b.start
-                    staging[o:o + early.numel()].add_(early)
+        if staging is not None:
+            return staging
+        b = self.buckets[i]
+        staging = self._staging[i] = torch.empty(b.end - b.start, dtype=self.dtype, device=self.device)
+        parts, end = [], 0
+        for p, flat in sorted(self._arrived.pop(i, {}).items(), key=lambda item: self.offsets[item[0]]):
+            o = self.offsets[p]
+            lo, hi = max(b.start, o), min(b.end, o + flat.numel())
+            parts.append((lo - b.start, flat[lo - o: hi - o]))
+            end = hi - b.start
+        if parts and all(start == (parts[k - 1][0] + parts[k - 1][1].numel() if k else 0)
+                         for k, (start, _) in enumerate(parts)):
+            torch.cat([part for _, part in parts], out=staging[:end])
+            if end < staging.numel():
+                staging[end:].zero_()  # the bucket's padding
+        else:  # (gaps between them: parameters still to come at the step's end)
+            staging.zero_()
+            for start, part in parts:
+                staging[start:start + part.numel()].copy_(part)
         return staging
 
     def _launch_ready(self, everything: bool = False) -> None:
@@ -168,7 +199,7 @@ class ShardedGradientReducer(GradientReducer):
         b = staged.bucket
         group = b.group  # the reducer's, or for a rank's experts their expert-data-parallel group
         size = (b.end - b.start) // group.size
-        own = self.shard_views[staged.index]
+        own = self._own(staged.index)
         if group.size == 1:
             own.add_(staged.tensor)  # nothing to reduce: the local sum is the sum
             return
@@ -211,9 +242,9 @@ class ShardedGradientReducer(GradientReducer):
         self._average()
 
     def zero(self) -> None:
-        self.grad_shard.zero_()
+        self.release()  # (a step that never reached the optimizer)
         self._staging.clear()
-        self._early.clear()
+        self._arrived.clear()
         self._in_flight = []
         self.next_launch = (0, 0)
         self.reduce_scatters = 0

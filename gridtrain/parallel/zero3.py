@@ -3,14 +3,20 @@ are all-gathered just before they are used and freed just after.
 
 The shards follow the gradient layout (data_parallel.py, fully_sharded.py): the reducer's
 buckets, each cut into dp slices, rank r owning slice r. ZeRO-3 gives every *unit* (a
-transformer block; the stage's remaining parameters, its embedding, final norm and head,
-form the root unit) buckets of its own, so a unit's parameters are whole buckets and a
-parameter lies in one bucket. Rank r keeps its slices in the parameters' dtype (its
-*parameter shard*, ``padded / dp`` elements: 2 bytes per parameter over dp for bf16);
-the optimizer's fp32 master shard has the same positions and writes into it after each
-step (fp32 and fp64 runs share one tensor for both). A model built on the meta device
-never holds its parameters whole: the shard is filled piece by piece from the values
-the run starts from (``fill``: gridtrain.checkpoint.materialise.fill_pieces).
+transformer block; the token table, where the head does not share it; the stage's
+remaining parameters, its final norm and head, form the root unit) buckets of its own,
+so a unit's parameters are whole buckets and a parameter lies in one bucket. Rank r's
+slices are its *parameter shard* (``padded / dp`` elements), and it is the optimizer's
+master weights (fp32, fp64 for fp64 runs): the only copy of the weights a rank keeps,
+4 bytes per parameter over dp, cast to the parameters' dtype (bf16) slice by slice as
+it is gathered, as FSDP2 casts its fp32 shards. A bf16 shard beside the masters would
+save the cast (one small kernel per gather, of 1/dp of the unit) and half of the
+gather's input, for 2 bytes per parameter over dp held all the time: it does not pay.
+Only with the optimizer's state in host memory (``--optimizer-offload``) is the shard
+kept in the parameters' dtype on the device. A model built on the meta device never
+holds its parameters whole: the shard is filled piece by piece from the values the run
+starts from (``fill``: gridtrain.checkpoint.materialise.fill_pieces), rounded to the
+parameters' dtype (as masters made from 16-bit parameters are).
 
 **Gather and free.** Between uses a parameter's ``.data`` is an empty tensor. A unit's
 forward pre-hook waits for its gather (launching it if no one has) and starts the next
@@ -19,8 +25,14 @@ forward the unit is freed again, unless ``keep_gathered`` (``--zero3-keep-gather
 then it stays gathered until its last backward of the step. When backward reaches the
 unit (a hook on its output's gradient) it is gathered again and the previous block's
 gather starts; when every parameter of the unit has received this backward's gradient
-(the reducer's counts), the unit is freed. The root unit is not freed between its forward
-and its backward (they follow each other at once: FSDP2 does the same for its root).
+(the reducer's counts), the unit is freed. The root unit is gathered when the final
+norm's forward starts (where the token table is a unit of its own: the root is then only
+what the loss uses) and is not freed between its forward and its backward (they follow
+each other at once: FSDP2 does the same for its root). The token table's unit is
+gathered for its forward only: a lookup's backward reads no weight, so its gradient
+arrives while the table is freed (its parameter then a zero-stride view of one zero
+element, of the table's shape, which is all autograd checks) and the unit is not
+gathered again in backward, where FSDP2 gathers it.
 A unit gathered already is never gathered again: a gather per use at most, counted in
 :attr:`ParameterShards.gathers`.
 
@@ -76,6 +88,9 @@ class Unit:
     params: list[nn.Parameter]
     buckets: list[Bucket]
     root: bool = False
+    starts: nn.Module | None = None  # whose forward first uses the parameters (default: ``module``)
+    # whether its backward reads the parameters (a token table's does not: not gathered for it)
+    backward_reads: bool = True
     gathered: list[torch.Tensor] | None = None  # one tensor per bucket while gathered
     lossy: bool = False  # gathered in float8 (--fp8-all-gather): the values are not the shard's
     pending: list[Pending] = field(default_factory=list)  # gathers in flight
@@ -88,7 +103,8 @@ class ParameterShards:
 
     def __init__(self, model: nn.Module, reducer: GradientReducer, units: list[Unit], dp: CommGroup, *,
                  keep_gathered: bool = False, sequences: list[list[Unit]] | None = None,
-                 fill: Callable[[torch.Tensor, list], None] | None = None, fp8_gather: bool = False):
+                 fill: Callable[[torch.Tensor, list], None] | None = None, fp8_gather: bool = False,
+                 shard_dtype: torch.dtype | None = None):
         self.model, self.reducer, self.units, self.dp = model, reducer, units, dp
         self.keep_gathered = keep_gathered
         # --fp8-all-gather: buckets of float8 weights (make_reducer gives them their own)
@@ -108,9 +124,12 @@ class ParameterShards:
         for run in sequences if sequences is not None else [[u for u in units if not u.root]]:
             for i, u in enumerate(run):
                 self._neighbours[id(u)] = (run[i - 1] if i > 0 else None, run[i + 1] if i + 1 < len(run) else None)
-        self.shard = torch.zeros(reducer.shard_numel, dtype=self.dtype, device=self.device)
+        # in the master weights' dtype where the optimizer's masters are this shard (the
+        # only persistent copy of the weights: cast to the parameters' dtype when gathered)
+        self.shard = torch.zeros(reducer.shard_numel, dtype=shard_dtype or self.dtype, device=self.device)
         if fill is not None:  # parameters built on the meta device: only the shard gets values
             fill(self.shard, reducer.pieces)
+            self._round_shard()
         else:
             with torch.no_grad():
                 for q in reducer.pieces:
@@ -120,11 +139,31 @@ class ParameterShards:
         for p in reducer.params:
             p.whole_shape = p.shape  # what the parameter is when gathered (checkpoints read it)
             p.grad_deferred_hook = deferred_hook
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for u in units:
             self._free(u)
-            u.module.register_forward_pre_hook(self._make_pre_forward(u))
+            (u.starts or u.module).register_forward_pre_hook(self._make_pre_forward(u))
             u.module.register_forward_hook(self._make_post_forward(u), always_call=True)
         self._hooks: list = []
+        # saved views of gathered memory become references for the whole forward
+        model.register_forward_pre_hook(lambda _module, _args: self._enter_packing())
+        model.register_forward_hook(lambda _module, _args, _output: self._exit_packing(), always_call=True)
+
+    @torch.no_grad()
+    def _round_shard(self) -> None:
+        """A shard wider than the parameters starts from the parameters' values (as
+        masters made from 16-bit parameters do), bucket by bucket."""
+        if self.shard.dtype == self.dtype:
+            return
+        for b in self.reducer.buckets:
+            part = self.shard[b.at:b.at + self.reducer.slice_size(b)]
+            part.copy_(part.to(self.dtype))
+
+    def _own(self, b: Bucket) -> torch.Tensor:
+        """This rank's slice of bucket ``b`` in the parameters' dtype (a cast of the
+        master shard's slice where it is wider: the gather's input, alive until it lands)."""
+        own = self.shard[b.at:b.at + self.reducer.slice_size(b)]
+        return own if own.dtype == self.dtype else own.to(self.dtype)
 
     # ---- gather and free ------------------------------------------------------------------
 
@@ -136,8 +175,7 @@ class ParameterShards:
         u.lossy = False
         for b in u.buckets:
             group = b.group  # the shard group, or for a rank's experts their expert-data-parallel group
-            size = (b.end - b.start) // group.size
-            own = self.shard[b.at:b.at + size]
+            own = self._own(b)
             if id(b) in self.fp8_buckets and not self._exact:
                 whole = torch.empty(b.end - b.start, dtype=torch.uint8, device=self.device)
                 own = self._float8_slice(b, own)
@@ -209,7 +247,9 @@ class ParameterShards:
             self._storages.pop(whole.untyped_storage()._cdata, None)
         u.gathered, u.ready, u.lossy = None, False, False
         for p in u.params:
-            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            # a unit whose backward reads no parameter gets its gradients while freed:
+            # autograd wants the parameter's shape then, given by a view of one zero
+            p.data = self._empty.new_empty(0) if u.backward_reads else self._empty.new_zeros(()).expand(p.whole_shape)
 
     def _next(self, u: Unit, step: int) -> Unit | None:
         """The block after (``step`` 1) or before (-1) ``u`` in its chunk's forward order."""
@@ -224,16 +264,12 @@ class ParameterShards:
             after = self._next(u, 1)
             if after is not None and not _recomputing():
                 self._gather(after)  # prefetch: it travels while this block computes
-            if u.root:
-                self._enter_packing()
         return pre_forward
 
     def _make_post_forward(self, u: Unit) -> Callable:
         def post_forward(module, _args, output):
-            if u.root:
-                self._exit_packing()
             out = output[0] if isinstance(output, tuple) else output
-            if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled():
+            if isinstance(out, torch.Tensor) and out.requires_grad and torch.is_grad_enabled() and u.backward_reads:
                 out.register_hook(lambda grad: self._before_backward(u))
                 backward_next = u.root  # the root's backward follows its forward at once
             else:
@@ -247,7 +283,7 @@ class ParameterShards:
     def _before_backward(self, u: Unit) -> None:
         self._ready(u)
         before = self._next(u, -1)
-        if before is not None:
+        if before is not None and before.backward_reads:
             self._gather(before)
 
     def after_grad(self, p: nn.Parameter) -> None:
@@ -358,23 +394,35 @@ class _GatheredView:
     offset: int
 
 
-def make_units(model: nn.Module, block_type: type) -> tuple[list[Unit], dict[nn.Parameter, int]]:
+def make_units(model: nn.Module, block_type: type, *, leading: list[nn.Module] = (),
+               root_from: nn.Module | None = None) -> tuple[list[Unit], dict[nn.Parameter, int]]:
     """Each ``block_type`` module of ``model`` a unit (forward order: registration order),
-    the rest of its trainable parameters the root unit (the model itself); also each
-    parameter's unit index, for the reducer's layout."""
-    blocks = [m for m in model.modules() if isinstance(m, block_type)]
+    each module of ``leading`` a unit of its own too (a token table that the head does not
+    share: gathered for its forward only, as its backward reads no weight; its gradient
+    reduced on its own at the end of backward), the rest of its trainable parameters the root unit (the model
+    itself, gathered when ``root_from``'s forward starts: the final norm, where the root
+    holds only what the loss uses; default the model's); also each parameter's unit
+    index, for the reducer's layout."""
+    modules = [(f"block {i}", m) for i, m in enumerate(m for m in model.modules() if isinstance(m, block_type))]
+    modules += [(f"{type(m).__name__.lower()}", m) for m in leading]
+    # each unit's index is its place in backward's order (the reducer's layout follows
+    # it): the root first where it is only what the loss uses, else last (its token
+    # table's gradient comes at the very end); the blocks from the last to the first;
+    # the token table last
+    blocks = len(modules) - len(leading)
+    root_at = 0 if root_from is not None else len(modules) + 1
     units, index = [], {}
     inside = set()
-    for i, block in enumerate(blocks):
-        params = [p for p in block.parameters() if p.requires_grad]
-        units.append(Unit(f"block {i}", block, params, []))
+    for i, (name, module) in enumerate(modules):
+        params = [p for p in module.parameters() if p.requires_grad]
+        units.append(Unit(name, module, params, [], backward_reads=i < blocks))
         for p in params:
-            index[p] = i
+            index[p] = blocks - i if i < blocks else i + 1
             inside.add(id(p))
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in inside]
-    units.append(Unit("root", model, rest, [], root=True))
+    units.append(Unit("root", model, rest, [], root=True, starts=root_from))
     for p in rest:
-        index[p] = len(blocks)
+        index[p] = root_at
     return units, index
 
 

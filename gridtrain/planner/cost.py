@@ -103,7 +103,8 @@ experts) is modelled as gridtrain runs it:
   gradients;
 * **memory** per GPU: the memory model (memory/model.py, which the dry run is checked
   against: expected_state_bytes: parameters, gradients, optimizer state for every ZeRO
-  stage, ZeRO-3's gathered parameters and ZeRO-2/3's gradient staging;
+  stage, ZeRO-2/3's gradient shard (within the step only), ZeRO-3's gathered parameters
+  and ZeRO-2/3's gradient staging;
   expected_activation_peak: the schedule's action list walked with each chunk's
   activation bytes for the recompute mode), for the first and last pipeline stage and
   the stage holding the most parameters, whichever is largest.
@@ -982,11 +983,15 @@ def memory_bytes(job: Job, lay: Layout, activation_peaks: dict | None = None) ->
 def memory_breakdown(job: Job, lay: Layout, activation_peaks: dict | None = None) -> dict[str, float]:
     """Bytes per GPU by kind (:data:`MEMORY_PARTS`), of the stage that needs the most of
     the first, the last (and the stage whose rank holds the most parameters,
-    :func:`_heaviest_stage`): what a rank holds (expected_state_bytes) and, at the higher
-    of the step's two high points, the activation peak with the transients beside it
-    (ZeRO-3's gathered units, ZeRO-2/3's gradient staging, ZB-H1's inputs of deferred
-    weight gradients), or at the step's end no
-    activations and the optimizer's publication of the weights (ZeRO-1/2's gathers). ``activation_peaks``: a cache of the peaks by
+    :func:`_heaviest_stage`): what a rank holds between steps (expected_state_bytes) and,
+    at the higher of the step's two high points, either the activation peak with the
+    transients beside it (ZeRO-3's gathered units, ZeRO-2/3's gradient staging, ZB-H1's
+    inputs of deferred weight gradients) and, where a step has more than one
+    micro-batch, ZeRO-2/3's whole gradient shard (made bucket by bucket in the first
+    backward, held to the optimizer step: every later backward starts beside all of it;
+    a schedule whose activation peak comes before its first backward, GPipe's, is
+    over-counted by it), or the end of backward: no activations, the whole gradient
+    shard and the staging. ``activation_peaks``: a cache of the peaks by
     layout without its ZeRO fields and ep (of ep, only whether it is above 1 changes
     them; etp changes them), for a search that tries every ZeRO stage and ep of a
     layout; the same dict keeps what a rank holds by layout without the fields it does
@@ -1003,6 +1008,7 @@ def memory_breakdown(job: Job, lay: Layout, activation_peaks: dict | None = None
     base = replace(lay, zero=0, zero_shard_size=None, zero3_keep_gathered=False, ep=min(lay.ep, 2))  # (etp kept)
     state = replace(lay, micro_batch_size=1, schedule="1f1b", recompute="none", sequence_parallel=False,
                     cp_comm="ring")
+    several = micro_batches(job, lay) > 1  # a backward before the last: the gradient shard whole by then
     worst: dict[str, float] = {}
     for stage in sorted({0, lay.pp - 1, _heaviest_stage(job, lay, cache, setup)}):
         key, held_key = (base, stage), ("held", state, stage)
@@ -1010,8 +1016,8 @@ def memory_breakdown(job: Job, lay: Layout, activation_peaks: dict | None = None
             cfg, grid = setup()
             held = expected_state_bytes(cfg, grid, grid.rank_of(dp=0, pp=stage, tp=0))
             held = {"parameters": held["parameter_bytes"], "gradients": held["gradient_bytes"],
-                    "optimizer": held["optimizer_bytes"], "transients": held["gathered_bytes"] + held["staging_bytes"],
-                    "publish": held["publish_bytes"]}
+                    "optimizer": held["optimizer_bytes"], "shard": held["gradient_shard_bytes"],
+                    "gathered": held["gathered_bytes"], "staging": held["staging_bytes"]}
             if cache is not None:
                 cache[held_key] = held
         else:
@@ -1028,11 +1034,13 @@ def memory_breakdown(job: Job, lay: Layout, activation_peaks: dict | None = None
                 cache[key] = peak
         else:
             peak = cache[key]
-        kept = {k: held[k] for k in ("parameters", "gradients", "optimizer")}
+        kept = {k: held[k] for k in ("parameters", "optimizer")}
         # the step's two high points: its backward (the activations and what runs beside
-        # them), and its end, when ZeRO-1/2's optimizer publishes the weights
-        for parts in ({**kept, "activations": peak[0], "transients": held["transients"] + peak[1]},
-                      {**kept, "activations": 0.0, "transients": held["publish"]}):
+        # them), and the end of backward, the gradient shard whole (ZeRO-2/3)
+        for parts in ({**kept, "gradients": held["gradients"] + (held["shard"] if several else 0),
+                       "activations": peak[0], "transients": held["gathered"] + held["staging"] + peak[1]},
+                      {**kept, "gradients": held["gradients"] + held["shard"], "activations": 0.0,
+                       "transients": held["staging"]}):
             if sum(parts.values()) > sum(worst.values()):
                 worst = parts
     return {k: float(worst[k]) for k in MEMORY_PARTS}

@@ -128,7 +128,14 @@ class Trainer:
 
     def train_step(self, batches: list[Batch] | None) -> StepOutput:
         """One optimizer step: the stage's schedule (forward, backward and gradient
-        reduction of every micro-batch), clipping, the optimizer."""
+        reduction of every micro-batch), clipping, the optimizer; then the gradient
+        memory that is not kept between steps goes back (ZeRO-2/3's shards)."""
+        try:
+            return self._train_step(batches)
+        finally:
+            self.reducer.release()
+
+    def _train_step(self, batches: list[Batch] | None) -> StepOutput:
         ctx = self.ctx
         self.refresh_fp8()
         self.reducer.zero()
@@ -418,33 +425,68 @@ def make_reducer(model: nn.Module, cfg: Config, ctx: DistributedContext, micro_b
     alone = [q for q in [tied_parameter(model, ctx.embedding)] if q is not None]
     common = dict(accumulations=micro_batches, bucket_mb=p.bucket_mb, device=ctx.device, alone=alone)
     if p.zero == 0:  # (expert parallelism: a rank's experts in buckets of their own, reduced over their group)
-        return GradientReducer(model, ctx.dp_cp, in_place=not uses_split_backward(p.schedule),
-                               experts=ctx.expert_dp, **common), None
+        split = uses_split_backward(p.schedule)
+        return GradientReducer(model, ctx.dp_cp, in_place=not split, experts=ctx.expert_dp,
+                               direct=not split and torch_adamw(cfg, ctx), **common), None
     # ZeRO shards over dp x cp, or under hybrid sharding over a part of it (replicated across the parts)
     common["replicas"] = ctx.zero_replica
+    # ZeRO-1/2: the parameters in a buffer laid out as the gradients, for in-place gathers
+    common["param_buffer"] = p.zero in (1, 2) and ctx.shard_group.size > 1
     if p.zero == 1:
         return GradientReducer(model, ctx.shard_group, shard=True, in_place=not uses_split_backward(p.schedule),
                                experts=ctx.expert_dp, **common), None
     if p.zero == 2:
         return ShardedGradientReducer(model, ctx.shard_group, experts=ctx.expert_dp, **common), None
-    units, unit_of = make_units(model, Block)
+    table = _table_unit(model)
+    # without the token table the root holds the final norm, the head and what follows
+    # them: gathered for the loss only
+    root_holds_table = getattr(model, "embedding", None) is not None and table is None
+    final_norm = None if root_holds_table or not hasattr(model, "embedding") else getattr(model, "final_norm", None)
+    units, unit_of = make_units(model, Block, leading=[table] if table is not None else [], root_from=final_norm)
     fp8_gather = cfg.training.fp8_all_gather
     if fp8_gather:  # a unit's float8 weights in buckets of their own: they travel as float8 (zero3.py)
         unit_of = {q: (i, kind_of(q) is not None) for q, i in unit_of.items()}
-    reducer = ShardedGradientReducer(model, ctx.shard_group, **{**common, "bucket_mb": math.inf}, units=unit_of,
+    reducer = ShardedGradientReducer(model, ctx.shard_group, **{**common, "bucket_mb": math.inf, "param_buffer": False},
+                                     units=unit_of,
                                      experts=ctx.expert_dp)
     attach_buckets(units, reducer)
     by_module = {id(u.module): u for u in units}
     chunks = getattr(model, "chunks", None)
     mtp = [by_module[id(m.block)] for m in getattr(model, "mtp", None) or ()]  # after the head's chunk's blocks
+    first = [by_module[id(table)]] if table is not None else []  # the token table's unit prefetches block 0
     sequences = None if chunks is None else \
-        [[by_module[id(model.blocks[str(i)])] for i in c.layer_ids] + (mtp if c.post_process else []) for c in chunks]
+        [(first if c.pre_process else []) + [by_module[id(model.blocks[str(i)])] for i in c.layer_ids]
+         + (mtp if c.post_process else []) for c in chunks]
     shards = ParameterShards(model, reducer, units, ctx.shard_group, keep_gathered=p.zero3_keep_gathered,
                              sequences=sequences, fill=start_from.shard_filler(model, ctx) if start_from else None,
-                             fp8_gather=fp8_gather)
+                             fp8_gather=fp8_gather, shard_dtype=None if cfg.optim.optimizer_offload else master_dtype(ctx))
     reducer.after_grad = shards.after_grad
     ctx.recompute.early_limit = 1  # a region rebuilt ahead stays gathered until its backward (zero3.py)
     return reducer, shards
+
+
+def _table_unit(model: nn.Module) -> nn.Module | None:
+    """The model's embedding, when ZeRO-3 can gather it for its own forward only: a
+    stage's token table that is not also its head (tied) and that multi-token
+    prediction does not read again after the blocks; else None (it joins the root)."""
+    embedding = getattr(model, "embedding", None)
+    if embedding is None or getattr(model, "mtp", None) is not None:
+        return None
+    tied_here = getattr(model, "final_norm", None) is not None and getattr(model, "head", None) is None
+    return None if tied_here else embedding
+
+
+def torch_adamw(cfg: Config, ctx: DistributedContext) -> bool:
+    """Whether the run steps with torch's AdamW on the parameters' own gradients (fp32 and
+    fp64 without ZeRO, fp32 moments, the state on the device), not the flat optimizer."""
+    return cfg.optim.optimizer != "muon" and cfg.parallel.zero == 0 \
+        and ctx.param_dtype in (torch.float32, torch.float64) \
+        and cfg.optim.optimizer_state_dtype == "fp32" and not cfg.optim.optimizer_offload
+
+
+def master_dtype(ctx: DistributedContext) -> torch.dtype:
+    """The master weights' dtype: fp64 for fp64 runs, else fp32."""
+    return torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
 
 
 def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx: DistributedContext,
@@ -453,12 +495,11 @@ def make_optimizer(model: nn.Module, reducer: GradientReducer, cfg: Config, ctx:
     otherwise AdamW on flat master weights, sharded over DP with ZeRO-1 and up
     (distributed_optimizer.py);
     Muon beside AdamW on flat master weights in every case (distributed_muon.py)."""
-    master = torch.float64 if ctx.param_dtype == torch.float64 else torch.float32
+    master = master_dtype(ctx)
     if cfg.optim.optimizer == "muon":
         return DistributedMuon(reducer, cfg.optim, dp=reducer.dp, mp=ctx.mp, tp=ctx.tp, d_model=cfg.model.d_model,
                                master_dtype=master, param_shards=param_shards)
-    if cfg.parallel.zero == 0 and ctx.param_dtype in (torch.float32, torch.float64) \
-            and cfg.optim.optimizer_state_dtype == "fp32" and not cfg.optim.optimizer_offload:
+    if torch_adamw(cfg, ctx):
         # each gradient counted once in the norm: on the first of the ranks holding it
         counted = [p for p in model.parameters() if p.requires_grad and counts_towards_norm(p, ctx.tp.rank)
                    and reducer.group_of(p).rank == 0]
