@@ -319,18 +319,23 @@ def expected_state_bytes(cfg: Config, grid: ProcessGrid, rank: int) -> dict[str,
                               matrices=experts if muon else 0, moment_bytes=moments, offload=offload)
         state = {k: state[k] + (xs[k] if k != "staging_bytes" else 0) for k in state}
     if table:
-        # between uses the token table's parameters are each a zero-stride view of one zero
-        # element of their own (their backward reads no weight, yet autograd checks the
-        # gradient's shape against them: parallel/zero3.py ``_free``)
-        state["parameter_bytes"] += (2 if m.arch == "gpt2" else 1) * dtype.itemsize
-    if par.zero == 3 and not m.n_experts and largest and root > largest:
-        # a dense model's root unit (final norm and head; the token table too where it is
-        # not a unit of its own) is the buffer's last bucket (Decoder.head is the model's
-        # own parameter, the first registered: the last in the gradients' order), so its
+        # between uses the token table's parameters are zero-stride views of one zero
+        # element (their backward reads no weight, yet autograd checks the gradient's
+        # shape against them: parallel/zero3.py ``_free``)
+        state["parameter_bytes"] += dtype.itemsize
+    if par.zero == 3 and table and not m.n_experts and bucket and largest and bucket > largest:
+        # the root (final norm and head) is the buffer's first bucket, reduce-scattered as
+        # backward starts: beside the largest bucket's staging in flight (the last micro-
+        # batch's token table, then this one's root) only a block's staging fills
+        state["staging_bytes"] = (bucket + largest) * wide_bytes(dtype.itemsize)
+    if par.zero == 3 and not m.n_experts and largest and root > largest and holds[1] and not table:
+        # a dense model's root unit that holds the token table (tied to the head) is the
+        # buffer's last bucket (the table's gradient comes at the end of backward), so its
         # reduce-scatter waits for every other bucket of the round: its staging is held
         # through backward beside the previous micro-batch's in flight (the two buffers
         # above) while a block's staging fills beside them (measured by the dry run; a
-        # MoE model's step peak is held without it)
+        # MoE model's step peak is held without it). A root without the table is the
+        # buffer's first bucket, reduce-scattered as backward starts
         state["staging_bytes"] += largest * wide_bytes(dtype.itemsize)
     if getattr(getattr(cfg, "optim", None), "optimizer_offload", False) and cfg.training.device != "cpu":
         state["optimizer_bytes"] = 0  # in host memory (--optimizer-offload)

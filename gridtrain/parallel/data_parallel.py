@@ -201,7 +201,7 @@ class GradientReducer:
         # expert parallelism: a rank's experts are summed over the ranks holding the same
         # experts (a part of dp x cp), in buckets of their own (see group_of)
         self.experts = experts if experts is not None and experts is not dp else None
-        self.params = params = _unit_order([p for _, p in reversed(named)], units)  # registration order reversed
+        self.params = params = _unit_order(_gradient_order([p for _, p in named]), units)
         dtype = grad_dtype or _grad_dtype(params)
         device = _buffer_device(device, dp, params)
         element = torch.empty((), dtype=dtype).element_size()
@@ -448,6 +448,23 @@ class GradientReducer:
 
     def bytes_per_step(self) -> int:
         return self.buffer.numel() * self.buffer.element_size() if self.dp.size > 1 and self.buffer is not None else 0
+
+
+def _gradient_order(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """``params`` (registration order) reversed, roughly the order backward produces
+    their gradients, except that each run of a layer's experts keeps its registration
+    order: one expert's parameters after another's, so that the layer's gathered weights
+    and gradients lie as one stacked ``[experts, ...]`` tensor for the grouped GEMMs
+    (models/moe.py stacked_layout) instead of being copied into one per GEMM."""
+    out: list[nn.Parameter] = []
+    run: list[nn.Parameter] = []
+    for p in reversed(params):
+        if getattr(p, "expert", False):
+            run.append(p)
+            continue
+        out += run[::-1] + [p]
+        run = []
+    return out + run[::-1]
 
 
 def _unit_order(params: list[nn.Parameter], units: dict[nn.Parameter, int] | None) -> list[nn.Parameter]:

@@ -140,6 +140,9 @@ class ParameterShards:
             p.whole_shape = p.shape  # what the parameter is when gathered (checkpoints read it)
             p.grad_deferred_hook = deferred_hook
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        # the one element every freed token table views (one storage for the run: the
+        # activation meter excludes the parameters' storages by identity)
+        self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         for u in units:
             self._free(u)
             (u.starts or u.module).register_forward_pre_hook(self._make_pre_forward(u))
@@ -248,8 +251,8 @@ class ParameterShards:
         u.gathered, u.ready, u.lossy = None, False, False
         for p in u.params:
             # a unit whose backward reads no parameter gets its gradients while freed:
-            # autograd wants the parameter's shape then, given by a view of one zero
-            p.data = self._empty.new_empty(0) if u.backward_reads else self._empty.new_zeros(()).expand(p.whole_shape)
+            # autograd wants the parameter's shape then, given by a view of one zero element
+            p.data = self._empty.new_empty(0) if u.backward_reads else self._zero.expand(p.whole_shape)
 
     def _next(self, u: Unit, step: int) -> Unit | None:
         """The block after (``step`` 1) or before (-1) ``u`` in its chunk's forward order."""
