@@ -12,7 +12,9 @@
 * ``startup``: the start-up's clock (the launch to the first step, by phase) and each
   process's peak memory;
 * ``activation_meter``: the saved-tensor hooks that count (and, on a GPU, offload) the
-  bytes autograd keeps for backward, per layer and stage.
+  bytes autograd keeps for backward, per layer and stage;
+* ``cuda_rules``: CUDA's rules and kernel shapes checked on fake CUDA tensors;
+* ``op_count``: the operators a step runs, counted (its kernel launches on a GPU).
 
 Nothing here knows a model, a parallel layer or the training loop: it imports only
 ``config`` and itself.
