@@ -130,8 +130,9 @@ def gridtrain_setup(name: str, trainer: Trainer, batches: list[dict], kind: str,
                       "wall_fraction": before_finish / window if window > 0 else 0.0}
 
     s = Setup(name=name, step_fn=step, kind=kind, bucket_mb=trainer.cfg.parallel.bucket_mb, **side)
-    s.info["buckets"] = [(b.end - b.start) * reducer.buffer.element_size() for b in reducer.buckets]
-    s.info["buffer_bytes"] = reducer.buffer.numel() * reducer.buffer.element_size()
+    element = torch.empty((), dtype=reducer.dtype).element_size()  # (one process: no buffer, autograd's .grad)
+    s.info["buckets"] = [(b.end - b.start) * element for b in reducer.buckets]
+    s.info["buffer_bytes"] = reducer.padded * element
     return s
 
 
