@@ -388,7 +388,7 @@ def main() -> None:
                 text = (f"Megatron's distributed optimizer: closed form + activation peak "
                         f"({r['activation_peak_bytes'] / GB:.2f}) {ref / GB:.2f} GB")
             rows.append(f"| {case.name}: {label} | {r['peak_bytes'] / GB:.2f} GB | {text} | "
-                        f"{r['peak_bytes'] / ref:.4f}x |")
+                        f"{r['peak_bytes'] / ref:.2f}x ({r['peak_bytes'] - ref:+,.0f} B) |")
             details.append(f"| {shape} | gridtrain {label} | {r['parameter_bytes'] / GB:.2f} | "
                            f"{r['gradient_bytes'] / GB:.2f} | {r['optimizer_bytes'] / GB:.2f} | "
                            f"{r['activation_peak_bytes'] / GB:.2f} | {r['peak_bytes'] / GB:.2f} | {r['where']} | "
